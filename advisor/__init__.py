@@ -1,0 +1,1 @@
+"""sdzero's performance tuning advisor: trials, collectives benchmark, models, recommendations."""

@@ -1,0 +1,575 @@
+"""Rank-side collectives benchmark in the manner of nccl-tests; runs inside every rank.
+
+Started by `advisor.comm.run_comm`, either under the `deepspeed` launcher (torch.distributed: nccl on GPUs,
+gloo on CPUs) or under `mpirun` (mpi4py). Both paths share the sweep, the timing, the correctness check
+and the CSV format; only the communicator differs.
+
+For each link level (ranks within one node; one rank per node across nodes when there are several), for
+message sizes min..max doubling, and for all-reduce, reduce-scatter and all-gather:
+  1. fill buffers with a per-rank integer pattern and run the collective once: compare with the exact
+     expected result (integers below 2**24 sum exactly in float32, in any order);
+  2. more warm-up calls, then one timed call that sets the iteration count (agreed across ranks);
+  3. barrier, then `iters` back-to-back calls timed as a whole; the reported time per call is the
+     slowest rank's (the collective is done only when every rank is done).
+Sizes stop growing when the next one would overrun the time budget.
+
+Rank 0 writes the rows as CSV with pandas. `size_bytes` follows nccl-tests: the whole buffer of an
+all-reduce, the (larger) input of a reduce-scatter, the (larger) output of an all-gather.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import pandas as pd
+import torch
+
+from advisor.alphabeta import COLLECTIVES, algbw_gbps, busbw_gbps
+
+DTYPE = torch.float32
+ELEMENT_BYTES = 4
+PATTERN_PERIOD = 251
+"""Input element i on group rank r is (r + 1) * (i % 251 + 1): sums stay exact in float32 up to ~360 ranks."""
+
+GLOO_REDUCE_SCATTER_NOTE = (
+    "emulated by torch: ProcessGroupGloo runs reduce_scatter as an all_reduce of a copy and keeps this "
+    "rank's chunk, so it moves all-reduce traffic"
+)
+SDZERO_REDUCE_SCATTER_NOTE = "emulated by sdzero: this torch's gloo has no reduce_scatter; all_reduce then slice"
+
+CSV_COLUMNS: tuple[str, ...] = (
+    "backend",
+    "library",
+    "collective",
+    "link_level",
+    "node",
+    "ranks",
+    "nodes",
+    "size_bytes",
+    "count",
+    "dtype",
+    "warmup",
+    "iters",
+    "time_s",
+    "algbw_gbps",
+    "busbw_gbps",
+    "correct",
+    "max_abs_error",
+    "emulated",
+    "note",
+)
+"""Columns of comm.csv; bandwidths are GB/s with G = 1e9 bytes, as nccl-tests prints them."""
+
+
+@dataclass
+class Row:
+    """One measured (collective, size) point; the fields are the CSV columns."""
+
+    backend: str
+    library: str
+    collective: str
+    link_level: str
+    node: str
+    ranks: int
+    nodes: int
+    size_bytes: int
+    count: int
+    dtype: str
+    warmup: int
+    iters: int
+    time_s: float
+    algbw_gbps: float
+    busbw_gbps: float
+    correct: bool
+    max_abs_error: float
+    emulated: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    min_bytes: int
+    max_bytes: int
+    budget_s: float
+    """Seconds of measurement for this process's whole sweep, all link levels together."""
+    warmup: int = 2
+    min_iters: int = 2
+    max_iters: int = 50
+    collectives: tuple[str, ...] = COLLECTIVES
+
+
+@dataclass
+class Buffers:
+    send: torch.Tensor
+    recv: torch.Tensor
+    expected: torch.Tensor
+
+
+class Communicator(Protocol):
+    """What the sweep needs from torch.distributed or MPI, over one group of ranks."""
+
+    backend: str
+    library: str
+    rank: int
+    size: int
+    device: torch.device
+
+    def run(self, collective: str, buffers: Buffers) -> None: ...
+    def barrier(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def max_over_ranks(self, value: float) -> float: ...
+    def emulation_note(self, collective: str) -> str: ...
+
+
+def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """min, 2*min, 4*min, ... up to max (nccl-tests' -b/-e/-f 2)."""
+    sizes = []
+    size = min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def element_count(size_bytes: int, group_size: int) -> int:
+    """Elements in the full buffer, rounded down to a multiple of the group size (as nccl-tests does)."""
+    count = size_bytes // ELEMENT_BYTES
+    return max(count - count % group_size, group_size)
+
+
+def input_pattern(count: int, rank: int, device: torch.device) -> torch.Tensor:
+    base = torch.arange(count, dtype=torch.int64, device=device) % PATTERN_PERIOD + 1
+    return (base * (rank + 1)).to(DTYPE)
+
+
+def make_buffers(collective: str, count: int, rank: int, size: int, device: torch.device) -> Buffers:
+    """Out-of-place buffers and the exact expected result for this rank."""
+    chunk = count // size
+    rank_sum = size * (size + 1) // 2  # sum over group ranks r of (r + 1)
+    if collective == "all_reduce":
+        send = input_pattern(count, rank, device)
+        expected = input_pattern(count, 0, device) * rank_sum
+        return Buffers(send, torch.empty_like(send), expected)
+    if collective == "reduce_scatter":
+        send = input_pattern(count, rank, device)
+        expected = (input_pattern(count, 0, device) * rank_sum)[rank * chunk : (rank + 1) * chunk]
+        return Buffers(send, torch.empty(chunk, dtype=DTYPE, device=device), expected)
+    if collective == "all_gather":
+        send = input_pattern(count, rank, device)[rank * chunk : (rank + 1) * chunk].clone()
+        expected = torch.cat([input_pattern(count, r, device)[r * chunk : (r + 1) * chunk] for r in range(size)])
+        return Buffers(send, torch.empty(count, dtype=DTYPE, device=device), expected)
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.distributed
+
+
+def _torch_reduce_scatter_fn() -> Callable[..., Any]:
+    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single and deprecated the old name
+    return getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+
+
+def _torch_all_gather_fn() -> Callable[..., Any]:
+    return getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+
+
+class TorchCommunicator:
+    """torch.distributed over one process group (the whole world or a subgroup)."""
+
+    backend = "torch"
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.device = device
+        self.library = dist.get_backend(group)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._reduce_scatter = _torch_reduce_scatter_fn()
+        self._all_gather = _torch_all_gather_fn()
+        self._native_reduce_scatter = self._probe_reduce_scatter()
+
+    def _probe_reduce_scatter(self) -> bool:
+        # Some torch releases' gloo raise "does not support reduce_scatter" before any traffic, on every
+        # rank alike, so a failed probe leaves the group usable and every rank takes the same fallback.
+        out = torch.empty(1, dtype=DTYPE, device=self.device)
+        try:
+            self._reduce_scatter(out, torch.ones(self.size, dtype=DTYPE, device=self.device), group=self.group)
+        except RuntimeError:
+            return False
+        return True
+
+    def emulation_note(self, collective: str) -> str:
+        if collective != "reduce_scatter" or self.library != "gloo":
+            return ""
+        return GLOO_REDUCE_SCATTER_NOTE if self._native_reduce_scatter else SDZERO_REDUCE_SCATTER_NOTE
+
+    def run(self, collective: str, buffers: Buffers) -> None:
+        import torch.distributed as dist
+
+        if collective == "all_reduce":
+            # torch's all_reduce is in place: copy first so each call reduces the same input, as an
+            # out-of-place nccl-tests run does; the copy is part of the timed cost (memory-bound, small).
+            buffers.recv.copy_(buffers.send)
+            dist.all_reduce(buffers.recv, group=self.group)
+        elif collective == "reduce_scatter" and not self._native_reduce_scatter:
+            full = buffers.send.clone()
+            dist.all_reduce(full, group=self.group)
+            buffers.recv.copy_(full.chunk(self.size)[self.rank])
+        elif collective == "reduce_scatter":
+            self._reduce_scatter(buffers.recv, buffers.send, group=self.group)
+        elif collective == "all_gather":
+            self._all_gather(buffers.recv, buffers.send, group=self.group)
+        else:
+            raise ValueError(f"unknown collective {collective!r}")
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+    def synchronize(self) -> None:
+        # note: NCCL calls return before the GPU is done; this is the sync point that makes timing honest
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def max_over_ranks(self, value: float) -> float:
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return float(tensor.item())
+
+
+# --------------------------------------------------------------------------------------------------
+# MPI (mpi4py), on host buffers shared with torch CPU tensors
+
+
+def mpi_library_name() -> str:
+    from mpi4py import MPI
+
+    first_line = MPI.Get_library_version().strip().splitlines()[0]
+    return first_line.split(",")[0].strip()
+
+
+class MpiCommunicator:
+    """mpi4py over one MPI communicator; buffers are CPU tensors viewed as numpy arrays."""
+
+    backend = "mpi"
+    device = torch.device("cpu")
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.library = mpi_library_name()
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    def emulation_note(self, collective: str) -> str:
+        return ""
+
+    def run(self, collective: str, buffers: Buffers) -> None:
+        send, recv = buffers.send.numpy(), buffers.recv.numpy()
+        if collective == "all_reduce":
+            self.comm.Allreduce(send, recv)
+        elif collective == "reduce_scatter":
+            self.comm.Reduce_scatter_block(send, recv)
+        elif collective == "all_gather":
+            self.comm.Allgather(send, recv)
+        else:
+            raise ValueError(f"unknown collective {collective!r}")
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def synchronize(self) -> None:
+        """MPI calls on host buffers are complete when they return."""
+
+    def max_over_ranks(self, value: float) -> float:
+        from mpi4py import MPI
+
+        return float(self.comm.allreduce(value, op=MPI.MAX))
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep
+
+
+def _timed_calls(comm: Communicator, collective: str, buffers: Buffers, iters: int) -> float:
+    """Seconds per call for `iters` back-to-back calls, the slowest rank's."""
+    comm.barrier()
+    comm.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        comm.run(collective, buffers)
+    comm.synchronize()
+    return comm.max_over_ranks((time.perf_counter() - start) / iters)
+
+
+def _check_once(comm: Communicator, collective: str, buffers: Buffers) -> float:
+    """Run once on fresh buffers; the largest absolute error over all ranks."""
+    buffers.recv.fill_(float("nan"))  # so a collective that writes nothing cannot pass
+    comm.run(collective, buffers)
+    comm.synchronize()
+    error = (buffers.recv - buffers.expected).abs().max().item()
+    return comm.max_over_ranks(error if math.isfinite(error) else math.inf)
+
+
+def measure_point(
+    comm: Communicator, collective: str, size_bytes: int, settings: SweepSettings, target_s: float
+) -> dict[str, Any]:
+    """Check and time one collective at one size; the measured fields of a Row."""
+    count = element_count(size_bytes, comm.size)
+    buffers = make_buffers(collective, count, comm.rank, comm.size, comm.device)
+    max_abs_error = _check_once(comm, collective, buffers)
+    for _ in range(settings.warmup - 1):
+        comm.run(collective, buffers)
+    # every rank must run the same number of calls, so the count comes from an agreed (max) probe
+    probe_s = _timed_calls(comm, collective, buffers, 1)
+    iters = int(min(settings.max_iters, max(settings.min_iters, math.ceil(target_s / max(probe_s, 1e-9)))))
+    time_s = _timed_calls(comm, collective, buffers, iters)
+    actual_bytes = count * ELEMENT_BYTES
+    note = comm.emulation_note(collective)
+    return {
+        "collective": collective,
+        "size_bytes": actual_bytes,
+        "count": count,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "warmup": settings.warmup + 1,  # the check call, the extra warm-ups, the probe
+        "iters": iters,
+        "time_s": time_s,
+        "algbw_gbps": algbw_gbps(actual_bytes, time_s),
+        "busbw_gbps": busbw_gbps(collective, comm.size, actual_bytes, time_s),
+        "correct": max_abs_error == 0.0,
+        "max_abs_error": max_abs_error,
+        "emulated": bool(note),
+        "note": note,
+    }
+
+
+def sweep(
+    comm: Communicator, settings: SweepSettings, level_budget_s: float, log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """All sizes and collectives for one group, stopping before a size would overrun the budget."""
+    sizes = message_sizes(settings.min_bytes, settings.max_bytes)
+    # spend about half of the budget in timed loops, spread over every point; big sizes take longer anyway
+    target_s = min(0.5, 0.5 * level_budget_s / max(len(sizes) * len(settings.collectives), 1))
+    start = time.perf_counter()
+    last_size_s = 0.0
+    points: list[dict[str, Any]] = []
+    for size_bytes in sizes:
+        elapsed = comm.max_over_ranks(time.perf_counter() - start)  # agreed, so all ranks stop together
+        # sizes double and large messages are bandwidth-bound: the next size costs about twice the last
+        if points and elapsed + 2.0 * last_size_s > level_budget_s:
+            log(f"budget: stopping before {size_bytes} bytes ({elapsed:.1f} s of {level_budget_s:.1f} s used)")
+            break
+        size_start = time.perf_counter()
+        for collective in settings.collectives:
+            point = measure_point(comm, collective, size_bytes, settings, target_s)
+            points.append(point)
+            log(_format_point(point))
+        last_size_s = comm.max_over_ranks(time.perf_counter() - size_start)
+    return points
+
+
+def _format_point(point: dict[str, Any]) -> str:
+    return (
+        f"{point['collective']:>15} {point['size_bytes']:>12} B  {point['time_s'] * 1e6:>12.1f} us  "
+        f"algbw {point['algbw_gbps']:8.3f}  busbw {point['busbw_gbps']:8.3f} GB/s  "
+        f"{'ok' if point['correct'] else 'WRONG'}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Link levels: which ranks share a node
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Global ranks grouped by node, in order of their lowest rank."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    hostnames: tuple[str, ...]
+
+    @classmethod
+    def from_hostnames(cls, per_rank: Sequence[str]) -> Topology:
+        groups: dict[str, list[int]] = {}
+        for rank, host in enumerate(per_rank):
+            groups.setdefault(host, []).append(rank)
+        ordered = sorted(groups.items(), key=lambda item: item[1][0])
+        return cls(tuple(tuple(r) for _, r in ordered), tuple(h for h, _ in ordered))
+
+    def node_of(self, rank: int) -> int:
+        return next(i for i, ranks in enumerate(self.nodes) if rank in ranks)
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(ranks[0] for ranks in self.nodes)
+
+    def levels(self) -> list[str]:
+        """`intra` when some node holds two ranks or more; `inter` when there are two nodes or more."""
+        levels = []
+        if any(len(ranks) >= 2 for ranks in self.nodes):
+            levels.append("intra")
+        if len(self.nodes) >= 2:
+            levels.append("inter")
+        return levels
+
+
+def _level_rows(
+    comm: Communicator | None, level: str, topo: Topology, world_rank: int, budget_s: float, settings: SweepSettings
+) -> list[dict[str, Any]]:
+    """Rows this rank contributes for one level: only a group's rank 0 reports, others return []."""
+    if comm is None:
+        return []
+    log = _rank0_printer(comm.rank == 0)
+    points = sweep(comm, settings, budget_s, log)
+    if comm.rank != 0:
+        return []
+    node = topo.hostnames[topo.node_of(world_rank)] if level == "intra" else "+".join(topo.hostnames)
+    nodes = 1 if level == "intra" else len(topo.nodes)
+    common = {"backend": comm.backend, "library": comm.library, "link_level": level, "node": node}
+    return [{**common, "ranks": comm.size, "nodes": nodes, **point} for point in points]
+
+
+def _rank0_printer(enabled: bool) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        if enabled:
+            print(f"[comm] {message}", flush=True)
+
+    return log
+
+
+def write_rows(rows: Sequence[dict[str, Any]], csv_path: Path) -> None:
+    """Write rows as CSV through a temporary file, so a reader never sees half a table."""
+    table = pd.DataFrame([asdict(Row(**row)) for row in rows], columns=list(CSV_COLUMNS))
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = csv_path.with_name(f".{csv_path.name}.tmp")
+    table.to_csv(tmp, index=False)
+    os.replace(tmp, csv_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry points for the two launchers
+
+
+def run_torch(settings: SweepSettings, csv_path: Path, backend: str) -> None:
+    """torch.distributed path: env:// rendezvous as set by the deepspeed launcher."""
+    import torch.distributed as dist
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend)
+    try:
+        world_rank = dist.get_rank()
+        hostnames: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(hostnames, socket.gethostname())
+        topo = Topology.from_hostnames(hostnames)
+        rows: list[dict[str, Any]] = []
+        levels = topo.levels()
+        for index, level in enumerate(levels):
+            group = _torch_level_group(level, topo, world_rank)
+            comm = TorchCommunicator(group, device) if group is not None else None
+            budget = settings.budget_s / len(levels)
+            rows += _level_rows(comm, level, topo, world_rank, budget, settings)
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, rows if index == len(levels) - 1 else [])
+        if world_rank == 0:
+            write_rows([row for part in gathered for row in part], csv_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _torch_level_group(level: str, topo: Topology, world_rank: int) -> Any | None:
+    """The process group this rank measures `level` in, or None; every rank creates every group."""
+    import torch.distributed as dist
+
+    if level == "intra":
+        mine = None
+        for ranks in topo.nodes:  # new_group is collective over the world: same order on every rank
+            group = dist.new_group(list(ranks))
+            if world_rank in ranks and len(ranks) >= 2:
+                mine = group
+        return mine
+    group = dist.new_group(list(topo.leaders))
+    return group if world_rank in topo.leaders else None
+
+
+def run_mpi(settings: SweepSettings, csv_path: Path) -> None:
+    """mpi4py path: started by mpirun; MPI is initialised when mpi4py.MPI is imported."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    world_rank = world.Get_rank()
+    topo = Topology.from_hostnames(world.allgather(socket.gethostname()))
+    rows: list[dict[str, Any]] = []
+    levels = topo.levels()
+    for level in levels:
+        sub = _mpi_level_comm(level, topo, world_rank)
+        comm = MpiCommunicator(sub) if sub != MPI.COMM_NULL else None
+        rows += _level_rows(comm, level, topo, world_rank, settings.budget_s / len(levels), settings)
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+    gathered = world.gather(rows, root=0)
+    if world_rank == 0:
+        write_rows([row for part in gathered for row in part], csv_path)
+
+
+def _mpi_level_comm(level: str, topo: Topology, world_rank: int) -> Any:
+    from mpi4py import MPI
+
+    node = topo.node_of(world_rank)
+    if level == "intra":
+        color = node if len(topo.nodes[node]) >= 2 else MPI.UNDEFINED
+    else:
+        color = 0 if world_rank in topo.leaders else MPI.UNDEFINED
+    return MPI.COMM_WORLD.Split(color, key=world_rank)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["torch", "mpi"], required=True)
+    parser.add_argument("--torch-backend", choices=["auto", "gloo", "nccl"], default="auto")
+    parser.add_argument("--csv", type=Path, required=True, help="where rank 0 writes its rows")
+    parser.add_argument("--min-bytes", type=int, default=4096)
+    parser.add_argument("--max-bytes", type=int, default=256 * 2**20)
+    parser.add_argument("--budget-s", type=float, default=60.0)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-iters", type=int, default=50)
+    # the deepspeed launcher passes --local_rank unless told not to; LOCAL_RANK in the env is what we use
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = SweepSettings(
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        budget_s=args.budget_s,
+        warmup=max(args.warmup, 1),
+        max_iters=args.max_iters,
+    )
+    if args.backend == "torch":
+        run_torch(settings, args.csv, args.torch_backend)
+    else:
+        run_mpi(settings, args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

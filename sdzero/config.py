@@ -1,0 +1,295 @@
+"""Run options and the DeepSpeed JSON, validated before any process group exists.
+
+One source of truth per fact: ZeRO stage, precision, micro-batch and accumulation are read from the
+DeepSpeed JSON (`DsSettings`); the run options (`TrainConfig`) hold only what DeepSpeed does not know.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdzero.errors import UserError
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+def world_size_from_env() -> int:
+    """World size as the launcher announced it (deepspeed/torchrun, OpenMPI, or a PMI launcher)."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def rank_from_env() -> int:
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 0
+
+
+@dataclass(frozen=True)
+class DsSettings:
+    """What the trainer reads from a DeepSpeed JSON (never a second copy that could disagree)."""
+
+    path: Path
+    raw: dict[str, Any]
+    """The JSON exactly as loaded; the trainer passes a copy with the resolved LR to DeepSpeed."""
+    zero_stage: int
+    dtype: str
+    """"bf16", "fp16" or "fp32": the compute dtype of the trained network."""
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return _offload_device(self.raw, "offload_optimizer") not in (None, "none")
+
+    @property
+    def offload_param(self) -> bool:
+        return _offload_device(self.raw, "offload_param") not in (None, "none")
+
+
+def _offload_device(raw: dict[str, Any], key: str) -> str | None:
+    section = raw.get("zero_optimization", {}).get(key)
+    return None if not section else str(section.get("device", "none"))
+
+
+def _positive_int(raw: dict[str, Any], key: str, path: Path) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if value == "auto":
+        raise UserError(
+            f'{path}: "{key}": "auto" is a Hugging Face accelerate placeholder, not DeepSpeed; put a number there'
+        )
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f'{path}: "{key}" must be a positive integer, got {value!r}')
+    return value
+
+
+def _find_auto(node: Any, where: str = "") -> str | None:
+    if node == "auto":
+        return where or "<root>"
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found = _find_auto(value, f"{where}.{key}" if where else key)
+            if found:
+                return found
+    return None
+
+
+def load_ds_config(path: Path, world_size: int) -> DsSettings:
+    """Load a DeepSpeed JSON and check the batch triple against the world size.
+
+    DeepSpeed accepts any two of (train_batch_size, micro-batch, accumulation) and derives the third;
+    when the three disagree it raises only after the process group exists, so ranks can hang on a
+    collective. Checking here, before `init_distributed`, turns that into one clear line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--deepspeed_config {path}: no such file; pick one of ds_configs/*.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--deepspeed_config {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    if not isinstance(raw, dict):
+        raise UserError(f"--deepspeed_config {path}: the top level must be a JSON object")
+    auto = _find_auto(raw)
+    if auto:
+        raise UserError(
+            f'{path}: "{auto}" is "auto", which only Hugging Face accelerate resolves; DeepSpeed needs a number'
+        )
+
+    bf16 = bool(raw.get("bf16", {}).get("enabled", False)) or bool(raw.get("bfloat16", {}).get("enabled"))
+    fp16 = bool(raw.get("fp16", {}).get("enabled", False))
+    if bf16 and fp16:
+        raise UserError(f"{path}: both fp16 and bf16 are enabled; enable one of them")
+    dtype = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+    zero = raw.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise UserError(f'{path}: "zero_optimization" must be an object')
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f'{path}: "zero_optimization.stage" must be 0, 1, 2 or 3, got {stage!r}')
+
+    total = _positive_int(raw, "train_batch_size", path)
+    micro = _positive_int(raw, "train_micro_batch_size_per_gpu", path)
+    accum = _positive_int(raw, "gradient_accumulation_steps", path)
+    micro, accum = _resolve_batch_triple(path, total, micro, accum, world_size)
+    return DsSettings(
+        path=path, raw=raw, zero_stage=stage, dtype=dtype, micro_batch=micro, grad_accum=accum,
+        world_size=world_size,
+    )  # fmt: skip
+
+
+def _resolve_batch_triple(
+    path: Path, total: int | None, micro: int | None, accum: int | None, world: int
+) -> tuple[int, int]:
+    if micro is not None and accum is not None:
+        if total is not None and total != micro * accum * world:
+            raise UserError(
+                f"{path}: train_batch_size {total} != micro-batch {micro} x gradient_accumulation_steps "
+                f"{accum} x world size {world} (= {micro * accum * world}); set train_batch_size to "
+                f"{micro * accum * world} or remove it so DeepSpeed derives it"
+            )
+        return micro, accum
+    if total is None:
+        if micro is None:
+            raise UserError(f"{path}: set train_micro_batch_size_per_gpu (and gradient_accumulation_steps)")
+        return micro, 1
+    if micro is not None:
+        if total % (micro * world):
+            raise UserError(
+                f"{path}: train_batch_size {total} is not divisible by micro-batch {micro} x world size "
+                f"{world}; change one of them or set gradient_accumulation_steps explicitly"
+            )
+        return micro, total // (micro * world)
+    accum = accum or 1
+    if total % (accum * world):
+        raise UserError(
+            f"{path}: train_batch_size {total} is not divisible by gradient_accumulation_steps {accum} x "
+            f"world size {world}; set train_micro_batch_size_per_gpu explicitly"
+        )
+    return total // (accum * world), accum
+
+
+def scaled_lr(base_lr: float, scaling: str, global_batch: int, reference_batch: int) -> float:
+    """The LR practitioners use when the global batch grows: linear (Goyal et al.) or square-root."""
+    ratio = global_batch / reference_batch
+    if scaling == "linear":
+        return base_lr * ratio
+    if scaling == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
+
+
+@dataclass
+class TrainConfig:
+    """Run options: what the DeepSpeed JSON does not say."""
+
+    deepspeed_config: Path
+    model: str
+    """A diffusers pipeline folder or a hub id; loaded with `from_pretrained` either way."""
+    data: Path
+    """Image folder with metadata.jsonl (or metadata.csv / metadata.parquet): file_name, text."""
+    output_dir: Path
+    max_steps: int = 100
+    """Optimizer steps (not micro-steps)."""
+    seed: int = 0
+    resolution: int | None = None
+    """Square training resolution in pixels; default: the model's native size."""
+    lr: float | None = None
+    """Base learning rate; default: the JSON's optimizer.params.lr, else 1e-4."""
+    lr_scaling: str = "none"
+    lr_reference_batch: int | None = None
+    """The global batch at which `lr` is right; default: one rank's batch (micro x accumulation)."""
+    lr_warmup_steps: int = 0
+    prediction_type: str | None = None
+    """Training target; default: the scheduler's own prediction_type."""
+    snr_gamma: float | None = None
+    """Min-SNR loss weighting (Hang et al. 2023); 5.0 is the value the paper recommends."""
+    noise_offset: float = 0.0
+    gradient_checkpointing: bool = False
+    random_flip: bool = False
+    random_crop: bool = False
+    num_workers: int = 2
+    max_bad_fraction: float = 0.5
+    """Above this fraction of unreadable images the run stops instead of skipping them."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.deepspeed_config = Path(self.deepspeed_config)
+        self.data = Path(self.data)
+        self.output_dir = Path(self.output_dir)
+        if self.max_steps < 1:
+            raise UserError(f"--max-steps must be at least 1, got {self.max_steps}")
+        if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
+            raise UserError(f"--resolution must be a multiple of 8 (at least 8), got {self.resolution}")
+        if self.lr is not None and not (0 < self.lr < 1):
+            raise UserError(f"--lr must be in (0, 1), got {self.lr}")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise UserError(f"--lr-scaling must be one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
+        if self.lr_reference_batch is not None and self.lr_reference_batch < 1:
+            raise UserError(f"--lr-reference-batch must be at least 1, got {self.lr_reference_batch}")
+        if self.prediction_type is not None and self.prediction_type not in PREDICTION_TYPES:
+            raise UserError(
+                f"--prediction-type must be one of {', '.join(PREDICTION_TYPES)}, got {self.prediction_type!r}"
+            )
+        if self.snr_gamma is not None and self.snr_gamma <= 0:
+            raise UserError(f"--snr-gamma must be positive, got {self.snr_gamma}")
+        if self.noise_offset < 0:
+            raise UserError(f"--noise-offset must be >= 0, got {self.noise_offset}")
+        if not (0 < self.max_bad_fraction <= 1):
+            raise UserError(f"--max-bad-fraction must be in (0, 1], got {self.max_bad_fraction}")
+        if self.num_workers < 0:
+            raise UserError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if not self.data.is_dir():
+            raise UserError(f"--data {self.data}: no such folder; point it at an image folder with metadata.jsonl")
+        local = Path(self.model)
+        if local.exists() and not (local / "model_index.json").is_file():
+            raise UserError(
+                f"--model {self.model}: folder has no model_index.json; pass a diffusers pipeline folder "
+                "(for example one written by `sdzero tiny-model`) or a hub id"
+            )
+
+    def base_lr(self, ds: DsSettings) -> float:
+        if self.lr is not None:
+            return self.lr
+        return float(ds.raw.get("optimizer", {}).get("params", {}).get("lr", 1e-4))
+
+    def effective_lr(self, ds: DsSettings) -> float:
+        reference = self.lr_reference_batch or ds.micro_batch * ds.grad_accum
+        return scaled_lr(self.base_lr(ds), self.lr_scaling, ds.global_batch, reference)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sdzero/train.py",
+        description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO. Launch with `deepspeed`.",
+    )
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
+                   help="DeepSpeed JSON: ZeRO stage, precision, micro-batch, accumulation (see ds_configs/)")
+    p.add_argument("--model", required=True, help="diffusers pipeline folder or hub id")
+    p.add_argument("--data", required=True, help="image folder with metadata.jsonl (file_name, text)")
+    p.add_argument("--output-dir", required=True, help="where metrics.jsonl and checkpoints go")
+    p.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resolution", type=int, default=None, help="pixels; default: the model's native size")
+    p.add_argument("--lr", type=float, default=None, help="base LR; default: the JSON's optimizer lr")
+    p.add_argument("--lr-scaling", choices=LR_SCALINGS, default="none",
+                   help="scale the LR by global batch / reference batch")
+    p.add_argument("--lr-reference-batch", type=int, default=None,
+                   help="global batch the base LR was tuned for; default: one rank's batch")
+    p.add_argument("--lr-warmup-steps", type=int, default=0)
+    p.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None)
+    p.add_argument("--snr-gamma", type=float, default=None, help="Min-SNR weighting gamma (e.g. 5.0)")
+    p.add_argument("--noise-offset", type=float, default=0.0)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--random-flip", action="store_true")
+    p.add_argument("--random-crop", action="store_true", help="random instead of center crop")
+    p.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
+    p.add_argument("--max-bad-fraction", type=float, default=0.5)
+    # Set by the deepspeed launcher; the rank is read from the environment instead.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p  # fmt: skip
+
+
+def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
+    ns = build_parser().parse_args(argv)
+    values = vars(ns)
+    values.pop("local_rank", None)
+    return TrainConfig(**values)

@@ -1,0 +1,192 @@
+"""Captioned image folders: metadata, a sharded check for unreadable files, and per-sample determinism.
+
+Every random choice for a sample (crop, flip, noise, timestep) comes from a generator seeded by
+(seed, epoch, sample index). A sample therefore gets the same noise whatever the world size, micro-batch,
+ZeRO stage, worker count or resume point, which is what makes runs comparable and resumes exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from sdzero.errors import UserError
+
+log = logging.getLogger("sdzero.data")
+
+METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
+IMAGE_ERRORS = (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError, SyntaxError)
+
+
+@dataclass(frozen=True)
+class Record:
+    path: Path
+    text: str
+
+
+def read_metadata(folder: Path) -> list[Record]:
+    """Records from the folder's metadata file; `file_name` is relative to the folder."""
+    folder = Path(folder)
+    for name in METADATA_NAMES:
+        meta = folder / name
+        if meta.is_file():
+            break
+    else:
+        raise UserError(
+            f"--data {folder}: no {' / '.join(METADATA_NAMES)}; write one line per image with "
+            '"file_name" and "text" (see `sdzero synth-data` for an example)'
+        )
+    try:
+        if meta.suffix == ".jsonl":
+            table = pd.read_json(meta, lines=True, dtype=False)
+        elif meta.suffix == ".csv":
+            table = pd.read_csv(meta, dtype=str, keep_default_na=False)
+        else:
+            table = pd.read_parquet(meta)
+    except (ValueError, OSError, ImportError) as exc:
+        raise UserError(f"{meta}: cannot be parsed ({exc}); fix or regenerate the metadata file") from exc
+    missing = {"file_name", "text"} - set(table.columns)
+    if missing:
+        raise UserError(f"{meta}: missing column(s) {', '.join(sorted(missing))}; each row needs file_name and text")
+    if table.empty:
+        raise UserError(f"{meta}: lists no images")
+    return [Record(folder / str(f), "" if pd.isna(t) else str(t)) for f, t in zip(table.file_name, table.text)]
+
+
+def open_rgb(path: Path) -> Image.Image:
+    """Decode fully (truncated files fail here, not later in a worker) and convert to RGB."""
+    with Image.open(path) as img:
+        img.load()
+        return img.convert("RGB")
+
+
+def find_unreadable(records: list[Record], rank: int, world_size: int) -> list[int]:
+    """Indices, among this rank's share (i % world == rank), of images that cannot be decoded."""
+    bad = []
+    for i in range(rank, len(records), world_size):
+        try:
+            if records[i].path.stat().st_size == 0:
+                raise OSError("zero-byte file")
+            open_rgb(records[i].path)
+        except IMAGE_ERRORS as exc:
+            log.warning("skipping unreadable image %s: %s", records[i].path, exc)
+            bad.append(i)
+    return bad
+
+
+def check_bad_fraction(n_total: int, n_bad: int, max_bad_fraction: float, folder: Path) -> None:
+    if n_bad and n_bad / n_total > max_bad_fraction:
+        raise UserError(
+            f"--data {folder}: {n_bad} of {n_total} images are unreadable (more than {max_bad_fraction:.0%}); "
+            "check the folder (or raise --max-bad-fraction)"
+        )
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index])))
+
+
+def resize_and_crop(img: Image.Image, resolution: int, rng: np.random.Generator, random_crop: bool) -> Image.Image:
+    w, h = img.size
+    scale = resolution / min(w, h)
+    new_w, new_h = max(resolution, round(w * scale)), max(resolution, round(h * scale))
+    img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
+    if random_crop:
+        left = int(rng.integers(0, new_w - resolution + 1))
+        top = int(rng.integers(0, new_h - resolution + 1))
+    else:
+        left, top = (new_w - resolution) // 2, (new_h - resolution) // 2
+    return img.crop((left, top, left + resolution, top + resolution))
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """What each sample needs besides its image: shapes and the noise recipe."""
+
+    resolution: int
+    latent_shape: tuple[int, int, int]
+    num_train_timesteps: int
+    seed: int
+    random_flip: bool = False
+    random_crop: bool = False
+    noise_offset: float = 0.0
+
+
+class CaptionedImages(Dataset):
+    """Items are keyed by (sample index, epoch) so the per-sample randomness is reproducible."""
+
+    def __init__(self, records: list[Record], spec: SampleSpec, tokenize: Callable[[str], torch.Tensor]):
+        self.records = records
+        self.spec = spec
+        self.tokenize = tokenize
+        self.late_failures = 0  # counted per process (a worker's count stays in the worker)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        index, epoch = key
+        rng = sample_generator(self.spec.seed, epoch, index)
+        img = self._load(index)
+        img = resize_and_crop(img, self.spec.resolution, rng, self.spec.random_crop)
+        if self.spec.random_flip and rng.random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        pixels = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+        noise = rng.standard_normal(self.spec.latent_shape, dtype=np.float32)
+        if self.spec.noise_offset:
+            # Offset noise (Guttenberg 2023): a per-channel constant lets the model shift mean brightness.
+            offset = rng.standard_normal((self.spec.latent_shape[0], 1, 1), dtype=np.float32)
+            noise = noise + self.spec.noise_offset * offset
+        latent_eps = rng.standard_normal(self.spec.latent_shape, dtype=np.float32)  # VAE posterior sample
+        return {
+            "pixel_values": pixels.contiguous(),
+            "latent_eps": torch.from_numpy(latent_eps),
+            "input_ids": self.tokenize(self.records[index].text),
+            "noise": torch.from_numpy(noise),
+            "timestep": torch.tensor(int(rng.integers(0, self.spec.num_train_timesteps)), dtype=torch.long),
+            "index": torch.tensor(index, dtype=torch.long),
+        }
+
+    def _load(self, index: int) -> Image.Image:
+        # Files that passed the up-front check can still vanish or change on a shared filesystem: use
+        # the next readable sample rather than kill a multi-node job over one file.
+        for attempt in range(len(self.records)):
+            i = (index + attempt) % len(self.records)
+            try:
+                return open_rgb(self.records[i].path)
+            except IMAGE_ERRORS as exc:
+                self.late_failures += 1
+                log.warning("image %s became unreadable (%s); using the next sample", self.records[i].path, exc)
+        raise UserError("no readable image left in the dataset")
+
+
+class EpochSampler(Sampler):
+    """A `DistributedSampler` that yields (index, epoch) keys and can start mid-epoch (for resume)."""
+
+    def __init__(self, n: int, rank: int, world_size: int, seed: int, shuffle: bool = True):
+        # drop_last: every rank gets the same number of batches, so no rank waits on a collective forever.
+        self.inner = DistributedSampler(
+            range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for pos, index in enumerate(self.inner):
+            if pos >= self.start:
+                yield index, self.epoch
+
+    def __len__(self) -> int:
+        return len(self.inner) - self.start

@@ -1,0 +1,300 @@
+"""The training loop: one DeepSpeed engine around the UNet, frozen encoders beside it, metrics per step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from sdzero.config import DsSettings, TrainConfig, load_ds_config, world_size_from_env
+from sdzero.data import (
+    CaptionedImages,
+    EpochSampler,
+    SampleSpec,
+    check_bad_fraction,
+    find_unreadable,
+    read_metadata,
+)
+from sdzero.errors import UserError
+from sdzero.metrics import MetricsWriter, PhaseTimer, peak_memory_bytes, rotate_previous
+from sdzero.models import Components, detect_family, encode_latents, encode_text, load_components
+from sdzero.objectives import diffusion_loss, training_target
+
+log = logging.getLogger("sdzero")
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    first_loss: float
+    last_loss: float
+    mean_samples_per_s: float
+    metrics_path: str
+    skipped_images: int
+
+
+def quiet_libraries(rank: int) -> None:
+    """DeepSpeed, diffusers and transformers log a lot at INFO; keep warnings, and only on rank 0."""
+    import diffusers
+    import transformers
+    from deepspeed.utils import logger as ds_logger
+
+    level = logging.WARNING if rank == 0 else logging.ERROR
+    ds_logger.setLevel(level)
+    diffusers.utils.logging.set_verbosity(level)
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity(level)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[sdzero] %(message)s")
+
+
+def effective_ds_config(cfg: TrainConfig, ds: DsSettings) -> dict[str, Any]:
+    """The JSON handed to DeepSpeed: the user's file with the resolved LR written into the optimizer."""
+    config = json.loads(json.dumps(ds.raw))
+    if "optimizer" in config:
+        config["optimizer"].setdefault("params", {})["lr"] = cfg.effective_lr(ds)
+    return config
+
+
+def build_data(cfg: TrainConfig, ds: DsSettings, comps: Components, rank: int, world: int):
+    """Dataset and loader; unreadable images are found by all ranks together (each checks a share)."""
+    records = read_metadata(cfg.data)
+    mine = find_unreadable(records, rank, world)
+    shares: list[list[int]] = [[] for _ in range(world)]
+    dist.all_gather_object(shares, mine)  # every rank must agree on the dataset, or collectives desync
+    bad = {i for share in shares for i in share}
+    check_bad_fraction(len(records), len(bad), cfg.max_bad_fraction, cfg.data)
+    good = [r for i, r in enumerate(records) if i not in bad]
+    per_step = ds.micro_batch * ds.grad_accum * world
+    if len(good) < per_step:
+        raise UserError(
+            f"--data {cfg.data}: {len(good)} readable images, fewer than one global batch of {per_step} "
+            "(micro-batch x accumulation x world size); add images or shrink the batch in the DeepSpeed JSON"
+        )
+    resolution = cfg.resolution or comps.native_resolution
+    side = resolution // comps.vae_scale_factor
+    spec = SampleSpec(
+        resolution=resolution,
+        latent_shape=(comps.latent_channels, side, side),
+        num_train_timesteps=int(comps.noise_scheduler.config.num_train_timesteps),
+        seed=cfg.seed,
+        random_flip=cfg.random_flip,
+        random_crop=cfg.random_crop,
+        noise_offset=cfg.noise_offset,
+    )
+    tokenizer = comps.tokenizer
+
+    def tokenize(text: str) -> torch.Tensor:
+        ids = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True)
+        return torch.tensor(ids.input_ids, dtype=torch.long)
+
+    dataset = CaptionedImages(good, spec, tokenize)
+    sampler = EpochSampler(len(good), rank, world, seed=cfg.seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=ds.micro_batch,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        drop_last=True,
+    )
+    return dataset, sampler, loader, len(bad)
+
+
+class Batches:
+    """Endless micro-batches across epochs, calling `set_epoch` so each epoch gets a new order."""
+
+    def __init__(self, loader: DataLoader, sampler: EpochSampler) -> None:
+        self.loader, self.sampler = loader, sampler
+        self.epoch = 0
+        self.sampler.set_epoch(0)
+        self._it = iter(loader)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.epoch += 1
+            self.sampler.set_epoch(self.epoch)
+            self._it = iter(self.loader)
+            return next(self._it)
+
+
+def make_lr_scheduler(cfg: TrainConfig, ds: DsSettings):
+    if "scheduler" in ds.raw or cfg.lr_warmup_steps <= 0:
+        return None  # DeepSpeed's own scheduler section, or a constant LR
+    warmup = cfg.lr_warmup_steps
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+
+def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components):
+    import deepspeed
+
+    if cfg.gradient_checkpointing:
+        comps.unet.enable_gradient_checkpointing()
+    params = [p for p in comps.unet.parameters() if p.requires_grad]
+    config = effective_ds_config(cfg, ds)
+    optimizer = None
+    if "optimizer" not in config:
+        optimizer = torch.optim.AdamW(params, lr=cfg.effective_lr(ds))
+    engine, _, _, _ = deepspeed.initialize(
+        model=comps.unet,
+        model_parameters=params,
+        optimizer=optimizer,
+        lr_scheduler=make_lr_scheduler(cfg, ds),
+        config=config,
+    )
+    return engine, config
+
+
+def loss_scale_of(engine) -> float | None:
+    if not engine.fp16_enabled():
+        return None
+    opt = engine.optimizer
+    scale = getattr(opt, "loss_scale", None)
+    if scale is None and hasattr(opt, "cur_scale"):
+        scale = opt.cur_scale
+    return float(scale) if scale is not None else None
+
+
+def micro_step(engine, comps: Components, batch: dict[str, torch.Tensor], prediction_type: str,
+               cfg: TrainConfig, timer: PhaseTimer, device: torch.device) -> torch.Tensor:  # fmt: skip
+    with timer.phase("encode_s"):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        latents = encode_latents(comps.vae, batch["pixel_values"], batch["latent_eps"])
+        text = encode_text(comps.text_encoder, batch["input_ids"])
+    with timer.phase("forward_s"):
+        timesteps = batch["timestep"]
+        noise = batch["noise"]
+        noisy = comps.noise_scheduler.add_noise(latents, noise, timesteps)
+        model_dtype = next(p for p in engine.module.parameters()).dtype
+        pred = engine(noisy.to(model_dtype), timesteps, text.to(model_dtype), return_dict=False)[0]
+        target = training_target(comps.noise_scheduler, prediction_type, latents, noise, timesteps)
+        loss = diffusion_loss(pred, target, timesteps, comps.noise_scheduler, prediction_type, cfg.snr_gamma)
+    with timer.phase("backward_s"):
+        engine.backward(loss)
+    with timer.phase("optimizer_s"):
+        engine.step()  # only the accumulation boundary's call updates weights (and communicates)
+    return loss.detach()
+
+
+def prepare_output(cfg: TrainConfig, ds: DsSettings, config: dict[str, Any], rank: int) -> MetricsWriter | None:
+    if rank != 0:
+        return None
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    moved = rotate_previous(cfg.output_dir / "metrics.jsonl")
+    if moved:
+        log.info("an earlier run's metrics were moved to %s", moved)
+    (cfg.output_dir / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    run = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    run.update(zero_stage=ds.zero_stage, dtype=ds.dtype, world_size=ds.world_size, lr_effective=cfg.effective_lr(ds))
+    (cfg.output_dir / "run_config.json").write_text(json.dumps(run, indent=2) + "\n")
+    return MetricsWriter(cfg.output_dir / "metrics.jsonl")
+
+
+def gather_step_stats(loss_sum: torch.Tensor, micro_steps: int, world: int) -> tuple[float, list[int]]:
+    """Loss averaged over ranks and micro-steps, and every rank's peak memory: one small collective."""
+    local = torch.tensor([float(loss_sum) / micro_steps, float(peak_memory_bytes())], dtype=torch.float64)
+    parts = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    loss = sum(float(p[0]) for p in parts) / world
+    return loss, [int(p[1]) for p in parts]
+
+
+def run(cfg: TrainConfig) -> RunSummary:
+    # Everything that can be wrong with the input is checked before the process group exists.
+    ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
+    detect_family(cfg.model)
+    read_metadata(cfg.data)
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    quiet_libraries(rank)
+    accel = get_accelerator()
+    device = torch.device(accel.current_device_name())
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
+
+    comps = load_components(cfg.model, ds.dtype, device)
+    prediction_type = cfg.prediction_type or comps.noise_scheduler.config.prediction_type
+    comps.noise_scheduler.register_to_config(prediction_type=prediction_type)
+    dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world)
+    engine, config = init_engine(cfg, ds, comps)
+    writer = prepare_output(cfg, ds, config, rank)
+    if rank == 0:
+        log.info(
+            "ZeRO-%d %s | %d ranks x micro-batch %d x accumulation %d = global batch %d | lr %.3g (%s scaling) | "
+            "%d images (%d unreadable skipped)",
+            ds.zero_stage, ds.dtype, world, ds.micro_batch, ds.grad_accum, ds.global_batch,
+            cfg.effective_lr(ds), cfg.lr_scaling, len(dataset), n_bad,
+        )  # fmt: skip
+    return train_steps(cfg, ds, comps, engine, Batches(loader, sampler), writer, prediction_type, n_bad, device)
+
+
+def train_steps(cfg, ds, comps, engine, batches: Batches, writer, prediction_type, n_bad, device) -> RunSummary:
+    from tqdm import tqdm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timer = PhaseTimer(synchronize=device.type == "cuda")
+    bar = tqdm(total=cfg.max_steps, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    losses: list[float] = []
+    rates: list[float] = []
+    for step in range(1, cfg.max_steps + 1):
+        timer.reset()
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(ds.grad_accum):
+            with timer.phase("data_s"):
+                batch = batches.next()
+            loss_sum += micro_step(engine, comps, batch, prediction_type, cfg, timer, device)
+        loss, peaks = gather_step_stats(loss_sum, ds.grad_accum, world)
+        step_time = time.perf_counter() - start
+        samples_per_s = ds.global_batch / step_time
+        losses.append(loss)
+        rates.append(samples_per_s)
+        record = {
+            "step": step,
+            "epoch": batches.epoch,
+            "loss": loss,
+            "lr": float(engine.get_lr()[0]),
+            "samples_per_s": samples_per_s,
+            "step_time_s": step_time,
+            **{k: timer.seconds.get(k, 0.0) for k in ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")},
+            "world_size": world,
+            "zero_stage": ds.zero_stage,
+            "dtype": ds.dtype,
+            "micro_batch": ds.micro_batch,
+            "grad_accum": ds.grad_accum,
+            "loss_scale": loss_scale_of(engine),
+            "skipped_steps": int(engine.skipped_steps) if engine.fp16_enabled() else None,
+            "peak_mem_bytes": max(peaks),
+            "peak_mem_bytes_per_rank": peaks,
+        }
+        if writer is not None:
+            writer.write(record)
+            if engine.monitor.enabled:
+                engine.monitor.write_events([("Train/Samples/samples_per_s", samples_per_s, engine.global_samples)])
+        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}")
+        bar.update(1)
+    bar.close()
+    metrics_path = str(cfg.output_dir / "metrics.jsonl")
+    if writer is not None:
+        writer.close()
+    steady = rates[1:] or rates  # the first step includes one-off warm-up (allocations, JIT, workers)
+    return RunSummary(
+        steps=cfg.max_steps,
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        mean_samples_per_s=sum(steady) / len(steady),
+        metrics_path=metrics_path,
+        skipped_images=n_bad,
+    )

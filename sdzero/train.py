@@ -1,0 +1,40 @@
+"""DeepSpeed entrypoint: `deepspeed [--num_gpus N | --hostfile H] sdzero/train.py --deepspeed_config ...`.
+
+Parses the run options and hands them to `sdzero.loop.run`; everything else lives in the package.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as a script, this file's folder (sdzero/) becomes sys.path[0], and its modules (config, data,
+# models, ...) would shadow any top-level modules of the same name that libraries import. Drop it.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+from sdzero.config import parse_train_args, rank_from_env  # noqa: E402
+from sdzero.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_train_args(argv)
+        from sdzero.loop import run
+
+        summary = run(cfg)
+    except UserError as exc:
+        # Every rank finds the same bad input; one line from rank 0 is enough.
+        if rank_from_env() == 0:
+            print(f"sdzero: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if rank_from_env() == 0:
+        print(
+            f"sdzero: trained {summary.steps} steps; loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}; "
+            f"{summary.mean_samples_per_s:.1f} samples/s; metrics in {summary.metrics_path}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
