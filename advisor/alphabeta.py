@@ -10,6 +10,9 @@ Bandwidths follow nccl-tests' doc/PERFORMANCE.md:
   busbw = algbw * (n-1)/n    for reduce-scatter and all-gather
 busbw is the per-link figure that does not depend on n, so it is what the advisor extrapolates with.
 
+beta is fitted over the largest sizes and alpha over the smallest (see fit_line for why not one line
+over everything): the model is right at both ends and reports how far the middle strays.
+
 All bandwidths in this module are GB/s with G = 1e9 bytes (nccl-tests' unit), despite the `_gbps` suffix.
 """
 
@@ -35,8 +38,12 @@ FIT_SCHEMA = "sdzero.comm_fit/1"
 # Grouping keys: one fit per backend, library, collective, link level and group size.
 FIT_KEYS: tuple[str, ...] = ("backend", "library", "collective", "link_level", "ranks", "nodes")
 
-# A clamped parameter is set to this fraction of the scale the data shows (see _fit_with_floor).
+# A clamped parameter is set to this fraction of the scale the data shows (see fit_line).
 _FLOOR_FRACTION = 1e-3
+REGIME_SPAN = 8.0
+NOISY_SPREAD = 1.0
+"""A point whose timed repeats differ by more than this fraction of their median is noise, not transport."""
+"""Sizes within this factor of the largest set beta; within it of the smallest, alpha (4 doublings each)."""
 
 
 def _check_collective(collective: str) -> None:
@@ -73,51 +80,63 @@ def busbw_gbps(collective: str, num_ranks: int, size_bytes: float, time_s: float
 
 @dataclass(frozen=True)
 class LineFit:
-    """Result of fitting t = alpha + x * beta."""
+    """Result of fitting t = alpha + size_bytes * beta."""
 
     alpha_s: float
     beta_s_per_byte: float
     clamped: tuple[str, ...]
-    """Parameters that the unconstrained fit put at or below zero and that were floored (see fit_line)."""
+    """Parameters that came out at or below zero and were floored (see fit_line)."""
     rel_rmse: float
-    """Root mean square of the relative residuals (t_fit - t) / t."""
+    """Root mean square of the relative residuals (t_fit - t) / t over every point."""
+    max_rel_error: float
+    """Largest |t_fit - t| / t: large when the transport changes regime inside the sweep."""
 
 
-def _relative_rmse(x: np.ndarray, t: np.ndarray, alpha: float, beta: float) -> float:
-    return float(np.sqrt(np.mean(((alpha + beta * x - t) / t) ** 2)))
+def _relative_errors(x: np.ndarray, t: np.ndarray, alpha: float, beta: float) -> np.ndarray:
+    return (alpha + beta * x - t) / t
 
 
-def _fit_with_floor(
-    x: np.ndarray, t: np.ndarray, alpha: float, beta: float
-) -> tuple[float, float, tuple[str, ...]]:
-    """Floor a non-positive parameter and refit the other one with it held fixed.
+def _bandwidth_slope(x: np.ndarray, t: np.ndarray) -> float:
+    """beta from the largest sizes (within REGIME_SPAN of the largest): ordinary least squares slope."""
+    top = x >= x.max() / REGIME_SPAN
+    design = np.column_stack([np.ones(int(top.sum())), x[top]])
+    (_, beta), *_ = np.linalg.lstsq(design, t[top], rcond=None)
+    if beta > 0.0:
+        return float(beta)
+    # noise in a range too narrow to show a slope: fall back to a relative-error fit over every point
+    design = np.column_stack([np.ones_like(x), x]) / t[:, None]
+    (_, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    return float(beta)
 
-    A non-positive alpha means the latency is below what the noise at the measured sizes can resolve;
-    a non-positive beta means time did not grow with size over the range measured. Neither is a
-    physical value, so the parameter is set to a small fraction of the scale the data shows and the
-    other one is refitted (same relative-error weighting), and the JSON says which was clamped.
+
+def _latency_intercept(x: np.ndarray, t: np.ndarray) -> float:
+    """alpha: intercept of a line over the smallest sizes, least squares in relative error.
+
+    The small-size regime's own line, not t - beta*x with the large-size beta: where a transport is
+    faster in cache than out of it, that beta overstates the small messages' byte cost and would push
+    alpha below zero.
     """
-    weights = 1.0 / t
-    alpha_floor = _FLOOR_FRACTION * float(t.min())
-    if alpha <= 0.0:
-        # minimise sum(((alpha_floor + beta x - t) / t)^2) over beta alone
-        xw = x * weights
-        beta = float(np.sum(xw * (1.0 - alpha_floor * weights)) / np.sum(xw * xw))
-        if beta > 0.0:
-            return alpha_floor, beta, ("alpha",)
-    beta = _FLOOR_FRACTION * float(np.min(t / x))
-    # minimise sum(((alpha + beta x - t) / t)^2) over alpha alone
-    alpha = float(np.sum(weights * (1.0 - beta * x * weights)) / np.sum(weights * weights))
-    if alpha <= alpha_floor:
-        return alpha_floor, beta, ("alpha", "beta")
-    return alpha, beta, ("beta",)
+    low = x <= x.min() * REGIME_SPAN
+    if np.unique(x[low]).size < 2:
+        return float(np.min(t[low]))
+    design = np.column_stack([np.ones(int(low.sum())), x[low]]) / t[low, None]
+    (alpha, _), *_ = np.linalg.lstsq(design, np.ones(int(low.sum())), rcond=None)
+    return float(alpha)
 
 
 def fit_line(size_bytes: Sequence[float] | np.ndarray, time_s: Sequence[float] | np.ndarray) -> LineFit:
     """Fit t = alpha + size_bytes * beta with numpy least squares, both parameters positive.
 
-    The fit minimises *relative* residuals ((fit - t) / t): sizes span five orders of magnitude, and an
-    absolute least-squares fit would let the largest messages decide everything, leaving alpha to noise.
+    beta is the slope over the bandwidth regime (sizes within REGIME_SPAN of the largest), alpha the
+    intercept over the latency regime (within REGIME_SPAN of the smallest), just as one reads latency off
+    nccl-tests' first rows and busbw off its last. One least-squares line over every size would be the textbook fit, but transports
+    change regime inside the sweep (MPI's eager-to-rendezvous switch, shared memory falling out of
+    cache): measured on this project's CPU box, such a line was 75 % optimistic at 32 MiB, the size
+    class of ZeRO buckets. This fit is exact at both ends and errs on the slow side in between;
+    rel_rmse and max_rel_error say how far the middle strays.
+
+    A parameter that comes out at or below zero (latency under the noise, or no growth with size over
+    a narrow range) is floored at 1e-3 of the scale the data shows and listed in `clamped`.
     """
     x = np.asarray(size_bytes, dtype=np.float64)
     t = np.asarray(time_s, dtype=np.float64)
@@ -127,12 +146,19 @@ def fit_line(size_bytes: Sequence[float] | np.ndarray, time_s: Sequence[float] |
         raise ValueError("an alpha-beta fit needs at least two distinct message sizes")
     if np.any(x <= 0) or np.any(t <= 0) or not np.all(np.isfinite(t)):
         raise ValueError("sizes and times must be positive and finite")
-    design = np.column_stack([np.ones_like(x), x]) / t[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    clamped: tuple[str, ...] = ()
-    if alpha <= 0.0 or beta <= 0.0:
-        alpha, beta, clamped = _fit_with_floor(x, t, float(alpha), float(beta))
-    return LineFit(float(alpha), float(beta), clamped, _relative_rmse(x, t, float(alpha), float(beta)))
+    clamped: list[str] = []
+    beta = _bandwidth_slope(x, t)
+    if beta <= 0.0:
+        beta = _FLOOR_FRACTION * float(np.min(t / x))
+        clamped.append("beta")
+    alpha = _latency_intercept(x, t)
+    if alpha <= 0.0:
+        alpha = _FLOOR_FRACTION * float(t.min())
+        clamped.insert(0, "alpha")
+    errors = _relative_errors(x, t, alpha, beta)
+    return LineFit(
+        alpha, beta, tuple(clamped), float(np.sqrt(np.mean(errors**2))), float(np.max(np.abs(errors)))
+    )
 
 
 @dataclass(frozen=True)
@@ -154,9 +180,12 @@ class AlphaBetaFit:
     min_bytes: int
     max_bytes: int
     rel_rmse: float
+    max_rel_error: float = 0.0
     clamped: tuple[str, ...] = ()
     emulated: bool = False
     """True when the library does not run this collective natively (e.g. gloo's reduce-scatter)."""
+    noisy_points_dropped: int = 0
+    """Points left out because their repeats disagreed by more than NOISY_SPREAD (see fit_table)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -203,18 +232,27 @@ class AlphaBetaFit:
         return cls(**kwargs)
 
 
+def _quiet_points(group: pd.DataFrame) -> pd.DataFrame:
+    """Drop points whose repeats disagree wildly (a rank descheduled by another job), if 2 sizes remain."""
+    if "time_spread" not in group:
+        return group
+    quiet = group[group["time_spread"] <= NOISY_SPREAD]
+    return quiet if quiet["size_bytes"].nunique() >= 2 else group
+
+
 def fit_table(table: pd.DataFrame) -> list[AlphaBetaFit]:
     """One AlphaBetaFit per (backend, library, collective, link level, ranks, nodes) in a comm.csv table.
 
-    Rows that failed the correctness check are left out: a wrong result says nothing about speed.
-    Groups with fewer than two sizes cannot be fitted and are skipped.
+    Rows that failed the correctness check are left out (a wrong result says nothing about speed), and so
+    are noisy rows (see _quiet_points). Groups with fewer than two sizes cannot be fitted and are skipped.
     """
     fits: list[AlphaBetaFit] = []
     good = table[table["correct"].astype(bool)]
     for key, group in good.groupby(list(FIT_KEYS), sort=True):
         if group["size_bytes"].nunique() < 2:
             continue
-        line = fit_line(group["size_bytes"].to_numpy(), group["time_s"].to_numpy())
+        used = _quiet_points(group)
+        line = fit_line(used["size_bytes"].to_numpy(), used["time_s"].to_numpy())
         values = dict(zip(FIT_KEYS, key, strict=True))
         fits.append(
             AlphaBetaFit(
@@ -226,12 +264,14 @@ def fit_table(table: pd.DataFrame) -> list[AlphaBetaFit]:
                 nodes=int(values["nodes"]),
                 alpha_s=line.alpha_s,
                 beta_s_per_byte=line.beta_s_per_byte,
-                n_points=len(group),
-                min_bytes=int(group["size_bytes"].min()),
-                max_bytes=int(group["size_bytes"].max()),
+                n_points=len(used),
+                min_bytes=int(used["size_bytes"].min()),
+                max_bytes=int(used["size_bytes"].max()),
                 rel_rmse=line.rel_rmse,
+                max_rel_error=line.max_rel_error,
                 clamped=line.clamped,
                 emulated=bool(group["emulated"].astype(bool).any()),
+                noisy_points_dropped=len(group) - len(used),
             )
         )
     return fits
@@ -243,6 +283,9 @@ def fits_payload(fits: Iterable[AlphaBetaFit], meta: dict[str, Any] | None = Non
         "schema": FIT_SCHEMA,
         "model": "time_s = alpha_s + size_bytes * beta_s_per_byte; size_bytes as in nccl-tests "
         "(all-reduce buffer, reduce-scatter input, all-gather output)",
+        "method": f"beta: least-squares slope over sizes >= max/{REGIME_SPAN:g}; alpha: least squares in "
+        f"relative error, intercept over sizes <= min*{REGIME_SPAN:g}; floored parameters listed in 'clamped'; "
+        f"points whose repeats spread over {NOISY_SPREAD:g}x their median left out (noisy_points_dropped)",
         "units": {
             "alpha_s": "seconds",
             "beta_s_per_byte": "seconds per byte",
@@ -250,6 +293,8 @@ def fits_payload(fits: Iterable[AlphaBetaFit], meta: dict[str, Any] | None = Non
             "hop_latency_us": "alpha / ring steps (2(n-1) all-reduce, n-1 otherwise), microseconds",
             "algbw_gbps": "1 / beta in GB/s, G = 1e9 bytes (nccl-tests unit, not gigabits)",
             "bandwidth_gbps": "asymptotic busbw = algbw_gbps * busbw_factor, GB/s (1e9 bytes/s)",
+            "rel_rmse": "root mean square of (fit - measured) / measured over all sizes",
+            "max_rel_error": "largest |fit - measured| / measured; high when the transport changes regime",
         },
         "meta": meta or {},
         "fits": [fit.to_dict() for fit in fits],

@@ -9,8 +9,10 @@ message sizes min..max doubling, and for all-reduce, reduce-scatter and all-gath
   1. fill buffers with a per-rank integer pattern and run the collective once: compare with the exact
      expected result (integers below 2**24 sum exactly in float32, in any order);
   2. more warm-up calls, then one timed call that sets the iteration count (agreed across ranks);
-  3. barrier, then `iters` back-to-back calls timed as a whole; the reported time per call is the
-     slowest rank's (the collective is done only when every rank is done).
+  3. `repeats` times: barrier, then `iters` back-to-back calls timed as a whole, the time per call being
+     the slowest rank's (the collective is done only when every rank is done). The median of the
+     repeats is reported, and their spread, so a rank descheduled on a busy machine shows as noise
+     rather than passing for a property of the transport.
 Sizes stop growing when the next one would overrun the time budget.
 
 Rank 0 writes the rows as CSV with pandas. `size_bytes` follows nccl-tests: the whole buffer of an
@@ -26,7 +28,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,35 +46,14 @@ GLOO_REDUCE_SCATTER_NOTE = (
     "emulated by torch: ProcessGroupGloo runs reduce_scatter as an all_reduce of a copy and keeps this "
     "rank's chunk, so it moves all-reduce traffic"
 )
-SDZERO_REDUCE_SCATTER_NOTE = "emulated by sdzero: this torch's gloo has no reduce_scatter; all_reduce then slice"
-
-CSV_COLUMNS: tuple[str, ...] = (
-    "backend",
-    "library",
-    "collective",
-    "link_level",
-    "node",
-    "ranks",
-    "nodes",
-    "size_bytes",
-    "count",
-    "dtype",
-    "warmup",
-    "iters",
-    "time_s",
-    "algbw_gbps",
-    "busbw_gbps",
-    "correct",
-    "max_abs_error",
-    "emulated",
-    "note",
+SDZERO_REDUCE_SCATTER_NOTE = (
+    "emulated by sdzero: this torch's gloo has no reduce_scatter; all_reduce then slice"
 )
-"""Columns of comm.csv; bandwidths are GB/s with G = 1e9 bytes, as nccl-tests prints them."""
 
 
 @dataclass
 class Row:
-    """One measured (collective, size) point; the fields are the CSV columns."""
+    """One measured (collective, size) point; its fields, in order, are the columns of comm.csv."""
 
     backend: str
     library: str
@@ -86,13 +67,19 @@ class Row:
     dtype: str
     warmup: int
     iters: int
+    repeats: int
     time_s: float
+    time_spread: float
     algbw_gbps: float
     busbw_gbps: float
     correct: bool
     max_abs_error: float
     emulated: bool
     note: str
+
+
+CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(Row))
+"""Columns of comm.csv; bandwidths are GB/s with G = 1e9 bytes, as nccl-tests prints them."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +89,11 @@ class SweepSettings:
     budget_s: float
     """Seconds of measurement for this process's whole sweep, all link levels together."""
     warmup: int = 2
-    min_iters: int = 2
+    min_iters: int = 1
     max_iters: int = 50
+    """Calls per timed loop, at most."""
+    repeats: int = 3
+    """Timed loops per point; time_s is their median."""
     collectives: tuple[str, ...] = COLLECTIVES
 
 
@@ -118,6 +108,8 @@ class Communicator(Protocol):
     """What the sweep needs from torch.distributed or MPI, over one group of ranks."""
 
     backend: str
+    in_place_all_reduce: bool
+    """torch's all_reduce reduces `recv` in place; MPI's reads `send` and writes `recv`."""
     library: str
     rank: int
     size: int
@@ -165,7 +157,9 @@ def make_buffers(collective: str, count: int, rank: int, size: int, device: torc
         return Buffers(send, torch.empty(chunk, dtype=DTYPE, device=device), expected)
     if collective == "all_gather":
         send = input_pattern(count, rank, device)[rank * chunk : (rank + 1) * chunk].clone()
-        expected = torch.cat([input_pattern(count, r, device)[r * chunk : (r + 1) * chunk] for r in range(size)])
+        expected = torch.cat(
+            [input_pattern(count, r, device)[r * chunk : (r + 1) * chunk] for r in range(size)]
+        )
         return Buffers(send, torch.empty(count, dtype=DTYPE, device=device), expected)
     raise ValueError(f"unknown collective {collective!r}")
 
@@ -176,7 +170,9 @@ def make_buffers(collective: str, count: int, rank: int, size: int, device: torc
 
 def _torch_reduce_scatter_fn() -> Callable[..., Any]:
     # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single and deprecated the old name
-    return getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+    return (
+        getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+    )
 
 
 def _torch_all_gather_fn() -> Callable[..., Any]:
@@ -187,6 +183,7 @@ class TorchCommunicator:
     """torch.distributed over one process group (the whole world or a subgroup)."""
 
     backend = "torch"
+    in_place_all_reduce = True
 
     def __init__(self, group: Any, device: torch.device) -> None:
         import torch.distributed as dist
@@ -205,7 +202,9 @@ class TorchCommunicator:
         # rank alike, so a failed probe leaves the group usable and every rank takes the same fallback.
         out = torch.empty(1, dtype=DTYPE, device=self.device)
         try:
-            self._reduce_scatter(out, torch.ones(self.size, dtype=DTYPE, device=self.device), group=self.group)
+            self._reduce_scatter(
+                out, torch.ones(self.size, dtype=DTYPE, device=self.device), group=self.group
+            )
         except RuntimeError:
             return False
         return True
@@ -219,10 +218,7 @@ class TorchCommunicator:
         import torch.distributed as dist
 
         if collective == "all_reduce":
-            # torch's all_reduce is in place: copy first so each call reduces the same input, as an
-            # out-of-place nccl-tests run does; the copy is part of the timed cost (memory-bound, small).
-            buffers.recv.copy_(buffers.send)
-            dist.all_reduce(buffers.recv, group=self.group)
+            dist.all_reduce(buffers.recv, group=self.group)  # in place: see _check_once and measure_point
         elif collective == "reduce_scatter" and not self._native_reduce_scatter:
             full = buffers.send.clone()
             dist.all_reduce(full, group=self.group)
@@ -267,6 +263,7 @@ class MpiCommunicator:
     """mpi4py over one MPI communicator; buffers are CPU tensors viewed as numpy arrays."""
 
     backend = "mpi"
+    in_place_all_reduce = False
     device = torch.device("cpu")
 
     def __init__(self, comm: Any) -> None:
@@ -318,11 +315,19 @@ def _timed_calls(comm: Communicator, collective: str, buffers: Buffers, iters: i
 
 def _check_once(comm: Communicator, collective: str, buffers: Buffers) -> float:
     """Run once on fresh buffers; the largest absolute error over all ranks."""
-    buffers.recv.fill_(float("nan"))  # so a collective that writes nothing cannot pass
+    if collective == "all_reduce" and comm.in_place_all_reduce:
+        buffers.recv.copy_(buffers.send)
+    else:
+        buffers.recv.fill_(float("nan"))  # so a collective that writes nothing cannot pass
     comm.run(collective, buffers)
     comm.synchronize()
     error = (buffers.recv - buffers.expected).abs().max().item()
-    return comm.max_over_ranks(error if math.isfinite(error) else math.inf)
+    error = error if math.isfinite(error) else math.inf
+    if collective == "all_reduce" and comm.in_place_all_reduce:
+        # Timed in-place sums multiply the values by n per call and would overflow over many calls;
+        # zeros stay zeros, and no backend's speed depends on the values (no compression, no denormals).
+        buffers.recv.zero_()
+    return comm.max_over_ranks(error)
 
 
 def measure_point(
@@ -336,8 +341,10 @@ def measure_point(
         comm.run(collective, buffers)
     # every rank must run the same number of calls, so the count comes from an agreed (max) probe
     probe_s = _timed_calls(comm, collective, buffers, 1)
-    iters = int(min(settings.max_iters, max(settings.min_iters, math.ceil(target_s / max(probe_s, 1e-9)))))
-    time_s = _timed_calls(comm, collective, buffers, iters)
+    wanted = math.ceil(target_s / settings.repeats / max(probe_s, 1e-9))
+    iters = int(min(settings.max_iters, max(settings.min_iters, wanted)))
+    times = sorted(_timed_calls(comm, collective, buffers, iters) for _ in range(settings.repeats))
+    time_s = times[len(times) // 2]
     actual_bytes = count * ELEMENT_BYTES
     note = comm.emulation_note(collective)
     return {
@@ -347,7 +354,9 @@ def measure_point(
         "dtype": str(DTYPE).removeprefix("torch."),
         "warmup": settings.warmup + 1,  # the check call, the extra warm-ups, the probe
         "iters": iters,
+        "repeats": settings.repeats,
         "time_s": time_s,
+        "time_spread": (times[-1] - times[0]) / time_s,
         "algbw_gbps": algbw_gbps(actual_bytes, time_s),
         "busbw_gbps": busbw_gbps(collective, comm.size, actual_bytes, time_s),
         "correct": max_abs_error == 0.0,
@@ -371,7 +380,9 @@ def sweep(
         elapsed = comm.max_over_ranks(time.perf_counter() - start)  # agreed, so all ranks stop together
         # sizes double and large messages are bandwidth-bound: the next size costs about twice the last
         if points and elapsed + 2.0 * last_size_s > level_budget_s:
-            log(f"budget: stopping before {size_bytes} bytes ({elapsed:.1f} s of {level_budget_s:.1f} s used)")
+            log(
+                f"budget: stopping before {size_bytes} bytes ({elapsed:.1f} s of {level_budget_s:.1f} s used)"
+            )
             break
         size_start = time.perf_counter()
         for collective in settings.collectives:
@@ -386,6 +397,7 @@ def _format_point(point: dict[str, Any]) -> str:
     return (
         f"{point['collective']:>15} {point['size_bytes']:>12} B  {point['time_s'] * 1e6:>12.1f} us  "
         f"algbw {point['algbw_gbps']:8.3f}  busbw {point['busbw_gbps']:8.3f} GB/s  "
+        f"spread {point['time_spread']:5.2f}  "
         f"{'ok' if point['correct'] else 'WRONG'}"
     )
 
@@ -427,7 +439,12 @@ class Topology:
 
 
 def _level_rows(
-    comm: Communicator | None, level: str, topo: Topology, world_rank: int, budget_s: float, settings: SweepSettings
+    comm: Communicator | None,
+    level: str,
+    topo: Topology,
+    world_rank: int,
+    budget_s: float,
+    settings: SweepSettings,
 ) -> list[dict[str, Any]]:
     """Rows this rank contributes for one level: only a group's rank 0 reports, others return []."""
     if comm is None:
@@ -481,13 +498,12 @@ def run_torch(settings: SweepSettings, csv_path: Path, backend: str) -> None:
         topo = Topology.from_hostnames(hostnames)
         rows: list[dict[str, Any]] = []
         levels = topo.levels()
-        for index, level in enumerate(levels):
+        for level in levels:
             group = _torch_level_group(level, topo, world_rank)
             comm = TorchCommunicator(group, device) if group is not None else None
-            budget = settings.budget_s / len(levels)
-            rows += _level_rows(comm, level, topo, world_rank, budget, settings)
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, rows if index == len(levels) - 1 else [])
+            rows += _level_rows(comm, level, topo, world_rank, settings.budget_s / len(levels), settings)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
         if world_rank == 0:
             write_rows([row for part in gathered for row in part], csv_path)
     finally:
@@ -541,7 +557,9 @@ def _mpi_level_comm(level: str, topo: Topology, world_rank: int) -> Any:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["torch", "mpi"], required=True)
     parser.add_argument("--torch-backend", choices=["auto", "gloo", "nccl"], default="auto")
     parser.add_argument("--csv", type=Path, required=True, help="where rank 0 writes its rows")

@@ -10,7 +10,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,9 @@ def load_ds_config(path: Path, world_size: int) -> DsSettings:
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise UserError(f"--deepspeed_config {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+        raise UserError(
+            f"--deepspeed_config {path}: not valid JSON ({exc.msg} at line {exc.lineno})"
+        ) from exc
     if not isinstance(raw, dict):
         raise UserError(f"--deepspeed_config {path}: the top level must be a JSON object")
     auto = _find_auto(raw)
@@ -209,7 +211,8 @@ class TrainConfig:
     num_workers: int = 2
     max_bad_fraction: float = 0.5
     """Above this fraction of unreadable images the run stops instead of skipping them."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    export_final: bool = False
+    """Write `<output-dir>/final`, a complete diffusers pipeline with the trained UNet, at the end."""
 
     def __post_init__(self) -> None:
         self.deepspeed_config = Path(self.deepspeed_config)
@@ -238,7 +241,9 @@ class TrainConfig:
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be >= 0, got {self.num_workers}")
         if not self.data.is_dir():
-            raise UserError(f"--data {self.data}: no such folder; point it at an image folder with metadata.jsonl")
+            raise UserError(
+                f"--data {self.data}: no such folder; point it at an image folder with metadata.jsonl"
+            )
         local = Path(self.model)
         if local.exists() and not (local / "model_index.json").is_file():
             raise UserError(
@@ -261,8 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sdzero/train.py",
         description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO. Launch with `deepspeed`.",
     )
-    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
-                   help="DeepSpeed JSON: ZeRO stage, precision, micro-batch, accumulation (see ds_configs/)")
+    p.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="deepspeed_config",
+        required=True,
+        help="DeepSpeed JSON: ZeRO stage, precision, micro-batch, accumulation (see ds_configs/)",
+    )
     p.add_argument("--model", required=True, help="diffusers pipeline folder or hub id")
     p.add_argument("--data", required=True, help="image folder with metadata.jsonl (file_name, text)")
     p.add_argument("--output-dir", required=True, help="where metrics.jsonl and checkpoints go")
@@ -270,10 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resolution", type=int, default=None, help="pixels; default: the model's native size")
     p.add_argument("--lr", type=float, default=None, help="base LR; default: the JSON's optimizer lr")
-    p.add_argument("--lr-scaling", choices=LR_SCALINGS, default="none",
-                   help="scale the LR by global batch / reference batch")
-    p.add_argument("--lr-reference-batch", type=int, default=None,
-                   help="global batch the base LR was tuned for; default: one rank's batch")
+    p.add_argument(
+        "--lr-scaling",
+        choices=LR_SCALINGS,
+        default="none",
+        help="scale the LR by global batch / reference batch",
+    )
+    p.add_argument(
+        "--lr-reference-batch",
+        type=int,
+        default=None,
+        help="global batch the base LR was tuned for; default: one rank's batch",
+    )
     p.add_argument("--lr-warmup-steps", type=int, default=0)
     p.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None)
     p.add_argument("--snr-gamma", type=float, default=None, help="Min-SNR weighting gamma (e.g. 5.0)")
@@ -283,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-crop", action="store_true", help="random instead of center crop")
     p.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
     p.add_argument("--max-bad-fraction", type=float, default=0.5)
+    p.add_argument(
+        "--export-final",
+        action="store_true",
+        help="write <output-dir>/final as a diffusers pipeline (safetensors) at the end",
+    )
     # Set by the deepspeed launcher; the rank is read from the environment instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p  # fmt: skip

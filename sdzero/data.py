@@ -55,10 +55,14 @@ def read_metadata(folder: Path) -> list[Record]:
         raise UserError(f"{meta}: cannot be parsed ({exc}); fix or regenerate the metadata file") from exc
     missing = {"file_name", "text"} - set(table.columns)
     if missing:
-        raise UserError(f"{meta}: missing column(s) {', '.join(sorted(missing))}; each row needs file_name and text")
+        raise UserError(
+            f"{meta}: missing column(s) {', '.join(sorted(missing))}; each row needs file_name and text"
+        )
     if table.empty:
         raise UserError(f"{meta}: lists no images")
-    return [Record(folder / str(f), "" if pd.isna(t) else str(t)) for f, t in zip(table.file_name, table.text)]
+    return [
+        Record(folder / str(f), "" if pd.isna(t) else str(t)) for f, t in zip(table.file_name, table.text)
+    ]
 
 
 def open_rgb(path: Path) -> Image.Image:
@@ -94,7 +98,9 @@ def sample_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index])))
 
 
-def resize_and_crop(img: Image.Image, resolution: int, rng: np.random.Generator, random_crop: bool) -> Image.Image:
+def resize_and_crop(
+    img: Image.Image, resolution: int, rng: np.random.Generator, random_crop: bool
+) -> Image.Image:
     w, h = img.size
     scale = resolution / min(w, h)
     new_w, new_h = max(resolution, round(w * scale)), max(resolution, round(h * scale))
@@ -164,7 +170,9 @@ class CaptionedImages(Dataset):
                 return open_rgb(self.records[i].path)
             except IMAGE_ERRORS as exc:
                 self.late_failures += 1
-                log.warning("image %s became unreadable (%s); using the next sample", self.records[i].path, exc)
+                log.warning(
+                    "image %s became unreadable (%s); using the next sample", self.records[i].path, exc
+                )
         raise UserError("no readable image left in the dataset")
 
 

@@ -131,7 +131,9 @@ def make_lr_scheduler(cfg: TrainConfig, ds: DsSettings):
     if "scheduler" in ds.raw or cfg.lr_warmup_steps <= 0:
         return None  # DeepSpeed's own scheduler section, or a constant LR
     warmup = cfg.lr_warmup_steps
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup)
+    )
 
 
 def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components):
@@ -185,7 +187,9 @@ def micro_step(engine, comps: Components, batch: dict[str, torch.Tensor], predic
     return loss.detach()
 
 
-def prepare_output(cfg: TrainConfig, ds: DsSettings, config: dict[str, Any], rank: int) -> MetricsWriter | None:
+def prepare_output(
+    cfg: TrainConfig, ds: DsSettings, config: dict[str, Any], rank: int
+) -> MetricsWriter | None:
     if rank != 0:
         return None
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +198,9 @@ def prepare_output(cfg: TrainConfig, ds: DsSettings, config: dict[str, Any], ran
         log.info("an earlier run's metrics were moved to %s", moved)
     (cfg.output_dir / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
     run = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    run.update(zero_stage=ds.zero_stage, dtype=ds.dtype, world_size=ds.world_size, lr_effective=cfg.effective_lr(ds))
+    run.update(
+        zero_stage=ds.zero_stage, dtype=ds.dtype, world_size=ds.world_size, lr_effective=cfg.effective_lr(ds)
+    )
     (cfg.output_dir / "run_config.json").write_text(json.dumps(run, indent=2) + "\n")
     return MetricsWriter(cfg.output_dir / "metrics.jsonl")
 
@@ -237,10 +243,25 @@ def run(cfg: TrainConfig) -> RunSummary:
             ds.zero_stage, ds.dtype, world, ds.micro_batch, ds.grad_accum, ds.global_batch,
             cfg.effective_lr(ds), cfg.lr_scaling, len(dataset), n_bad,
         )  # fmt: skip
-    return train_steps(cfg, ds, comps, engine, Batches(loader, sampler), writer, prediction_type, n_bad, device)
+    return train_steps(
+        cfg, ds, comps, engine, Batches(loader, sampler), writer, prediction_type, n_bad, device
+    )
 
 
-def train_steps(cfg, ds, comps, engine, batches: Batches, writer, prediction_type, n_bad, device) -> RunSummary:
+def export_final(cfg: TrainConfig, engine, comps: Components, rank: int) -> None:
+    from sdzero.export import gathered_state_dict, write_pipeline
+
+    state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
+    if rank == 0 and state is not None:
+        dtype = next(iter(state.values())).dtype
+        out = write_pipeline(cfg.output_dir / "final", state, comps, dtype)
+        log.info("exported the trained pipeline to %s", out)
+    dist.barrier()
+
+
+def train_steps(
+    cfg, ds, comps, engine, batches: Batches, writer, prediction_type, n_bad, device
+) -> RunSummary:
     from tqdm import tqdm
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -268,7 +289,10 @@ def train_steps(cfg, ds, comps, engine, batches: Batches, writer, prediction_typ
             "lr": float(engine.get_lr()[0]),
             "samples_per_s": samples_per_s,
             "step_time_s": step_time,
-            **{k: timer.seconds.get(k, 0.0) for k in ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")},
+            **{
+                k: timer.seconds.get(k, 0.0)
+                for k in ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")
+            },
             "world_size": world,
             "zero_stage": ds.zero_stage,
             "dtype": ds.dtype,
@@ -282,13 +306,17 @@ def train_steps(cfg, ds, comps, engine, batches: Batches, writer, prediction_typ
         if writer is not None:
             writer.write(record)
             if engine.monitor.enabled:
-                engine.monitor.write_events([("Train/Samples/samples_per_s", samples_per_s, engine.global_samples)])
+                engine.monitor.write_events(
+                    [("Train/Samples/samples_per_s", samples_per_s, engine.global_samples)]
+                )
         bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}")
         bar.update(1)
     bar.close()
     metrics_path = str(cfg.output_dir / "metrics.jsonl")
     if writer is not None:
         writer.close()
+    if cfg.export_final:
+        export_final(cfg, engine, comps, rank)
     steady = rates[1:] or rates  # the first step includes one-off warm-up (allocations, JIT, workers)
     return RunSummary(
         steps=cfg.max_steps,

@@ -50,7 +50,9 @@ def detect_family(model: str) -> str:
     family = PIPELINE_FAMILIES.get(class_name)
     if family is None:
         known = ", ".join(PIPELINE_FAMILIES)
-        raise UserError(f"--model {model}: pipeline class {class_name!r} is not supported yet (supported: {known})")
+        raise UserError(
+            f"--model {model}: pipeline class {class_name!r} is not supported yet (supported: {known})"
+        )
     return family
 
 

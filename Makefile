@@ -1,0 +1,43 @@
+# sdzero: `make demo` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel by default (small, on this machine's disk); on GPU machines: make venv TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+# mpi4py needs an MPI toolchain (apt: libopenmpi-dev openmpi-bin); it is added when mpicc is present.
+EXTRAS ?= dev$(shell command -v mpicc >/dev/null 2>&1 && echo ,mpi)
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test test-unit lint format bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	@# DeepSpeed builds its CPU/GPU ops just in time; build the Adam ones once here, not inside a timed job.
+	$(BIN)/python -c "import torch; from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam; \
+	  p = [torch.nn.Parameter(torch.zeros(1))]; FusedAdam(p); DeepSpeedCPUAdam(p)" >/dev/null
+	touch $@
+
+demo: venv
+	$(BIN)/sdzero demo --out demo
+
+test: venv
+	$(BIN)/pytest -q $(PYTEST_ARGS) tests
+
+test-unit: venv
+	$(BIN)/pytest -q -m "not dist and not multinode" tests
+
+lint: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench: venv
+	$(BIN)/python bench/trainer_overhead.py
+
+clean:
+	rm -rf demo .pytest_cache

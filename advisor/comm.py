@@ -1,0 +1,484 @@
+"""`sdzero comm`: run the collectives benchmark under real launchers and fit alpha-beta models.
+
+The torch.distributed ranks start through the `deepspeed` launcher (the same launcher the trainer uses),
+the MPI ranks through `mpirun`; each runs `python -m advisor.collectives`. Rank 0 of each writes a CSV;
+this driver joins them into `<out>/comm.csv`, fits t = alpha + size_bytes * beta per backend, collective
+and link level (advisor.alphabeta), and writes `<out>/comm_fit.json`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import pandas as pd
+import typer
+
+import advisor
+from advisor.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload, write_json_atomic
+from sdzero.errors import UserError
+
+BACKENDS: tuple[str, ...] = ("torch", "mpi")
+MIB = 2**20
+# Starting ranks (imports, rendezvous) is not part of the budget; this much slack covers it before a
+# run that has not finished is declared hung and killed.
+STARTUP_SLACK_S = 180.0
+_HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+
+
+@dataclass
+class CommResult:
+    """What `run_comm` measured and where it wrote it."""
+
+    csv_path: Path
+    fit_path: Path
+    table: pd.DataFrame
+    fits: list[AlphaBetaFit]
+    log_paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def all_correct(self) -> bool:
+        return bool(self.table["correct"].astype(bool).all())
+
+    @property
+    def noisy_fraction(self) -> float:
+        """Share of points whose timed repeats disagreed by more than NOISY_SPREAD of their median."""
+        return float((self.table["time_spread"] > NOISY_SPREAD).mean())
+
+
+class CommRunError(RuntimeError):
+    """A benchmark run failed or hung; the message names its log file."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Ranks and hosts, shared by both launchers."""
+
+    ranks_per_node: int
+    hosts: tuple[str, ...]
+    hostfile: Path | None
+
+    @property
+    def total_ranks(self) -> int:
+        return self.ranks_per_node * max(len(self.hosts), 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Input checks: each raises UserError with one line that names the flag and the fix
+
+
+def read_hostfile(path: Path) -> tuple[str, ...]:
+    """Hosts of a DeepSpeed/Open MPI hostfile (`host slots=N` per line, `#` comments)."""
+    if not path.is_file():
+        raise UserError(f"--hostfile {path}: no such file; give a file with one 'host slots=N' line per node")
+    hosts: list[str] = []
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _HOSTFILE_LINE.match(line)
+        if match is None:
+            raise UserError(f"--hostfile {path}:{number}: expected 'host slots=N', got {raw.strip()!r}")
+        if match.group(1) in hosts:
+            raise UserError(f"--hostfile {path}:{number}: host {match.group(1)} is listed twice")
+        hosts.append(match.group(1))
+    if not hosts:
+        raise UserError(f"--hostfile {path}: no hosts in it; add one 'host slots=N' line per node")
+    return tuple(hosts)
+
+
+def check_sweep(num_ranks: int, min_bytes: int, max_bytes: int, budget_s: float, hosts: int) -> None:
+    if num_ranks < 1:
+        raise UserError(f"--ranks {num_ranks}: need at least 1 rank per node")
+    if num_ranks * max(hosts, 1) < 2:
+        raise UserError("--ranks 1 on one node: a collective needs 2 ranks or more; use --ranks 2")
+    if min_bytes < 4 * num_ranks * max(hosts, 1):
+        raise UserError(f"--min-bytes {min_bytes}: must hold one float32 per rank; use 4KiB or more")
+    if max_bytes < min_bytes:
+        raise UserError(f"--max-bytes {max_bytes} is below --min-bytes {min_bytes}; raise --max-bytes")
+    if not budget_s > 0:
+        raise UserError(f"--budget-s {budget_s}: must be a positive number of seconds")
+
+
+def check_backends(backends: Sequence[str]) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(backends))  # keep order, drop repeats
+    unknown = [b for b in chosen if b not in BACKENDS]
+    if not chosen or unknown:
+        raise UserError(f"--backend {', '.join(unknown) or '(none)'}: choose from {', '.join(BACKENDS)}")
+    return chosen
+
+
+def deepspeed_launcher() -> str:
+    """The `deepspeed` script of this interpreter's environment, else the one on PATH."""
+    beside = Path(sys.executable).with_name("deepspeed")
+    found = str(beside) if beside.is_file() else shutil.which("deepspeed")
+    if found is None:
+        raise UserError(
+            "--backend torch needs the `deepspeed` launcher; install it with `pip install deepspeed`"
+        )
+    return found
+
+
+def mpirun_launcher() -> str:
+    found = shutil.which("mpirun")
+    if found is None:
+        raise UserError(
+            "--backend mpi needs `mpirun`, which is not on PATH: install Open MPI "
+            "(`apt-get install openmpi-bin libopenmpi-dev`) or leave mpi out with --backend torch"
+        )
+    if importlib.util.find_spec("mpi4py") is None:
+        raise UserError(
+            "--backend mpi needs mpi4py in this environment: `pip install mpi4py` (after Open MPI is installed)"
+        )
+    return found
+
+
+def free_port() -> int:
+    """A TCP port free right now (the OS picks it); the launcher binds it a moment later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch commands
+
+
+def rank_args(backend: str, csv_path: Path, min_bytes: int, max_bytes: int, budget_s: float) -> list[str]:
+    return [
+        "--backend",
+        backend,
+        "--csv",
+        str(csv_path),
+        "--min-bytes",
+        str(min_bytes),
+        "--max-bytes",
+        str(max_bytes),
+        "--budget-s",
+        f"{budget_s:g}",
+    ]
+
+
+def torch_command(plan: LaunchPlan, args: list[str], torch_backend: str, no_hostfile: Path) -> list[str]:
+    # DeepSpeed reads /job/hostfile when no --hostfile is given; a path that does not exist keeps a local
+    # run local, as mpirun's is.
+    hostfile = str(plan.hostfile) if plan.hostfile else str(no_hostfile)
+    return [
+        deepspeed_launcher(),
+        "--hostfile",
+        hostfile,
+        "--num_gpus",
+        str(plan.ranks_per_node),
+        "--master_port",
+        str(free_port()),
+        "--no_local_rank",
+        "--module",
+        "advisor.collectives",
+        *args,
+        "--torch-backend",
+        torch_backend,
+    ]
+
+
+def mpi_command(plan: LaunchPlan, args: list[str], extra: Sequence[str]) -> list[str]:
+    command = [mpirun_launcher(), "--allow-run-as-root", "--oversubscribe", "-np", str(plan.total_ranks)]
+    if plan.hostfile:
+        command += ["--hostfile", str(plan.hostfile), "--npernode", str(plan.ranks_per_node)]
+    # -x forwards PYTHONPATH to remote ranks so they import this checkout's advisor package
+    command += ["-x", "PYTHONPATH", *extra, sys.executable, "-u", "-m", "advisor.collectives", *args]
+    return command
+
+
+def rank_environment() -> dict[str, str]:
+    """This environment plus the directory that holds the advisor package on PYTHONPATH."""
+    env = os.environ.copy()
+    root = str(Path(advisor.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def launch(command: list[str], log_path: Path, timeout_s: float) -> None:
+    """Run a launcher in its own session, output to `log_path`; kill the whole session if it hangs."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=rank_environment(), start_new_session=True
+        )
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_session(process)
+            raise CommRunError(f"{command[0]} did not finish in {timeout_s:.0f} s; see {log_path}") from None
+    if returncode != 0:
+        raise CommRunError(
+            f"{Path(command[0]).name} exited with {returncode}; see {log_path}:\n{_tail(log_path)}"
+        )
+
+
+def _kill_session(process: subprocess.Popen[bytes]) -> None:
+    # the launcher's children (the ranks) share its session; stop them all, politely first
+    for sig, grace_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=grace_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+# --------------------------------------------------------------------------------------------------
+# The driver
+
+
+def run_backend(
+    backend: str,
+    plan: LaunchPlan,
+    work_dir: Path,
+    sweep: tuple[int, int, float],
+    torch_backend: str = "auto",
+    mpirun_args: Sequence[str] = (),
+) -> tuple[pd.DataFrame, Path]:
+    """Launch one backend's ranks, wait, and read rank 0's CSV."""
+    min_bytes, max_bytes, budget_s = sweep
+    csv_path = work_dir / f"{backend}.csv"
+    csv_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
+    args = rank_args(backend, csv_path, min_bytes, max_bytes, budget_s)
+    if backend == "torch":
+        command = torch_command(plan, args, torch_backend, work_dir / "no-hostfile")
+    else:
+        command = mpi_command(plan, args, mpirun_args)
+    log_path = work_dir / f"{backend}.log"
+    launch(command, log_path, timeout_s=2.0 * budget_s + STARTUP_SLACK_S)
+    if not csv_path.is_file():
+        raise CommRunError(f"{backend}: the ranks exited without writing {csv_path}; see {log_path}")
+    table = pd.read_csv(csv_path, keep_default_na=False)  # an empty note stays "", not NaN
+    if table.empty:
+        raise CommRunError(f"{backend}: no measurements in {csv_path}; see {log_path}")
+    return table, log_path
+
+
+def write_csv_atomic(table: pd.DataFrame, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    table.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def run_comm(
+    out_dir: Path,
+    num_ranks: int = 2,
+    hostfile: Path | None = None,
+    backends: Sequence[str] = BACKENDS,
+    min_bytes: int = 4096,
+    max_bytes: int = 256 * MIB,
+    budget_s: float = 120.0,
+    torch_backend: str = "auto",
+    mpirun_args: Sequence[str] = (),
+    log: Callable[[str], None] | None = None,
+) -> CommResult:
+    """Benchmark all-reduce, reduce-scatter and all-gather with each backend; write CSV and fits.
+
+    num_ranks is ranks per node (the whole job without a hostfile). budget_s is the measuring time for all
+    backends together, split evenly; starting the ranks comes on top. Prerequisites of every requested
+    backend are checked before anything starts, so a missing mpirun fails fast with a UserError.
+    """
+    say = log or (lambda message: None)
+    out_dir = Path(out_dir)
+    chosen = check_backends(backends)
+    hosts = read_hostfile(hostfile) if hostfile else ()
+    check_sweep(num_ranks, min_bytes, max_bytes, budget_s, len(hosts))
+    if torch_backend not in ("auto", "gloo", "nccl"):
+        raise UserError(f"--torch-backend {torch_backend}: choose auto, gloo or nccl")
+    for backend in chosen:  # fail before any run, not after the first one
+        if backend == "torch":
+            deepspeed_launcher()
+        else:
+            mpirun_launcher()
+    plan = LaunchPlan(num_ranks, hosts, hostfile.resolve() if hostfile else None)
+    work_dir = out_dir / "comm_logs"
+    per_backend_s = budget_s / len(chosen)
+    tables, logs = [], {}
+    for backend in chosen:
+        say(
+            f"{backend}: {plan.total_ranks} ranks, {per_backend_s:.0f} s budget, log {work_dir / backend}.log"
+        )
+        started = time.perf_counter()
+        table, logs[backend] = run_backend(
+            backend, plan, work_dir, (min_bytes, max_bytes, per_backend_s), torch_backend, mpirun_args
+        )
+        say(f"{backend}: {len(table)} points in {time.perf_counter() - started:.1f} s")
+        tables.append(table)
+    table = pd.concat(tables, ignore_index=True)
+    fits = fit_table(table)
+    csv_path, fit_path = out_dir / "comm.csv", out_dir / "comm_fit.json"
+    write_csv_atomic(table, csv_path)
+    meta = _meta(plan, chosen, (min_bytes, max_bytes, budget_s), table)
+    write_json_atomic(fit_path, fits_payload(fits, meta))
+    return CommResult(csv_path, fit_path, table, fits, logs)
+
+
+def _meta(
+    plan: LaunchPlan, backends: Sequence[str], sweep: tuple[int, int, float], table: pd.DataFrame
+) -> dict[str, Any]:
+    import torch
+
+    min_bytes, max_bytes, budget_s = sweep
+    return {
+        "created_unix_s": time.time(),
+        "host": platform.node(),
+        "ranks_per_node": plan.ranks_per_node,
+        "hosts": list(plan.hosts) or [platform.node()],
+        "hostfile": str(plan.hostfile) if plan.hostfile else None,
+        "backends": list(backends),
+        "libraries": sorted(table["library"].unique().tolist()),
+        "requested_min_bytes": min_bytes,
+        "requested_max_bytes": max_bytes,
+        "measured_max_bytes": int(table["size_bytes"].max()),
+        "budget_s": budget_s,
+        "all_correct": bool(table["correct"].astype(bool).all()),
+        "noisy_fraction": float((table["time_spread"] > NOISY_SPREAD).mean()),
+        "torch_version": torch.__version__,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """'4096', '4K', '4KiB', '256M', '1GiB' -> bytes (binary multiples)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise UserError(
+            f"{flag} {text!r}: give bytes as a number with an optional K, M or G (e.g. 4KiB, 256MiB)"
+        )
+    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2).upper() or " ")
+
+
+def comm_command(
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Directory for comm.csv, comm_fit.json and logs.")
+    ] = Path("reports/comm"),
+    ranks: Annotated[
+        int, typer.Option("--ranks", "-n", help="Ranks per node (all ranks without --hostfile).")
+    ] = 2,
+    hostfile: Annotated[
+        Path | None,
+        typer.Option(help="DeepSpeed/Open MPI hostfile ('host slots=N' lines): adds the across-nodes level."),
+    ] = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--backend", "-b", help="torch (deepspeed launcher: nccl/gloo) and/or mpi (mpirun); repeat."
+        ),
+    ] = None,
+    min_bytes: Annotated[str, typer.Option(help="Smallest message, e.g. 4KiB.")] = "4KiB",
+    max_bytes: Annotated[
+        str, typer.Option(help="Largest message, e.g. 256MiB; the budget may stop earlier.")
+    ] = "256MiB",
+    budget_s: Annotated[float, typer.Option(help="Seconds of measuring, all backends together.")] = 120.0,
+    torch_backend: Annotated[
+        str, typer.Option(help="auto (nccl on GPUs, gloo on CPUs), gloo or nccl.")
+    ] = "auto",
+) -> None:
+    """Benchmark all-reduce, reduce-scatter and all-gather (nccl-tests style) and fit alpha-beta models."""
+    from rich.console import Console
+
+    console = Console()
+    result = run_comm(
+        out_dir=out,
+        num_ranks=ranks,
+        hostfile=hostfile,
+        backends=backend or list(BACKENDS),
+        min_bytes=parse_bytes(min_bytes, "--min-bytes"),
+        max_bytes=parse_bytes(max_bytes, "--max-bytes"),
+        budget_s=budget_s,
+        torch_backend=torch_backend,
+        log=lambda message: console.print(f"[dim]{message}[/dim]"),
+    )
+    console.print(largest_size_table(result.table))
+    console.print(fits_table(result.fits))
+    console.print(f"wrote {result.csv_path} and {result.fit_path}")
+    if result.noisy_fraction > 0.1:
+        console.print(
+            f"[yellow]{result.noisy_fraction:.0%} of the points were noisy (repeats disagreed by more than "
+            f"{NOISY_SPREAD:.0%}): other processes are likely sharing these cores or links; rerun on an idle "
+            "machine for numbers to plan with[/yellow]"
+        )
+    if not result.all_correct:
+        console.print(f"[red]some reductions were wrong: see the 'correct' column of {result.csv_path}[/red]")
+        raise typer.Exit(1)
+
+
+def largest_size_table(table: pd.DataFrame) -> Any:
+    """A rich table of each backend's largest measured size, nccl-tests' columns."""
+    from rich.table import Table
+
+    view = Table(title="largest message per backend (GB/s = 1e9 bytes/s)")
+    for name in ("backend", "library", "level", "collective", "bytes", "time us", "algbw", "busbw", "ok"):
+        view.add_column(name)
+    keys = ["backend", "library", "link_level", "collective"]
+    for _, row in table.loc[table.groupby(keys)["size_bytes"].idxmax()].iterrows():
+        view.add_row(
+            row["backend"],
+            row["library"],
+            row["link_level"],
+            row["collective"] + (" *" if row["emulated"] else ""),
+            f"{row['size_bytes']:,}",
+            f"{row['time_s'] * 1e6:,.1f}",
+            f"{row['algbw_gbps']:.3f}",
+            f"{row['busbw_gbps']:.3f}",
+            "yes" if row["correct"] else "NO",
+        )
+    view.caption = "* emulated: see the note column of comm.csv"
+    return view
+
+
+def fits_table(fits: Sequence[AlphaBetaFit]) -> Any:
+    from rich.table import Table
+
+    view = Table(title="alpha-beta fits: t = alpha + bytes * beta")
+    for name in (
+        "backend",
+        "level",
+        "collective",
+        "ranks",
+        "latency us",
+        "busbw GB/s",
+        "rel rmse",
+        "clamped",
+    ):
+        view.add_column(name)
+    for fit in fits:
+        view.add_row(
+            fit.backend,
+            fit.link_level,
+            fit.collective,
+            str(fit.ranks),
+            f"{fit.latency_us:.1f}",
+            f"{fit.bandwidth_gbps:.3f}",
+            f"{fit.rel_rmse:.2f}",
+            ",".join(fit.clamped) or "-",
+        )
+    return view

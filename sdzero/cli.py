@@ -1,0 +1,118 @@
+"""The `sdzero` command. Each command parses its options and calls a plain function."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sdzero.errors import EXIT_USER_ERROR, UserError
+
+app = typer.Typer(
+    name="sdzero",
+    help="Fine-tune Stable Diffusion with DeepSpeed ZeRO, and find the config that scales.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out: Annotated[Path, typer.Argument(help="folder to write the diffusers pipeline into (must not exist)")],
+    family: Annotated[str, typer.Option(help="model family: sd15")] = "sd15",
+    seed: Annotated[int, typer.Option(help="seed of the random weights")] = 0,
+) -> None:
+    """Write a tiny random-weight pipeline in diffusers format (the embedded default model)."""
+    from sdzero.tiny import write_tiny_model
+
+    write_tiny_model(out, family=family, seed=seed)
+    typer.echo(f"wrote tiny {family} pipeline to {out}")
+
+
+@app.command("synth-data")
+def synth_data(
+    out: Annotated[
+        Path, typer.Argument(help="folder to write images and metadata.jsonl into (must not exist)")
+    ],
+    images: Annotated[int, typer.Option(help="number of images")] = 256,
+    size: Annotated[int, typer.Option(help="approximate image side in pixels")] = 48,
+    seed: Annotated[int, typer.Option(help="seed of shapes, colours and captions")] = 0,
+) -> None:
+    """Write coloured shapes on backgrounds, each with the caption that describes it."""
+    from sdzero.tiny import write_synthetic_dataset
+
+    write_synthetic_dataset(out, images=images, size=size, seed=seed)
+    typer.echo(f"wrote {images} captioned images to {out}")
+
+
+@app.command(
+    "train",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def train(
+    ctx: typer.Context,
+    num_gpus: Annotated[int | None, typer.Option(help="ranks on this machine (deepspeed --num_gpus)")] = None,
+    hostfile: Annotated[
+        Path | None, typer.Option(help="DeepSpeed hostfile: one `host slots=N` per line")
+    ] = None,
+    master_port: Annotated[int | None, typer.Option(help="rendezvous port; default: a free one")] = None,
+) -> None:
+    """Launch sdzero/train.py through the deepspeed launcher; other options go to the trainer."""
+    from sdzero.launch import deepspeed_command
+
+    cmd = deepspeed_command(list(ctx.args), num_gpus=num_gpus, hostfile=hostfile, master_port=master_port)
+    typer.echo("+ " + " ".join(cmd), err=True)
+    raise typer.Exit(subprocess.call(cmd))
+
+
+@app.command("demo")
+def demo(
+    out: Annotated[Path, typer.Option(help="work folder for model, data and run")] = Path("demo"),
+    ranks: Annotated[int, typer.Option(help="local ranks")] = 2,
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 60,
+    config: Annotated[
+        Path | None, typer.Option(help="DeepSpeed JSON; default ds_configs/zero2_bf16.json")
+    ] = None,
+) -> None:
+    """Train the tiny default model on synthetic data with 2 ranks under ZeRO-2 bf16."""
+    from sdzero.launch import deepspeed_command, shipped_config
+    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+
+    model, data, run_dir = out / "model", out / "data", out / "run"
+    if not (model / "model_index.json").exists():
+        write_tiny_model(model)
+    if not (data / "metadata.jsonl").exists():
+        write_synthetic_dataset(data, images=256)
+    ds_config = config or shipped_config("zero2_bf16.json")
+    args = ["--deepspeed_config", str(ds_config), "--model", str(model), "--data", str(data),
+            "--output-dir", str(run_dir), "--max-steps", str(steps), "--lr", "3e-4", "--num-workers", "1"]  # fmt: skip
+    code = subprocess.call(deepspeed_command(args, num_gpus=ranks))
+    if code == 0:
+        typer.echo(f"demo done: metrics in {run_dir / 'metrics.jsonl'}, effective DeepSpeed config in "
+                   f"{run_dir / 'ds_config.json'}")  # fmt: skip
+    raise typer.Exit(code)
+
+
+def _register_advisor_commands() -> None:
+    from advisor.comm import comm_command
+
+    app.command("comm")(comm_command)
+
+
+_register_advisor_commands()
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as exc:
+        print(f"sdzero: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Helpers for tests that launch the trainer through the real `deepspeed` launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from sdzero.launch import REPO_ROOT, deepspeed_command
+from sdzero.metrics import read_metrics
+
+SUPPORT = Path(__file__).resolve().parent / "support"
+CONFIGS = REPO_ROOT / "ds_configs"
+
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+SGD = {"type": "SGD", "params": {"lr": 0.05}}
+
+
+def fp32_config(
+    stage: int, micro: int = 4, accum: int = 1, optimizer: dict | None = None, **zero: Any
+) -> dict:
+    """A test config without mixed precision, for comparisons that must be exact or nearly so."""
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": 1.0,
+        "optimizer": optimizer or ADAMW,
+        "zero_optimization": {"stage": stage, **zero},
+        "zero_allow_untested_optimizer": True,  # plain torch SGD under ZeRO
+        "steps_per_print": 1000000,
+    }
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def run_trainer(
+    config: Path,
+    model: Path,
+    data: Path,
+    out: Path,
+    *extra: str,
+    steps: int = 2,
+    ranks: int = 2,
+    fp16_on_cpu: bool = False,
+    timeout: float = 400,
+) -> subprocess.CompletedProcess:
+    args = ["--deepspeed_config", str(config), "--model", str(model), "--data", str(data),
+            "--output-dir", str(out), "--max-steps", str(steps), "--num-workers", "1", *extra]  # fmt: skip
+    env = dict(os.environ)
+    if fp16_on_cpu:
+        env["SDZERO_TEST_FP16_ON_CPU"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        deepspeed_command(args, num_gpus=ranks), capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (
+        f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    return read_metrics(out / "metrics.jsonl")

@@ -1,0 +1,184 @@
+"""Alpha-beta fits and nccl-tests bandwidth definitions (advisor.alphabeta)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from advisor.alphabeta import (
+    AlphaBetaFit,
+    algbw_gbps,
+    bus_factor,
+    busbw_gbps,
+    fit_line,
+    fit_table,
+    fits_payload,
+    load_fits,
+    ring_latency_steps,
+    write_json_atomic,
+)
+
+SIZES = np.array([4096 * 2**k for k in range(17)], dtype=float)  # 4 KiB .. 256 MiB
+
+
+def test_fit_recovers_exact_alpha_beta() -> None:
+    alpha, beta = 25e-6, 1 / 12e9  # 25 us, 12 GB/s
+    fit = fit_line(SIZES, alpha + beta * SIZES)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-9)
+    assert fit.beta_s_per_byte == pytest.approx(beta, rel=1e-9)
+    assert fit.clamped == ()
+    assert fit.rel_rmse < 1e-9
+
+
+def test_fit_recovers_alpha_beta_under_noise() -> None:
+    alpha, beta = 8e-6, 1 / 40e9
+    rng = np.random.default_rng(0)
+    times = (alpha + beta * SIZES) * rng.uniform(0.97, 1.03, SIZES.size)  # +-3 % multiplicative noise
+    fit = fit_line(SIZES, times)
+    assert fit.alpha_s == pytest.approx(alpha, rel=0.1)
+    assert fit.beta_s_per_byte == pytest.approx(beta, rel=0.05)
+
+
+def test_noise_at_large_sizes_does_not_spoil_the_latency() -> None:
+    # a 1 % wobble on the largest sizes is larger than alpha itself: one absolute fit would ruin alpha
+    alpha, beta = 5e-6, 1 / 10e9
+    times = alpha + beta * SIZES
+    times[-3:] *= [1.01, 0.99, 1.01]
+    fit = fit_line(SIZES, times)
+    assert fit.alpha_s == pytest.approx(alpha, rel=0.05)
+
+
+def test_regime_change_keeps_both_ends_right() -> None:
+    # shared memory: 20 GB/s while in cache, 2 GB/s from 2 MiB up (as Open MPI showed on this project's box)
+    alpha = 3e-6
+    in_cache = SIZES < 2 * 2**20
+    times = np.where(in_cache, alpha + SIZES / 20e9, 200e-6 + SIZES / 2e9)
+    fit = fit_line(SIZES, times)
+    assert 1 / fit.beta_s_per_byte / 1e9 == pytest.approx(2.0, rel=1e-6)  # the large-message bandwidth
+    assert fit.alpha_s == pytest.approx(alpha, rel=0.01)
+    large = SIZES >= 32 * 2**20
+    assert np.all(
+        np.abs(fit.alpha_s + fit.beta_s_per_byte * SIZES[large] - times[large]) / times[large] < 0.02
+    )
+    assert fit.max_rel_error > 1.0  # and the misfit in the middle is reported, not hidden
+    assert fit.rel_rmse < fit.max_rel_error
+
+
+def test_non_positive_alpha_is_floored_and_reported() -> None:
+    times = -1e-8 + SIZES / 10e9  # zero latency measured a hair fast: a small negative intercept
+    fit = fit_line(SIZES, times)
+    assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0
+    assert fit.clamped == ("alpha",)
+    assert fit.beta_s_per_byte == pytest.approx(1 / 10e9, rel=0.05)
+
+
+def test_flat_times_floor_beta_and_keep_the_latency() -> None:
+    times = np.full(SIZES.size, 30e-6)
+    times[-1] *= 0.9  # time falls with size: the unconstrained beta is negative
+    fit = fit_line(SIZES, times)
+    assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0
+    assert "beta" in fit.clamped
+    assert fit.alpha_s == pytest.approx(30e-6, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "times"),
+    [([4096, 4096], [1e-5, 2e-5]), ([4096, 8192], [1e-5, 0.0]), ([0, 8192], [1e-5, 2e-5])],
+)
+def test_fit_refuses_data_that_cannot_define_a_line(sizes: list[int], times: list[float]) -> None:
+    with pytest.raises(ValueError):
+        fit_line(sizes, times)
+
+
+@pytest.mark.parametrize(
+    ("collective", "ranks", "factor"),
+    [
+        ("all_reduce", 2, 1.0),
+        ("all_reduce", 4, 1.5),
+        ("all_reduce", 8, 1.75),
+        ("reduce_scatter", 2, 0.5),
+        ("reduce_scatter", 8, 0.875),
+        ("all_gather", 4, 0.75),
+        ("all_gather", 1, 0.0),
+    ],
+)
+def test_bus_factor_follows_nccl_tests(collective: str, ranks: int, factor: float) -> None:
+    assert bus_factor(collective, ranks) == pytest.approx(factor)
+    assert busbw_gbps(collective, ranks, 2e9, 1.0) == pytest.approx(2.0 * factor)
+
+
+def test_algbw_and_unknown_collective() -> None:
+    assert algbw_gbps(256 * 2**20, 0.1) == pytest.approx(256 * 2**20 / 0.1 / 1e9)
+    assert ring_latency_steps("all_reduce", 4) == 6 and ring_latency_steps("all_gather", 4) == 3
+    with pytest.raises(ValueError, match="unknown collective"):
+        bus_factor("broadcast", 2)
+
+
+def _synthetic_table(alpha: float, beta: float, correct: bool = True) -> pd.DataFrame:
+    rows = []
+    for collective in ("all_reduce", "all_gather"):
+        for size in SIZES[:8]:
+            rows.append(
+                {
+                    "backend": "mpi",
+                    "library": "Open MPI v4.1.4",
+                    "collective": collective,
+                    "link_level": "intra",
+                    "ranks": 4,
+                    "nodes": 1,
+                    "size_bytes": int(size),
+                    "time_s": alpha + beta * size,
+                    "correct": correct,
+                    "emulated": False,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def test_fit_table_gives_one_fit_per_group_and_derived_units() -> None:
+    alpha, beta = 10e-6, 1 / 5e9
+    fits = fit_table(_synthetic_table(alpha, beta))
+    assert [f.collective for f in fits] == ["all_gather", "all_reduce"]
+    ar = fits[1]
+    assert ar.latency_us == pytest.approx(10.0, rel=1e-6)
+    assert ar.algbw_gbps == pytest.approx(5.0, rel=1e-6)
+    assert ar.bandwidth_gbps == pytest.approx(5.0 * 1.5, rel=1e-6)  # busbw, 4 ranks all-reduce
+    assert ar.hop_latency_us == pytest.approx(10.0 / 6, rel=1e-6)
+    assert ar.predict_s(1e6) == pytest.approx(alpha + beta * 1e6)
+
+
+def test_fit_table_leaves_out_noisy_points() -> None:
+    alpha, beta = 10e-6, 1 / 5e9
+    table = _synthetic_table(alpha, beta)
+    table["time_spread"] = 0.1
+    largest = table["size_bytes"] == table["size_bytes"].max()
+    table.loc[largest, "time_s"] *= 20  # a rank descheduled by another job during the largest size
+    table.loc[largest, "time_spread"] = 2.5
+    for fit in fit_table(table):
+        assert fit.noisy_points_dropped == 1 and fit.n_points == 7
+        assert fit.beta_s_per_byte == pytest.approx(beta, rel=1e-6)
+    table["time_spread"] = 2.5  # everything noisy: keep all rather than fit nothing
+    assert all(fit.noisy_points_dropped == 0 for fit in fit_table(table))
+
+
+def test_fit_table_ignores_wrong_results() -> None:
+    assert fit_table(_synthetic_table(10e-6, 1 / 5e9, correct=False)) == []
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    fits = fit_table(_synthetic_table(10e-6, 1 / 5e9))
+    path = tmp_path / "comm_fit.json"
+    write_json_atomic(path, fits_payload(fits, {"note": "test"}))
+    data = json.loads(path.read_text())
+    assert data["fits"][0]["bandwidth_gbps"] > 0 and data["fits"][0]["latency_us"] > 0
+    assert load_fits(path) == fits
+    assert [p.name for p in tmp_path.iterdir()] == ["comm_fit.json"]  # no temporary left behind
+
+
+def test_from_dict_ignores_derived_fields() -> None:
+    fit = AlphaBetaFit("torch", "gloo", "all_reduce", "intra", 2, 1, 1e-5, 1e-10, 5, 4096, 65536, 0.01)
+    assert AlphaBetaFit.from_dict(fit.to_dict()) == fit
