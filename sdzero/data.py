@@ -61,7 +61,8 @@ def read_metadata(folder: Path) -> list[Record]:
     if table.empty:
         raise UserError(f"{meta}: lists no images")
     return [
-        Record(folder / str(f), "" if pd.isna(t) else str(t)) for f, t in zip(table.file_name, table.text)
+        Record(folder / str(f), "" if pd.isna(t) else str(t))
+        for f, t in zip(table.file_name, table.text, strict=True)
     ]
 
 

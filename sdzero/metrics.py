@@ -55,7 +55,7 @@ class MetricsWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = open(self.path, "a")
+        self._file: TextIO = open(self.path, "a")  # noqa: SIM115 (held open for the whole run)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

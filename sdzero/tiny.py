@@ -200,12 +200,11 @@ def write_synthetic_dataset(out: Path, images: int, size: int = 48, seed: int = 
     if size < 8:
         raise UserError(f"--size must be at least 8 pixels, got {size}")
     rng = np.random.default_rng(seed)
-    with atomic_dir(Path(out)) as tmp:
-        with open(tmp / "metadata.jsonl", "w") as meta:
-            for i in range(images):
-                side = int(size + rng.integers(0, size // 4 + 1))
-                caption, img = _caption_and_image(rng, side)
-                name = f"{i:06d}.png"
-                img.save(tmp / name)
-                meta.write(json.dumps({"file_name": name, "text": caption}) + "\n")
+    with atomic_dir(Path(out)) as tmp, open(tmp / "metadata.jsonl", "w") as meta:
+        for i in range(images):
+            side = int(size + rng.integers(0, size // 4 + 1))
+            caption, img = _caption_and_image(rng, side)
+            name = f"{i:06d}.png"
+            img.save(tmp / name)
+            meta.write(json.dumps({"file_name": name, "text": caption}) + "\n")
     return Path(out)
