@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,7 +22,25 @@ app = typer.Typer(
 )
 
 
-@app.command("tiny-model")
+def command(name: str, **settings: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a command whose bad input (UserError) becomes one line on stderr and exit code 2."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except UserError as exc:
+                typer.echo(f"sdzero: error: {exc}", err=True)
+                raise typer.Exit(EXIT_USER_ERROR) from None
+
+        app.command(name, **settings)(wrapper)
+        return fn
+
+    return register
+
+
+@command("tiny-model")
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="folder to write the diffusers pipeline into (must not exist)")],
     family: Annotated[str, typer.Option(help="model family: sd15")] = "sd15",
@@ -33,7 +53,7 @@ def tiny_model(
     typer.echo(f"wrote tiny {family} pipeline to {out}")
 
 
-@app.command("synth-data")
+@command("synth-data")
 def synth_data(
     out: Annotated[
         Path, typer.Argument(help="folder to write images and metadata.jsonl into (must not exist)")
@@ -49,7 +69,7 @@ def synth_data(
     typer.echo(f"wrote {images} captioned images to {out}")
 
 
-@app.command(
+@command(
     "train",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
@@ -69,7 +89,7 @@ def train(
     raise typer.Exit(subprocess.call(cmd))
 
 
-@app.command("demo")
+@command("demo")
 def demo(
     out: Annotated[Path, typer.Option(help="work folder for model, data and run")] = Path("demo"),
     ranks: Annotated[int, typer.Option(help="local ranks")] = 2,
@@ -100,7 +120,7 @@ def demo(
 def _register_advisor_commands() -> None:
     from advisor.comm import comm_command
 
-    app.command("comm")(comm_command)
+    command("comm")(comm_command)
 
 
 _register_advisor_commands()

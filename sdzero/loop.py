@@ -306,8 +306,12 @@ def train_steps(
         if writer is not None:
             writer.write(record)
             if engine.monitor.enabled:
+                # DeepSpeed's monitor logs lr and loss scale itself; the rank-mean loss is ours to add.
                 engine.monitor.write_events(
-                    [("Train/Samples/samples_per_s", samples_per_s, engine.global_samples)]
+                    [
+                        ("Train/Samples/train_loss", loss, engine.global_samples),
+                        ("Train/Samples/samples_per_s", samples_per_s, engine.global_samples),
+                    ]
                 )
         bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}")
         bar.update(1)

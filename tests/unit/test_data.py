@@ -1,0 +1,142 @@
+"""Metadata parsing, unreadable-image detection, per-sample determinism and the distributed sampler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdzero.data import (
+    CaptionedImages,
+    EpochSampler,
+    Record,
+    SampleSpec,
+    check_bad_fraction,
+    find_unreadable,
+    read_metadata,
+)
+from sdzero.errors import UserError
+
+
+def make_folder(tmp_path: Path, n: int = 6) -> Path:
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rows = []
+    for i in range(n):
+        Image.new("RGB", (40 + i, 32), (10 * i, 100, 200)).save(folder / f"{i}.png")
+        rows.append({"file_name": f"{i}.png", "text": f"image {i}"})
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return folder
+
+
+def corrupt(folder: Path) -> dict[str, str]:
+    """Zero-byte, truncated, not-an-image and missing files, the ways real datasets go bad."""
+    (folder / "0.png").write_bytes(b"")
+    data = (folder / "1.png").read_bytes()
+    (folder / "1.png").write_bytes(data[: len(data) // 2])
+    (folder / "2.png").write_bytes(b"this is not a png at all")
+    (folder / "3.png").unlink()
+    return {"0.png": "zero-byte", "1.png": "truncated", "2.png": "garbage", "3.png": "missing"}
+
+
+def test_metadata_formats(tmp_path):
+    folder = make_folder(tmp_path)
+    jsonl = read_metadata(folder)
+    assert [r.text for r in jsonl] == [f"image {i}" for i in range(6)]
+    (folder / "metadata.jsonl").unlink()
+    (folder / "metadata.csv").write_text("file_name,text\n0.png,a red circle\n1.png,\n")
+    assert [r.text for r in read_metadata(folder)] == ["a red circle", ""]
+
+
+def test_metadata_errors(tmp_path):
+    with pytest.raises(UserError, match="metadata.jsonl"):
+        read_metadata(tmp_path)
+    (tmp_path / "metadata.jsonl").write_text(json.dumps({"file_name": "a.png", "caption": "x"}) + "\n")
+    with pytest.raises(UserError, match="missing column"):
+        read_metadata(tmp_path)
+    (tmp_path / "metadata.jsonl").write_text("{not json\n")
+    with pytest.raises(UserError, match="cannot be parsed"):
+        read_metadata(tmp_path)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_unreadable_images_are_found_by_shards(tmp_path, world):
+    folder = make_folder(tmp_path)
+    corrupt(folder)
+    records = read_metadata(folder)
+    bad = sorted(i for rank in range(world) for i in find_unreadable(records, rank, world))
+    assert bad == [0, 1, 2, 3]
+
+
+def test_mostly_bad_data_is_fatal_with_a_reason(tmp_path):
+    check_bad_fraction(10, 5, 0.5, tmp_path)  # half is still allowed at 0.5
+    with pytest.raises(UserError, match="6 of 10 images are unreadable"):
+        check_bad_fraction(10, 6, 0.5, tmp_path)
+
+
+def spec(**kw) -> SampleSpec:
+    return SampleSpec(resolution=32, latent_shape=(4, 16, 16), num_train_timesteps=1000, seed=7, **kw)
+
+
+def tokens(text: str) -> torch.Tensor:
+    return torch.tensor([len(text)])
+
+
+def test_samples_are_a_function_of_seed_epoch_and_index(tmp_path):
+    folder = make_folder(tmp_path)
+    ds = CaptionedImages(read_metadata(folder), spec(random_flip=True, random_crop=True), tokens)
+    a, b = ds[(3, 0)], ds[(3, 0)]
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    other_epoch = ds[(3, 1)]
+    assert not torch.equal(a["noise"], other_epoch["noise"])
+    assert a["pixel_values"].shape == (3, 32, 32)
+    assert a["noise"].shape == a["latent_eps"].shape == (4, 16, 16)
+    assert float(a["pixel_values"].min()) >= -1.0 and float(a["pixel_values"].max()) <= 1.0
+    assert 0 <= int(a["timestep"]) < 1000
+
+
+def test_noise_offset_shifts_channel_means(tmp_path):
+    folder = make_folder(tmp_path)
+    records = read_metadata(folder)
+    plain = CaptionedImages(records, spec(), tokens)[(0, 0)]["noise"]
+    offset = CaptionedImages(records, spec(noise_offset=0.5), tokens)[(0, 0)]["noise"]
+    delta = offset - plain
+    # The same per-channel constant everywhere within a channel, differing between channels.
+    assert torch.allclose(delta, delta[:, :1, :1].expand_as(delta))
+    assert delta[:, 0, 0].abs().max() > 0
+
+
+def test_image_that_breaks_after_the_check_is_replaced(tmp_path):
+    folder = make_folder(tmp_path)
+    records = read_metadata(folder)
+    ds = CaptionedImages(records, spec(), tokens)
+    (folder / "1.png").write_bytes(b"")
+    item = ds[(1, 0)]
+    assert ds.late_failures == 1
+    assert item["pixel_values"].shape == (3, 32, 32)
+
+
+def test_epoch_sampler_partitions_and_resumes():
+    n, world = 21, 2
+    samplers = [EpochSampler(n, rank, world, seed=3) for rank in range(world)]
+    for s in samplers:
+        s.set_epoch(4)
+    shards = [list(s) for s in samplers]
+    indices = [i for shard in shards for i, _ in shard]
+    assert len(indices) == len(set(indices)) == 20  # drop_last: every rank gets 10, none repeats
+    assert all(epoch == 4 for shard in shards for _, epoch in shard)
+    samplers[0].set_epoch(4, start=6)
+    assert list(samplers[0]) == shards[0][6:]
+    samplers[0].set_epoch(5)
+    assert list(samplers[0]) != shards[0]
+
+
+def test_records_keep_paths_relative_to_the_folder(tmp_path):
+    folder = make_folder(tmp_path, n=1)
+    assert read_metadata(folder) == [Record(folder / "0.png", "image 0")]
+    assert np.asarray(Image.open(read_metadata(folder)[0].path)).shape == (32, 40, 3)

@@ -1,0 +1,82 @@
+"""The embedded default (tiny pipeline, synthetic data) and the CLI's handling of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from typer.testing import CliRunner
+
+from sdzero.cli import app
+from sdzero.tiny import COLOURS, build_tokenizer
+
+runner = CliRunner()
+
+
+def test_tiny_model_loads_through_from_pretrained(tiny_model):
+    from diffusers import StableDiffusionPipeline
+
+    index = json.loads((tiny_model / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+        assert (tiny_model / part).is_dir(), part
+    assert not list(tiny_model.rglob("*.bin"))  # safetensors only, no pickle
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model)
+    assert pipe.tokenizer.model_max_length == pipe.text_encoder.config.max_position_embeddings
+    image = pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np").images[0]
+    assert image.shape == (32, 32, 3) and np.isfinite(image).all()
+
+
+def test_tokenizer_has_whole_word_tokens():
+    tok = build_tokenizer()
+    pieces = tok.convert_ids_to_tokens(tok("a small red circle").input_ids)
+    assert pieces == ["<|startoftext|>", "a</w>", "small</w>", "red</w>", "circle</w>", "<|endoftext|>"]
+    # Unknown words still tokenize, character by character.
+    assert len(tok("zebra").input_ids) == 2 + 5
+
+
+def test_synthetic_captions_describe_their_images(synth_data):
+    rows = [json.loads(line) for line in (synth_data / "metadata.jsonl").read_text().splitlines()]
+    assert len(rows) == 64
+    for row in rows[:16]:
+        words = row["text"].split()
+        fg, bg = words[2], words[-2]
+        img = np.asarray(Image.open(synth_data / row["file_name"]).convert("RGB")).astype(int)
+        h, w, _ = img.shape
+        assert tuple(img[h // 2, w // 2]) == COLOURS[fg], row
+        assert tuple(img[0, 0]) == COLOURS[bg], row
+
+
+def test_cli_refuses_to_overwrite_and_writes_nothing_half(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    result = runner.invoke(app, ["tiny-model", str(out)])
+    assert result.exit_code == 2
+    assert "already exists and is not empty" in result.output
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temp folder left behind
+
+
+def test_cli_nonsense_values(tmp_path):
+    result = runner.invoke(app, ["synth-data", str(tmp_path / "d"), "--images", "0"])
+    assert result.exit_code == 2 and "--images must be at least 1" in result.output
+    result = runner.invoke(app, ["tiny-model", str(tmp_path / "m"), "--family", "sd99"])
+    assert result.exit_code == 2 and "unknown --family 'sd99'" in result.output
+    result = runner.invoke(app, ["train", "--num-gpus", "0", "--", "--model", "x"])
+    assert result.exit_code == 2 and "--num-gpus" in result.output
+    assert not Path(tmp_path / "d").exists()
+
+
+def test_train_entrypoint_reports_bad_input_in_one_line(tmp_path, capsys):
+    from sdzero.train import main
+
+    code = main(["--deepspeed_config", str(tmp_path / "missing.json"), "--model", "m", "--data", str(tmp_path),
+                 "--output-dir", str(tmp_path / "o")])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [
+        f"sdzero: error: --deepspeed_config {tmp_path / 'missing.json'}: no such file; pick one of ds_configs/*.json"
+    ]
