@@ -1,0 +1,191 @@
+"""sdzero's steady-state throughput against a bare DeepSpeed loop, alternated in one run.
+
+Both loops drive the same engine (same model, same DeepSpeed JSON) over the same pre-made micro-batches,
+so the only difference is what sdzero adds per step: phase timers, the per-step loss/memory all-gather,
+metrics.jsonl, the progress bar. Blocks alternate (bare, sdzero, bare, ...) so drift in machine load hits
+both sides alike; the ratio of medians is the figure. Goal: >= 0.97.
+
+It also measures the data loader alone (samples/s it can feed per rank, with the trainer's worker count)
+against what training consumes per rank.
+
+    python bench/trainer_overhead.py [--ranks 2] [--rounds 5] [--steps 8] [--config ds_configs/zero2_bf16.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per block")
+    p.add_argument("--config", type=Path, default=REPO / "ds_configs" / "zero2_bf16.json")
+    p.add_argument("--work", type=Path, default=None, help="folder for model/data (default: a temp dir)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def launch(args: argparse.Namespace) -> int:
+    from sdzero.launch import deepspeed_executable, free_port
+    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="sdzero-bench-"))
+    if not (work / "model" / "model_index.json").exists():
+        write_tiny_model(work / "model")
+    if not (work / "data" / "metadata.jsonl").exists():
+        write_synthetic_dataset(work / "data", images=128)
+    cmd = [deepspeed_executable(), "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
+           __file__, "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps),
+           "--config", str(args.config), "--work", str(work)]  # fmt: skip
+    return subprocess.call(cmd)
+
+
+class Premade:
+    """Cycles through micro-batches made once up front, so neither loop pays for data loading."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        self.batches, self.i, self.epoch = batches, 0, 0
+
+    def next(self) -> dict[str, torch.Tensor]:
+        batch = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return batch
+
+
+def bare_block(engine, comps, batches: Premade, steps: int, accum: int, device) -> None:
+    """The loop every DeepSpeed tutorial writes: encode, noise, forward, MSE, backward, step."""
+    from sdzero.models import encode_latents, encode_text
+
+    for _ in range(steps):
+        for _ in range(accum):
+            b = {k: v.to(device) for k, v in batches.next().items()}
+            latents = encode_latents(comps.vae, b["pixel_values"], b["latent_eps"])
+            text = encode_text(comps.text_encoder, b["input_ids"])
+            noisy = comps.noise_scheduler.add_noise(latents, b["noise"], b["timestep"])
+            dtype = next(engine.module.parameters()).dtype
+            pred = engine(noisy.to(dtype), b["timestep"], text.to(dtype), return_dict=False)[0]
+            loss = F.mse_loss(pred.float(), b["noise"].float())
+            engine.backward(loss)
+            engine.step()
+
+
+def timed(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def loader_rate(loader, sampler, n_batches: int) -> float:
+    sampler.set_epoch(1000)
+    it = iter(loader)
+    next(it)  # worker start-up is a one-off, not throughput
+    start = time.perf_counter()
+    seen = 0
+    for _ in range(n_batches):
+        try:
+            seen += len(next(it)["index"])
+        except StopIteration:
+            break
+    return seen / (time.perf_counter() - start)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from sdzero import loop
+    from sdzero.config import TrainConfig, load_ds_config, world_size_from_env
+    from sdzero.metrics import MetricsWriter
+    from sdzero.models import load_components
+
+    ds = load_ds_config(args.config, world_size_from_env())
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loop.quiet_libraries(rank)
+    device = torch.device(get_accelerator().current_device_name())
+    out = args.work / "bench_run"
+    cfg = TrainConfig(deepspeed_config=args.config, model=str(args.work / "model"), data=args.work / "data",
+                      output_dir=out, max_steps=args.steps, num_workers=2)  # fmt: skip
+    comps = load_components(cfg.model, ds.dtype, device)
+    prediction_type = comps.noise_scheduler.config.prediction_type
+    _, sampler, loader, _ = loop.build_data(cfg, ds, comps, rank, world)
+    feed = loader_rate(loader, sampler, n_batches=12)
+    sampler.set_epoch(0)
+    premade = Premade([b for _, b in zip(range(4 * ds.grad_accum), iter(loader), strict=False)])
+    engine, config = loop.init_engine(cfg, ds, comps)
+    loop.prepare_output(cfg, ds, config, rank)
+
+    def sdzero_block() -> None:
+        # train_steps closes its writer at the end, as a run does; each block opens one (appending).
+        writer = MetricsWriter(out / "metrics.jsonl") if rank == 0 else None
+        loop.train_steps(cfg, ds, comps, engine, premade, writer, prediction_type, 0, device)
+
+    def bare() -> None:
+        bare_block(engine, comps, premade, args.steps, ds.grad_accum, device)
+
+    bare()  # warm-up: first steps allocate, JIT and fill caches
+    samples = ds.global_batch * args.steps
+    rates: dict[str, list[float]] = {"bare": [], "sdzero": []}
+    for _ in range(args.rounds):
+        rates["bare"].append(samples / timed(bare))
+        rates["sdzero"].append(samples / timed(sdzero_block))
+    feeds = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(feeds, torch.tensor([feed], dtype=torch.float64))
+    if rank == 0:
+        report(args, ds, rates, [float(f) for f in feeds])
+
+
+def report(args, ds, rates: dict[str, list[float]], feeds: list[float]) -> None:
+    bare, ours = statistics.median(rates["bare"]), statistics.median(rates["sdzero"])
+    consume = ours / ds.world_size
+    result = {
+        "config": str(args.config.name),
+        "ranks": ds.world_size,
+        "rounds": args.rounds,
+        "steps_per_block": args.steps,
+        "bare_samples_per_s": rates["bare"],
+        "sdzero_samples_per_s": rates["sdzero"],
+        "overhead_ratio": ours / bare,
+        "loader_samples_per_s_per_rank": min(feeds),
+        "training_consumes_per_rank": consume,
+        "loader_headroom": min(feeds) / consume,
+    }
+    print(json.dumps(result, indent=2))
+    print(f"\nsdzero / bare DeepSpeed samples/s (median of {args.rounds} alternated blocks): "
+          f"{ours:.2f} / {bare:.2f} = {ours / bare:.3f}  (goal >= 0.97)")  # fmt: skip
+    print(f"data loader feeds {min(feeds):.1f} samples/s per rank; training consumes {consume:.1f} "
+          f"per rank: headroom x{min(feeds) / consume:.1f}")  # fmt: skip
+
+
+def main() -> int:
+    args = parse()
+    if not args.worker:
+        return launch(args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
