@@ -117,10 +117,39 @@ def demo(
     raise typer.Exit(code)
 
 
+@app.command("export")
+def export(
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            help="a checkpoint folder, a folder of them, or a run's output folder (newest complete)"
+        ),
+    ],
+    out: Annotated[Path, typer.Argument(help="folder to write the diffusers pipeline into")],
+    model: Annotated[
+        str | None, typer.Option(help="pipeline for the frozen parts; default: the one the run trained from")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="bf16, fp16 or fp32; default: the run's precision")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
+) -> None:
+    """Write a checkpoint as a diffusers pipeline (safetensors), with the EMA as unet_ema when present."""
+    from sdzero.export import export_checkpoint
+
+    result = export_checkpoint(checkpoint, out, model=model, dtype=dtype, overwrite=overwrite)
+    ema = " and unet_ema" if result.with_ema else ""
+    typer.echo(f"exported step {result.step} of {result.checkpoint} to {result.out} (unet{ema})")
+
+
 def _register_advisor_commands() -> None:
     from advisor.comm import comm_command
+    from advisor.profile import profile_command
+    from advisor.report import report_command
 
     command("comm")(comm_command)
+    command("profile")(profile_command)
+    command("report")(report_command)
 
 
 _register_advisor_commands()

@@ -10,7 +10,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +211,27 @@ class TrainConfig:
     num_workers: int = 2
     max_bad_fraction: float = 0.5
     """Above this fraction of unreadable images the run stops instead of skipping them."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N optimizer steps (and at the end); 0: only when preempted."""
+    keep_last: int = 3
+    """Complete checkpoints kept under <output-dir>/checkpoints (0: all); at least 2, see `check_keep_last`."""
+    resume: str = "none"
+    """"auto" (newest complete checkpoint under the output folder, else a fresh start), "none", or a path."""
+    ema_decay: float | None = None
+    """Keep an EMA of the trained weights with this decay (diffusers EMAModel schedule); exported as unet_ema."""
+    validation_prompts: list[str] = field(default_factory=list)
+    """Prompts sampled with the current weights; images go to <output-dir>/validation/step_N/."""
+    validation_every: int = 0
+    """Sample the validation prompts every N steps (and at the end); 0: only at the end."""
+    validation_inference_steps: int = 25
+    preempt_timeout_s: float = 300.0
+    """After SIGTERM/SIGUSR1, exit 143 at the latest this long after the signal even if the save hangs."""
     export_final: bool = False
     """Write `<output-dir>/final`, a complete diffusers pipeline with the trained UNet, at the end."""
+    profile_out: Path | None = None
+    """Write steady-state throughput, memory by kind and DeepSpeed's breakdown here (see sdzero.profiling)."""
+    profile_warmup_steps: int = 1
+    """Steps left out of the profile's figures (allocations, JIT builds, worker start-up)."""
 
     def __post_init__(self) -> None:
         self.deepspeed_config = Path(self.deepspeed_config)
@@ -240,6 +259,14 @@ class TrainConfig:
             raise UserError(f"--max-bad-fraction must be in (0, 1], got {self.max_bad_fraction}")
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be >= 0, got {self.num_workers}")
+        self._check_checkpoint_options()
+        if self.profile_out is not None:
+            self.profile_out = Path(self.profile_out)
+            if not 0 <= self.profile_warmup_steps < self.max_steps:
+                raise UserError(
+                    f"--profile-warmup-steps {self.profile_warmup_steps} must be >= 0 and below --max-steps "
+                    f"{self.max_steps}, so that at least one step is measured"
+                )
         if not self.data.is_dir():
             raise UserError(
                 f"--data {self.data}: no such folder; point it at an image folder with metadata.jsonl"
@@ -251,6 +278,30 @@ class TrainConfig:
                 "(for example one written by `sdzero tiny-model`) or a hub id"
             )
 
+    def _check_checkpoint_options(self) -> None:
+        if self.checkpoint_every < 0:
+            raise UserError(
+                f"--checkpoint-every must be >= 0 (0: only on preemption), got {self.checkpoint_every}"
+            )
+        check_keep_last(self.keep_last)
+        if self.resume not in ("auto", "none") and not Path(self.resume).exists():
+            raise UserError(
+                f"--resume {self.resume}: no such checkpoint or folder; pass a checkpoint folder, a run's "
+                "output folder, `auto` or `none`"
+            )
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise UserError(f"--ema-decay must be in (0, 1) (typically 0.999-0.9999), got {self.ema_decay}")
+        if self.validation_every < 0:
+            raise UserError(
+                f"--validation-every must be >= 0 (0: only at the end), got {self.validation_every}"
+            )
+        if self.validation_inference_steps < 1:
+            raise UserError(
+                f"--validation-inference-steps must be at least 1, got {self.validation_inference_steps}"
+            )
+        if self.preempt_timeout_s <= 0:
+            raise UserError(f"--preempt-timeout-s must be positive, got {self.preempt_timeout_s}")
+
     def base_lr(self, ds: DsSettings) -> float:
         if self.lr is not None:
             return self.lr
@@ -259,6 +310,40 @@ class TrainConfig:
     def effective_lr(self, ds: DsSettings) -> float:
         reference = self.lr_reference_batch or ds.micro_batch * ds.grad_accum
         return scaled_lr(self.base_lr(ds), self.lr_scaling, ds.global_batch, reference)
+
+
+def check_keep_last(keep_last: int) -> None:
+    """K = 1 is refused: a resume must be able to fall back when the newest checkpoint turns out damaged
+    (a truncated shard, a bad disk block), and with one checkpoint kept there is nothing to fall back to."""
+    if keep_last == 1 or keep_last < 0:
+        raise UserError(
+            f"--keep-last {keep_last}: keep at least 2 checkpoints (or 0 for all); with only one, a damaged "
+            "newest checkpoint leaves nothing to resume from"
+        )
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpoints, resume, EMA and validation (docs/checkpointing.md)")
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="save every N steps and at the end (0: only on SIGTERM/SIGUSR1)",
+    )
+    g.add_argument("--keep-last", type=int, default=3, help="complete checkpoints to keep (>= 2; 0: all)")
+    g.add_argument("--resume", default="none", help="auto | none | PATH (a checkpoint, or a folder of them)")
+    g.add_argument("--ema-decay", type=float, default=None, help="keep an EMA of the weights (e.g. 0.9999)")
+    g.add_argument("--validation-prompts", nargs="+", default=[], metavar="PROMPT", help="prompts to sample")
+    g.add_argument(
+        "--validation-every", type=int, default=0, help="sample every N steps (0: only at the end)"
+    )
+    g.add_argument("--validation-inference-steps", type=int, default=25, help="denoising steps per image")
+    g.add_argument(
+        "--preempt-timeout-s",
+        type=float,
+        default=300.0,
+        help="exit 143 at most this long after SIGTERM/SIGUSR1",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,6 +391,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write <output-dir>/final as a diffusers pipeline (safetensors) at the end",
     )
+    p.add_argument(
+        "--profile-out",
+        default=None,
+        help="write a trial profile (throughput, memory by kind, DeepSpeed breakdown) to this JSON file",
+    )
+    p.add_argument(
+        "--profile-warmup-steps",
+        type=int,
+        default=1,
+        help="steps left out of the profile's figures",
+    )
+    add_checkpoint_args(p)
     # Set by the deepspeed launcher; the rank is read from the environment instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p  # fmt: skip

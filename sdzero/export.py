@@ -1,19 +1,29 @@
 """Writing the trained network in diffusers format (safetensors), with the frozen parts beside it.
 
 Under ZeRO-3 the engine's module holds empty placeholders: calling `save_pretrained` on it writes near-
-empty files (accelerate#2294). The weights are consolidated first, layer by layer, by DeepSpeed itself.
+empty files (accelerate#2294). The weights are consolidated first by DeepSpeed itself: layer by layer from
+the live engine (`--export-final`), or from a checkpoint's shards with DeepSpeed's zero_to_fp32 utilities
+(`sdzero export`), which hold about two fp32 copies of the trained network in host memory (DeepSpeed#1062).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from sdzero.errors import UserError
+
+log = logging.getLogger("sdzero.export")
 
 
 def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
@@ -40,21 +50,39 @@ def atomic_publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_pipeline(out: Path, unet_state: dict[str, torch.Tensor], comps: Any, dtype: torch.dtype) -> Path:
-    """A complete pipeline folder: the trained UNet from `unet_state` plus the frozen parts as loaded."""
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+def unet_from_state(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    from diffusers import UNet2DConditionModel
 
-    unet = UNet2DConditionModel.from_config(comps.unet.config)
-    missing, unexpected = unet.load_state_dict(unet_state, strict=False)
+    unet = UNet2DConditionModel.from_config(config)
+    missing, unexpected = unet.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RuntimeError(
             f"export: state dict does not fit the UNet (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
+    # A UNet built from its config is fp32 already; `.to` only when a cast is needed (diffusers warns on it).
+    return unet if dtype == torch.float32 else unet.to(dtype)
+
+
+def write_pipeline(
+    out: Path,
+    unet_state: dict[str, torch.Tensor],
+    comps: Any,
+    dtype: torch.dtype,
+    extra_unets: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
+    """A complete pipeline folder: the trained UNet from `unet_state` plus the frozen parts as loaded.
+
+    `extra_unets` (e.g. {"unet_ema": state}) are written as further UNet folders beside it; the pipeline's
+    model_index.json does not list them, so `from_pretrained(out)` loads the trained UNet and ignores them.
+    """
+    from diffusers import StableDiffusionPipeline
+
+    unet = unet_from_state(comps.unet.config, unet_state, dtype)
     pipe = StableDiffusionPipeline(
         vae=comps.vae,
         text_encoder=comps.text_encoder,
         tokenizer=comps.tokenizer,
-        unet=unet.to(dtype),
+        unet=unet,
         scheduler=comps.noise_scheduler,
         safety_checker=None,
         feature_extractor=None,
@@ -65,8 +93,72 @@ def write_pipeline(out: Path, unet_state: dict[str, torch.Tensor], comps: Any, d
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
+        for name, state in (extra_unets or {}).items():
+            unet_from_state(comps.unet.config, state, dtype).save_pretrained(
+                tmp / name, safe_serialization=True
+            )
         atomic_publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    checkpoint: Path
+    step: int
+    with_ema: bool
+
+
+def consolidated_weights(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from one checkpoint's shards, by DeepSpeed's own zero_to_fp32 (ZeRO 1-3)."""
+    if zero_stage == 0:
+        # No partitions: the module's full state sits in DeepSpeed's model file. sdzero puts only tensors
+        # and plain types there, so it loads with weights_only=True (no arbitrary unpickling).
+        states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def export_checkpoint(
+    source: Path, out: Path, model: str | None = None, dtype: str | None = None, overwrite: bool = False
+) -> ExportResult:
+    """`sdzero export`: a checkpoint (or the newest complete one in a folder / run) -> diffusers pipeline."""
+    from sdzero.checkpoint import EMA_DIR, first_verified, locate, verify_files
+    from sdzero.ema import assemble
+    from sdzero.models import DTYPES, load_components
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"{out} exists and is not empty; choose a new folder or pass --overwrite")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    candidates, _ = locate(Path(source))
+    if not candidates:
+        raise UserError(
+            f"{source}: no complete checkpoint (no folder with a valid manifest.json) found there"
+        )
+    chosen = first_verified(candidates, lambda p, m: verify_files(p, m), log.warning)
+    if chosen is None:
+        raise UserError(f"{source}: every checkpoint there is damaged (see the warnings above)")
+    path, manifest = chosen
+    model = model or manifest.model
+    compute = dtype or manifest.dtype
+    try:
+        comps = load_components(model, compute, "cpu")
+    except UserError as exc:
+        raise UserError(f"{exc}; pass --model with the pipeline the run trained from") from exc
+    comps.noise_scheduler.register_to_config(prediction_type=manifest.prediction_type)
+    weights = consolidated_weights(path, manifest.zero_stage)
+    extra = None
+    if manifest.ema:
+        ema_state, _ = assemble(path / EMA_DIR)
+        extra = {"unet_ema": ema_state}
+    write_pipeline(out, weights, comps, DTYPES[compute], extra_unets=extra)
+    return ExportResult(out=out, checkpoint=path, step=manifest.step, with_ema=extra is not None)

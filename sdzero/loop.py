@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from sdzero.checkpoint import find_resume
 from sdzero.config import DsSettings, TrainConfig, load_ds_config, world_size_from_env
 from sdzero.data import (
     CaptionedImages,
@@ -26,6 +28,9 @@ from sdzero.errors import UserError
 from sdzero.metrics import MetricsWriter, PhaseTimer, peak_memory_bytes, rotate_previous
 from sdzero.models import Components, detect_family, encode_latents, encode_text, load_components
 from sdzero.objectives import diffusion_loss, training_target
+from sdzero.preemption import PreemptionFlag, ignore_preemption_signals
+from sdzero.profiling import start_probe
+from sdzero.step_hooks import StepHooks, adopt_checkpoint_seed
 
 log = logging.getLogger("sdzero")
 
@@ -104,27 +109,34 @@ def build_data(cfg: TrainConfig, ds: DsSettings, comps: Components, rank: int, w
         persistent_workers=cfg.num_workers > 0,
         pin_memory=torch.cuda.is_available(),
         drop_last=True,
+        worker_init_fn=ignore_preemption_signals,  # the rank handles SIGTERM; a dead worker can't save
     )
     return dataset, sampler, loader, len(bad)
 
 
 class Batches:
-    """Endless micro-batches across epochs, calling `set_epoch` so each epoch gets a new order."""
+    """Endless micro-batches across epochs, calling `set_epoch` so each epoch gets a new order.
 
-    def __init__(self, loader: DataLoader, sampler: EpochSampler) -> None:
+    A resume starts the sampler `batches_in_epoch` micro-batches into `epoch`: no sample is read twice
+    or skipped, and none is loaded just to be thrown away.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: EpochSampler, epoch: int = 0, batches_in_epoch: int = 0):
         self.loader, self.sampler = loader, sampler
-        self.epoch = 0
-        self.sampler.set_epoch(0)
+        self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
+        self.sampler.set_epoch(epoch, start=batches_in_epoch * int(loader.batch_size or 1))
         self._it = iter(loader)
 
     def next(self) -> dict[str, torch.Tensor]:
         try:
-            return next(self._it)
+            batch = next(self._it)
         except StopIteration:
-            self.epoch += 1
+            self.epoch, self.batches_in_epoch = self.epoch + 1, 0
             self.sampler.set_epoch(self.epoch)
             self._it = iter(self.loader)
-            return next(self._it)
+            batch = next(self._it)
+        self.batches_in_epoch += 1
+        return batch
 
 
 def make_lr_scheduler(cfg: TrainConfig, ds: DsSettings):
@@ -205,13 +217,18 @@ def prepare_output(
     return MetricsWriter(cfg.output_dir / "metrics.jsonl")
 
 
-def gather_step_stats(loss_sum: torch.Tensor, micro_steps: int, world: int) -> tuple[float, list[int]]:
-    """Loss averaged over ranks and micro-steps, and every rank's peak memory: one small collective."""
-    local = torch.tensor([float(loss_sum) / micro_steps, float(peak_memory_bytes())], dtype=torch.float64)
+def gather_step_stats(
+    loss_sum: torch.Tensor, micro_steps: int, world: int, stop: bool = False
+) -> tuple[float, list[int], bool]:
+    """Loss averaged over ranks and micro-steps, every rank's peak memory, and whether any rank was asked
+    to stop (SIGTERM/SIGUSR1), so that all stop at this step: one small collective."""
+    local = torch.tensor(
+        [float(loss_sum) / micro_steps, float(peak_memory_bytes()), float(stop)], dtype=torch.float64
+    )
     parts = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(parts, local)
     loss = sum(float(p[0]) for p in parts) / world
-    return loss, [int(p[1]) for p in parts]
+    return loss, [int(p[1]) for p in parts], any(float(p[2]) > 0 for p in parts)
 
 
 def run(cfg: TrainConfig) -> RunSummary:
@@ -219,6 +236,8 @@ def run(cfg: TrainConfig) -> RunSummary:
     ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
     detect_family(cfg.model)
     read_metadata(cfg.data)
+    # Installed before the slow start-up, so that an early SIGTERM is honoured at the first step boundary.
+    preemption = PreemptionFlag(cfg.preempt_timeout_s).install()
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -227,6 +246,11 @@ def run(cfg: TrainConfig) -> RunSummary:
     rank, world = dist.get_rank(), dist.get_world_size()
     quiet_libraries(rank)
     accel = get_accelerator()
+    # init_distributed does not pick this rank's GPU (the engine does, later): without this, every rank's
+    # early collectives (resume discovery, the image census) and frozen models would land on cuda:0.
+    accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    point = find_resume(cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, world)  # all ranks agree
+    adopt_checkpoint_seed(cfg, point, rank)
     device = torch.device(accel.current_device_name())
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
 
@@ -235,6 +259,8 @@ def run(cfg: TrainConfig) -> RunSummary:
     comps.noise_scheduler.register_to_config(prediction_type=prediction_type)
     dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world)
     engine, config = init_engine(cfg, ds, comps)
+    hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, preemption)
+    state = hooks.restore(point)  # a collective when resuming
     writer = prepare_output(cfg, ds, config, rank)
     if rank == 0:
         log.info(
@@ -243,33 +269,38 @@ def run(cfg: TrainConfig) -> RunSummary:
             ds.zero_stage, ds.dtype, world, ds.micro_batch, ds.grad_accum, ds.global_batch,
             cfg.effective_lr(ds), cfg.lr_scaling, len(dataset), n_bad,
         )  # fmt: skip
-    return train_steps(
-        cfg, ds, comps, engine, Batches(loader, sampler), writer, prediction_type, n_bad, device
-    )
+    batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch)
+    return train_steps(cfg, ds, comps, engine, batches, writer, prediction_type, n_bad, device, hooks)
 
 
-def export_final(cfg: TrainConfig, engine, comps: Components, rank: int) -> None:
+def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=None) -> None:
     from sdzero.export import gathered_state_dict, write_pipeline
 
     state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
+    ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0
     if rank == 0 and state is not None:
         dtype = next(iter(state.values())).dtype
-        out = write_pipeline(cfg.output_dir / "final", state, comps, dtype)
+        extra = {"unet_ema": ema_state} if ema_state is not None else None
+        out = write_pipeline(cfg.output_dir / "final", state, comps, dtype, extra_unets=extra)
         log.info("exported the trained pipeline to %s", out)
     dist.barrier()
 
 
 def train_steps(
-    cfg, ds, comps, engine, batches: Batches, writer, prediction_type, n_bad, device
+    cfg, ds, comps, engine, batches: Batches, writer, prediction_type, n_bad, device, hooks: StepHooks
 ) -> RunSummary:
     from tqdm import tqdm
 
     rank, world = dist.get_rank(), dist.get_world_size()
     timer = PhaseTimer(synchronize=device.type == "cuda")
-    bar = tqdm(total=cfg.max_steps, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    first = hooks.state.step + 1  # 1, or the step after the resumed checkpoint's
+    bar = tqdm(total=cfg.max_steps, initial=first - 1, desc="train", unit="step", disable=rank != 0,
+               dynamic_ncols=True)  # fmt: skip
     losses: list[float] = []
     rates: list[float] = []
-    for step in range(1, cfg.max_steps + 1):
+    probe = start_probe(cfg, ds, engine, comps)  # --profile-out measurements and test hooks
+    for step in range(first, cfg.max_steps + 1):
+        probe.step_begin(step)
         timer.reset()
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -277,7 +308,8 @@ def train_steps(
             with timer.phase("data_s"):
                 batch = batches.next()
             loss_sum += micro_step(engine, comps, batch, prediction_type, cfg, timer, device)
-        loss, peaks = gather_step_stats(loss_sum, ds.grad_accum, world)
+        hooks.after_optimizer_step()  # EMA of this rank's fp32 master slice; no communication
+        loss, peaks, stop = gather_step_stats(loss_sum, ds.grad_accum, world, hooks.stop_requested)
         step_time = time.perf_counter() - start
         samples_per_s = ds.global_batch / step_time
         losses.append(loss)
@@ -313,19 +345,24 @@ def train_steps(
                         ("Train/Samples/samples_per_s", samples_per_s, engine.global_samples),
                     ]
                 )
+        probe.step_end(step, record)
         bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}")
         bar.update(1)
+        hooks.end_of_step(step, batches, stop)  # validation, checkpoint; on stop: save, then exit 143
     bar.close()
+    hooks.finish(max(first - 1, cfg.max_steps), batches)
+    probe.finish()  # a collective when profiling: every rank reports its memory figures
     metrics_path = str(cfg.output_dir / "metrics.jsonl")
     if writer is not None:
         writer.close()
     if cfg.export_final:
-        export_final(cfg, engine, comps, rank)
-    steady = rates[1:] or rates  # the first step includes one-off warm-up (allocations, JIT, workers)
+        export_final(cfg, engine, comps, rank, hooks.ema)
+    # The first step includes one-off warm-up (allocations, JIT, workers).
+    steady = rates[1:] or rates or [0.0]
     return RunSummary(
-        steps=cfg.max_steps,
-        first_loss=losses[0],
-        last_loss=losses[-1],
+        steps=len(losses),
+        first_loss=losses[0] if losses else float("nan"),
+        last_loss=losses[-1] if losses else float("nan"),
         mean_samples_per_s=sum(steady) / len(steady),
         metrics_path=metrics_path,
         skipped_images=n_bad,

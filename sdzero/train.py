@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
+from typing import NoReturn
 
 # Run as a script, this file's folder (sdzero/) becomes sys.path[0], and its modules (config, data,
 # models, ...) would shadow any top-level modules of the same name that libraries import. Drop it.
@@ -15,6 +17,19 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 from sdzero.config import parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+
+
+def crash_exit() -> NoReturn:
+    """Print the traceback and leave at once, skipping interpreter clean-up.
+
+    Clean-up would join the DataLoader workers, and those ignore SIGTERM (so that a preemption signal to
+    the whole process tree cannot kill them before the rank saves): a crashed rank would wait on them
+    forever. Its workers notice the parent is gone and exit on their own; the launcher sees exit 1.
+    """
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank_from_env() == 0:
             print(f"sdzero: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Exception:
+        crash_exit()
     if rank_from_env() == 0:
         print(
             f"sdzero: trained {summary.steps} steps; loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}; "

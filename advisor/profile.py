@@ -1,0 +1,468 @@
+"""`sdzero profile`: run the trial grid and append each trial's result to `<out>/trials.csv` as it ends.
+
+Every trial is a short real run of sdzero/train.py through the `deepspeed` launcher (advisor.trials), so
+local ranks, hostfiles and the launcher environment are exactly the user's. Rerunning with the same
+`--out` skips the trials already in trials.csv for the same setup (advisor.grid.setup_id), so an
+interrupted profile resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+import pandas as pd
+import typer
+
+from advisor.grid import (
+    OFFLOADS,
+    GridPlan,
+    GridRequest,
+    TrialSpec,
+    finished_trials,
+    load_base_config,
+    pending,
+    plan_grid,
+    setup_id,
+    write_trial_config,
+)
+from advisor.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
+from sdzero.errors import UserError
+from sdzero.launch import shipped_config
+
+TRIAL_COLUMNS: tuple[str, ...] = (
+    "trial_id", "setup_id", "status", "reason",
+    "zero_stage", "precision", "micro_batch", "offload", "ranks_per_node", "nodes",
+    "overlap_comm", "reduce_bucket_size", "allgather_bucket_size",
+    "grad_accum", "world_size", "global_batch",
+    "samples_per_s", "step_time_s", "data_s", "encode_s", "forward_s", "backward_s", "optimizer_s",
+    "ds_fwd_s", "ds_bwd_s", "ds_bwd_inner_s", "ds_bwd_allreduce_s", "ds_step_s",
+    "comm_s", "comm_bytes", "comm_ops",
+    "trained_params", "params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes",
+    "model_state_bytes", "model_state_bytes_per_rank", "bucket_bytes", "offloaded_bytes", "frozen_bytes",
+    "activation_bytes", "device_peak_bytes", "peak_rss_bytes", "cuda_peak_bytes",
+    "warmup_steps", "measured_steps", "wall_s", "finished_at", "trial_dir", "notes", "log_tail",
+)  # fmt: skip
+"""trials.csv, one row per finished trial. Bytes are per rank (the largest rank's where ranks differ);
+`model_state_bytes_per_rank` holds every rank's bytes by kind as JSON. Times are per optimizer step."""
+
+
+@dataclass
+class ProfileResult:
+    csv_path: Path
+    table: pd.DataFrame
+    """Every row of trials.csv for this setup, the last attempt of each trial."""
+    ran: list[str] = field(default_factory=list)
+    """trial_ids run by this call, in order."""
+    skipped: list[str] = field(default_factory=list)
+    """trial_ids found finished in trials.csv and not run again."""
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
+# Device and inputs
+
+
+def device_support(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Ask DeepSpeed's accelerator, in a process started like a trial's ranks, what this device runs.
+
+    A separate process sees exactly what the ranks will see (the same environment, the same
+    sitecustomize), and keeps CUDA uninitialised in this one.
+    """
+    code = (
+        "import json; from deepspeed.accelerator import get_accelerator as g; a = g(); "
+        "print('SDZERO_DEVICE ' + json.dumps({'device': a.device_name(), 'count': a.device_count(), "
+        "'bf16': bool(a.is_bf16_supported()), 'fp16': bool(a.is_fp16_supported())}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(env or os.environ), timeout=300
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("SDZERO_DEVICE "):
+            return dict(json.loads(line.removeprefix("SDZERO_DEVICE ")))
+    raise UserError(f"could not query the device through DeepSpeed: {proc.stderr.strip()[-300:]}")
+
+
+def default_ranks(device: dict[str, Any]) -> int:
+    """All local accelerators on a GPU machine; 2 ranks on a CPU (the smallest job that communicates)."""
+    return int(device["count"]) if device["device"] != "cpu" and device["count"] > 0 else 2
+
+
+def _check_inputs(model: str, data: Path, steps: int, warmup_steps: int, trial_timeout_s: float,
+                  stall_timeout_s: float | None, mem_cap_gib: float | None) -> None:  # fmt: skip
+    from sdzero.models import detect_family
+
+    if not Path(data).is_dir():
+        raise UserError(f"--data {data}: no such folder; point it at an image folder with metadata.jsonl")
+    detect_family(model)  # a wrong --model fails here once, not as a crash in every trial
+    if steps < 1:
+        raise UserError(f"--steps {steps}: measure at least 1 step per trial")
+    if warmup_steps < 0:
+        raise UserError(f"--warmup-steps {warmup_steps}: must be >= 0")
+    if not trial_timeout_s > 0:
+        raise UserError(f"--trial-timeout {trial_timeout_s}: must be a positive number of seconds")
+    if stall_timeout_s is not None and not stall_timeout_s > 0:
+        raise UserError(f"--stall-timeout {stall_timeout_s}: must be positive (omit it to disable)")
+    if mem_cap_gib is not None and not mem_cap_gib > 0:
+        raise UserError(f"--mem-cap-gib {mem_cap_gib}: must be a positive number of GiB")
+
+
+# --------------------------------------------------------------------------------------------------
+# trials.csv
+
+
+def read_trials(path: Path) -> pd.DataFrame:
+    """The rows so far; an empty table with the right columns when there is no file yet."""
+    if not path.exists():
+        return pd.DataFrame(columns=list(TRIAL_COLUMNS))
+    table = pd.read_csv(path)
+    if tuple(table.columns) != TRIAL_COLUMNS:
+        raise UserError(
+            f"{path}: its columns are not those this sdzero writes (another version made it); "
+            "move it away or choose another --out"
+        )
+    return table
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append one trial; the header goes in with the first row. One short write: a killed profile
+    leaves whole rows behind."""
+    frame = pd.DataFrame([row]).reindex(columns=list(TRIAL_COLUMNS))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, mode="a", header=not path.exists(), index=False)
+
+
+def trial_row(spec: TrialSpec, outcome: TrialOutcome, setup: str, settings: TrialSettings,
+              trial_dir: Path) -> dict[str, Any]:  # fmt: skip
+    return {
+        "trial_id": spec.trial_id,
+        "setup_id": setup,
+        "status": outcome.status,
+        "reason": outcome.reason,
+        **spec.as_row(),
+        "nodes": settings.hosts,
+        **profile_columns(outcome.profile),
+        "warmup_steps": settings.warmup_steps,
+        "wall_s": round(outcome.wall_s, 2),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "trial_dir": str(trial_dir),
+        "notes": "; ".join(outcome.notes),
+        "log_tail": outcome.log_tail if outcome.status != "ok" else "",
+    }
+
+
+def latest_rows(table: pd.DataFrame, setup: str) -> pd.DataFrame:
+    rows = table[table["setup_id"].astype(str) == setup]
+    return rows.drop_duplicates("trial_id", keep="last").reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The driver
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so the running trial's ranks are killed too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Progress:
+    """A rich progress bar: trials done, remaining (an upper bound while ladders may stop early), ETA."""
+
+    def __init__(self, enabled: bool, remaining: int, past_walls: list[float]) -> None:
+        self.enabled = enabled
+        self.walls = list(past_walls)
+        self.done = 0
+        self._progress: Any = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[eta]}"), TextColumn("[dim]{task.description}"),
+            )  # fmt: skip
+            self._task = self._progress.add_task("", total=remaining, eta=self._eta(remaining))
+
+    def _eta(self, remaining: int) -> str:
+        if not self.walls or remaining == 0:
+            return "" if remaining else "done"
+        return f"~{statistics.fmean(self.walls) * remaining / 60:.1f} min left for {remaining} at most"
+
+    def __enter__(self) -> _Progress:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def starting(self, trial_id: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=f"running {trial_id}")
+
+    def finished(self, outcome: TrialOutcome, remaining: int, trial_id: str) -> None:
+        self.done += 1
+        self.walls.append(outcome.wall_s)
+        if self._progress is not None:
+            rate = (outcome.profile or {}).get("samples_per_s")
+            last = f"{trial_id}: {outcome.status}" + (f", {rate:.1f} samples/s" if rate else "")
+            self._progress.update(self._task, total=self.done + remaining, completed=self.done,
+                                  eta=self._eta(remaining), description=last)  # fmt: skip
+
+
+def _remaining(plan: GridPlan, done: dict[str, str]) -> int:
+    """Trials still to run if no further ladder stops early: an upper bound that shrinks at each OOM."""
+    return sum(1 for _ in pending(plan, done))
+
+
+def trial_settings(model: str | Path, data: Path, steps: int, warmup_steps: int, trial_timeout_s: float,
+                   stall_timeout_s: float | None, mem_cap_gib: float | None, hostfile: Path | None,
+                   train_args: Sequence[str]) -> TrialSettings:  # fmt: skip
+    """Check the run options and fix them for every trial (paths absolute: ranks may start elsewhere)."""
+    _check_inputs(str(model), data, steps, warmup_steps, trial_timeout_s, stall_timeout_s, mem_cap_gib)
+    hosts = 1
+    if hostfile is not None:
+        from advisor.comm import read_hostfile
+
+        hosts = len(read_hostfile(Path(hostfile)))
+    return TrialSettings(
+        model=str(Path(model).resolve()) if Path(model).exists() else str(model),  # else a hub id
+        data=data.resolve(),
+        steps=steps,
+        warmup_steps=warmup_steps,
+        trial_timeout_s=trial_timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        mem_cap_bytes=int(mem_cap_gib * GIB) if mem_cap_gib else None,
+        hostfile=Path(hostfile).resolve() if hostfile else None,
+        hosts=hosts,
+        train_args=tuple(train_args),
+    )
+
+
+def plan_for_device(request: GridRequest, device: dict[str, Any]) -> GridPlan:
+    if not request.ranks_per_node:
+        request = replace(request, ranks_per_node=(default_ranks(device),))
+    return plan_grid(request, {p: bool(device[p]) for p in ("bf16", "fp16")})
+
+
+def run_profile(
+    model: str | Path,
+    data: Path,
+    out_dir: Path,
+    grid: GridRequest | None = None,
+    base_config: Path | None = None,
+    steps: int = 5,
+    warmup_steps: int = 2,
+    trial_timeout_s: float = 900.0,
+    stall_timeout_s: float | None = 300.0,
+    mem_cap_gib: float | None = None,
+    hostfile: Path | None = None,
+    train_args: Sequence[str] = (),
+    retry_failed: bool = False,
+    trial_env: Callable[[TrialSpec], Mapping[str, str]] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> ProfileResult:
+    """Run every pending trial of the grid; return the table of this setup's trials.
+
+    `grid` None means ZeRO 1-3 x bf16/fp16 x the micro-batch ladder x no offload x the default ranks.
+    `trial_env` adds environment variables to one trial's ranks (per-trial NCCL settings; the tests
+    inject failures with it). Failed trials are rows, not exceptions; bad input raises UserError before
+    any trial starts.
+    """
+    say = log or (lambda message: None)
+    out_dir = Path(out_dir).resolve()
+    settings = trial_settings(model, Path(data), steps, warmup_steps, trial_timeout_s, stall_timeout_s,
+                              mem_cap_gib, hostfile, train_args)  # fmt: skip
+    base = load_base_config(Path(base_config) if base_config else shipped_config("zero2_bf16.json"))
+    plan = plan_for_device(grid or GridRequest(), device_support())
+    for note in plan.notes:
+        say(note)
+    setup = setup_id({"base": base, "model": settings.model, "data": str(settings.data), "steps": steps,
+                      "warmup": warmup_steps, "train_args": list(train_args), "hosts": settings.hosts})  # fmt: skip
+    csv_path = out_dir / "trials.csv"
+    table = read_trials(csv_path)
+    done = finished_trials(table, setup, retry_failed)
+    skipped = [s.trial_id for ladder in plan.ladders for s in ladder if s.trial_id in done]
+    if skipped:
+        say(f"{len(skipped)} trials already in {csv_path}: not run again")
+    past = [float(w) for w in latest_rows(table, setup)["wall_s"].dropna()]
+    ran: list[str] = []
+    with _sigterm_as_interrupt(), _Progress(progress, _remaining(plan, done), past) as bar:
+        for spec in pending(plan, done):
+            trial_dir = out_dir / "trials" / spec.trial_id
+            bar.starting(spec.trial_id)
+            ds_config = write_trial_config(base, spec, trial_dir, spec.ranks_per_node * settings.hosts)
+            env = dict(trial_env(spec)) if trial_env else None
+            outcome = run_trial(spec, settings, ds_config, trial_dir, env)
+            append_row(csv_path, trial_row(spec, outcome, setup, settings, trial_dir))
+            done[spec.trial_id] = outcome.status
+            ran.append(spec.trial_id)
+            bar.finished(outcome, _remaining(plan, done), spec.trial_id)
+            say(f"{spec.trial_id}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else ""))
+    return ProfileResult(csv_path, latest_rows(read_trials(csv_path), setup), ran, skipped, plan.notes)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def profile_command(
+    model: Annotated[str, typer.Option(help="diffusers pipeline folder or hub id (as for `sdzero train`).")],
+    data: Annotated[Path, typer.Option(help="image folder with metadata.jsonl (as for `sdzero train`).")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="folder for trials.csv and one folder per trial.")
+    ] = Path("reports/profile"),
+    deepspeed_config: Annotated[
+        Path | None,
+        typer.Option(
+            "--deepspeed-config",
+            help="base DeepSpeed JSON each trial's JSON is made from [default: ds_configs/zero2_bf16.json]",
+        ),
+    ] = None,
+    stage: Annotated[
+        list[int] | None, typer.Option(help="ZeRO stage to try; repeat. [default: 1 2 3]")
+    ] = None,
+    precision: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="bf16 and/or fp16; repeat. fp16 is skipped where the device lacks it. [default: both]"
+        ),
+    ] = None,
+    micro_batch: Annotated[
+        list[int] | None,
+        typer.Option(help="micro-batch per rank; repeat. [default: 1, 2, 4, ... up to --max-micro-batch]"),
+    ] = None,
+    max_micro_batch: Annotated[int, typer.Option(help="top of the micro-batch ladder.")] = 64,
+    offload: Annotated[
+        list[str] | None,
+        typer.Option(help=f"{', '.join(OFFLOADS)}; repeat. optimizer+params is ZeRO-3 only. [default: none]"),
+    ] = None,
+    ranks: Annotated[
+        list[int] | None,
+        typer.Option("--ranks", "-n", help="ranks per node; repeat. [default: all GPUs, or 2 on a CPU]"),
+    ] = None,
+    hostfile: Annotated[
+        Path | None, typer.Option(help="DeepSpeed hostfile ('host slots=N'): trials span its nodes.")
+    ] = None,
+    overlap_comm: Annotated[
+        list[str] | None,
+        typer.Option("--overlap-comm", help="on and/or off; repeat. [default: as in the base JSON]"),
+    ] = None,
+    reduce_bucket_size: Annotated[
+        list[int] | None, typer.Option(help="elements; repeat. [default: as in the base JSON]")
+    ] = None,
+    allgather_bucket_size: Annotated[
+        list[int] | None, typer.Option(help="elements, ZeRO-1/2; repeat. [default: as in the base JSON]")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="measured optimizer steps per trial.")] = 5,
+    warmup_steps: Annotated[int, typer.Option(help="steps per trial before measuring (not counted).")] = 2,
+    trial_timeout: Annotated[
+        float, typer.Option(help="seconds a trial may take in all, start-up included.")
+    ] = 900.0,
+    stall_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="seconds without a new step, once training started, before a trial counts as hung."
+        ),
+    ] = 300.0,
+    mem_cap_gib: Annotated[
+        float | None,
+        typer.Option(
+            help="count a trial as out of memory when its per-rank peak passes this: the CUDA allocator's "
+            "peak on GPUs; on CPUs the bytes a device would hold (model states, buckets, frozen models, "
+            "activations)."
+        ),
+    ] = None,
+    train_args: Annotated[
+        str,
+        typer.Option(help="more trainer options for every trial, e.g. '--resolution 512 --num-workers 4'."),
+    ] = "",
+    retry_failed: Annotated[bool, typer.Option(help="run crashed and timed-out trials again.")] = False,
+) -> None:
+    """Measure throughput, memory and communication over a grid of ZeRO configs with short real runs."""
+    from rich import get_console
+
+    console = get_console()  # the progress bar's console too, so messages print above the live bar
+    request_kwargs: dict[str, Any] = {
+        "stages": tuple(stage or (1, 2, 3)),
+        "precisions": tuple(precision or ("bf16", "fp16")),
+        "micro_batches": tuple(micro_batch or ()),
+        "max_micro_batch": max_micro_batch,
+        "offloads": tuple(offload or ("none",)),
+        "ranks_per_node": tuple(ranks or ()),  # empty: all GPUs, or 2 on a CPU
+        "overlap_comm": tuple(parse_switch(v, "--overlap-comm") for v in overlap_comm or ()),
+        "reduce_bucket_sizes": tuple(reduce_bucket_size or ()),
+        "allgather_bucket_sizes": tuple(allgather_bucket_size or ()),
+    }
+    try:
+        result = run_profile(
+            model=model, data=data, out_dir=out, grid=GridRequest(**request_kwargs),
+            base_config=deepspeed_config, steps=steps, warmup_steps=warmup_steps,
+            trial_timeout_s=trial_timeout, stall_timeout_s=stall_timeout, mem_cap_gib=mem_cap_gib,
+            hostfile=hostfile, train_args=shlex.split(train_args), retry_failed=retry_failed,
+            progress=True, log=lambda message: console.print(f"[dim]{message}[/dim]"),
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: finished trials are in {out / 'trials.csv'}; "
+                      "run the same command again to resume[/yellow]")  # fmt: skip
+        raise typer.Exit(130) from None
+    console.print(results_table(result.table))
+    console.print(
+        f"{len(result.ran)} trials run, {len(result.skipped)} already done; results in {result.csv_path}"
+    )
+
+
+def parse_switch(text: str, flag: str) -> bool:
+    value = text.strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise UserError(f"{flag} {text!r}: use on or off")
+
+
+def results_table(table: pd.DataFrame) -> Any:
+    from rich.table import Table
+
+    view = Table(title="trials (bytes per rank; MiB = 2^20 bytes)")
+    for name in ("trial", "status", "samples/s", "step s", "comm s", "states MiB", "activ. MiB",
+                 "peak MiB", "reason"):  # fmt: skip
+        view.add_column(name)
+
+    def num(value: Any, fmt: str, scale: float = 1.0) -> str:
+        return "-" if pd.isna(value) else format(float(value) / scale, fmt)
+
+    for _, row in table.iterrows():
+        view.add_row(
+            str(row["trial_id"]), str(row["status"]), num(row["samples_per_s"], ".2f"),
+            num(row["step_time_s"], ".3f"), num(row["comm_s"], ".3f"),
+            num(row["model_state_bytes"], ".1f", 2**20), num(row["activation_bytes"], ".1f", 2**20),
+            num(row["device_peak_bytes"], ".1f", 2**20),
+            "" if pd.isna(row["reason"]) else str(row["reason"])[:80],
+        )  # fmt: skip
+    return view

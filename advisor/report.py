@@ -1,0 +1,139 @@
+"""`sdzero report`: one self-contained HTML page per training run or per advise run.
+
+    sdzero report --run TRAIN_OUTPUT_DIR [-o reports/NAME.html]
+    sdzero report ADVISE_OUT [-o reports/NAME.html]
+
+The page embeds everything (figures as SVG data URIs, CSS inline), fetches nothing and runs no script, so
+it reads the same offline and when mailed around. It is written atomically: a failure at any point leaves
+the previous report untouched. Layout and safety: advisor.report_page; training input: advisor.report_train;
+advise input: advisor.report_advise; figures: advisor.figures.
+
+Data contract of an advise output folder
+----------------------------------------
+Every file is optional; a section whose file is absent says so in one line. Files written by code that
+exists today are read as that code writes them; the performance model's files (issue 6) follow the
+contract below, which its writer must keep. Extra columns and keys are ignored.
+
+``trials.csv`` (`sdzero profile`, one row per trial; also looked for in ``comm/``)
+    Required: ``status`` (``ok``; ``oom`` / ``out_of_memory`` are drawn as out-of-memory; anything else
+    is a failure shown as written), ``zero_stage``, ``dtype``, ``micro_batch``.
+    Read when present: ``trial_id`` or ``config_id``, ``grad_accum``, ``offload``, ``world_size``,
+    ``nodes`` (default 1), ``samples_per_s``, ``step_time_s``, ``reason``; memory per rank from the first
+    of ``mem_per_rank_bytes``, ``device_peak_bytes``, ``peak_mem_bytes``, ``peak_rss_bytes``; device
+    capacity from ``device_capacity_bytes`` or ``mem_cap_bytes`` (the `--mem-cap-gib` cap, in bytes).
+
+``comm.csv`` and ``comm_fit.json`` (`sdzero comm`, advisor.comm; in the folder or its ``comm/``)
+    As advisor.collectives.Row and advisor.alphabeta.fits_payload write them.
+
+``predictions.csv`` (performance model: one row per node count and config)
+    ``node_count`` (int >= 1), ``config_id`` (str, unique per config), ``zero_stage`` (int),
+    ``dtype`` (bf16 | fp16 | fp32), ``micro_batch`` (int, per rank), ``samples_per_s`` (global),
+    ``step_time_s`` (per optimizer step), ``compute_s`` and ``exposed_comm_s`` (the step time split into
+    compute and the communication not overlapped with it; they sum to ``step_time_s``),
+    ``mem_per_rank_bytes``, ``efficiency`` (samples_per_s / (samples_per_s of the same config at its
+    smallest node count x node_count / that node count): 1.0 is linear). Optional ``feasible`` (bool:
+    fits the device with the headroom; rows with false are left out of the best-of curves).
+
+``recommendation.json`` (performance model)
+    ``{"config_id", "node_count", "samples_per_s", "step_time_s", "mem_per_rank_bytes", "global_batch",
+    "grad_accum", "lr", "lr_scaling": "linear" | "sqrt", "launch_command": str,
+    "error": {"step_time_mape": 0.06, "memory_mape": 0.03},  # fractions, on held-out trials
+    "runners_up": [{"config_id", "node_count", "samples_per_s", "step_time_s", "mem_per_rank_bytes",
+    "why_not": str}, ...]}``. Other keys are shown as details.
+
+``recommended_ds_config.json``
+    The DeepSpeed JSON the trainer runs unchanged (else ``recommendation.json``'s ``ds_config``).
+
+``validation.csv`` (performance model: predicted against measured)
+    ``config_id``, ``quantity`` (``step_time_s`` | ``mem_per_rank_bytes``), ``predicted``, ``measured``
+    (same unit), ``held_out`` (bool: the trial was left out of the fit); optional ``node_count``.
+
+``environment.json`` (optional, any writer)
+    A JSON object shown as a table (versions, devices, network, hostfile); its ``device_memory_bytes``
+    draws the capacity line when trials.csv has no capacity column. Without it the report lists the
+    versions and devices of the machine that renders it, and says so. A training run's folder may hold
+    one too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from advisor.report_page import Report, render_html, write_atomic
+from sdzero.errors import UserError
+
+REPORTS_DIR = Path("reports")
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def default_output(source: Path, out: Path | None, reports_dir: Path = REPORTS_DIR) -> Path:
+    """`-o` as given (a folder gets `<name>.html` inside), else reports/<source folder name>.html."""
+    name = _UNSAFE_NAME.sub("_", Path(source).resolve().name).strip("._") or "report"
+    if out is None:
+        return reports_dir / f"{name}.html"
+    out = Path(out)
+    if out.is_dir() or str(out).endswith(("/", "\\")):
+        return out / f"{name}.html"
+    return out
+
+
+def write_report(report: Report, out: Path) -> Path:
+    """Render in memory, then replace `out` atomically; a failure leaves any previous `out` as it was."""
+    return write_atomic(out, render_html(report))
+
+
+def write_training_report(run_dir: Path, out: Path | None = None) -> Path:
+    """The training report of a run's output folder; returns the file written."""
+    from advisor.report_train import build_training_report
+
+    return write_report(build_training_report(Path(run_dir)), default_output(run_dir, out))
+
+
+def write_advise_report(advise_dir: Path, out: Path | None = None) -> Path:
+    """The advise report of an advise/profile/comm output folder (what `sdzero advise` calls at its end)."""
+    from advisor.report_advise import build_advise_report
+
+    return write_report(build_advise_report(Path(advise_dir)), default_output(advise_dir, out))
+
+
+def report_command(
+    advise_out: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="ADVISE_OUT", help="Output folder of sdzero advise, profile or comm.", show_default=False
+        ),
+    ] = None,
+    run: Annotated[
+        Path | None,
+        typer.Option(
+            "--run",
+            metavar="TRAIN_OUTPUT_DIR",
+            help="A training run's --output-dir (metrics.jsonl, ds_config.json, ...).",
+            show_default=False,
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="HTML file to write (default: reports/<folder name>.html).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Render one self-contained HTML report of an advise run or (with --run) of a training run."""
+    if (advise_out is None) == (run is None):
+        raise UserError(
+            "give either ADVISE_OUT (an advise, profile or comm folder) or --run TRAIN_OUTPUT_DIR"
+        )
+    if run is not None:
+        written = write_training_report(run, out)
+    else:
+        assert advise_out is not None
+        written = write_advise_report(advise_out, out)
+    typer.echo(f"wrote {written}")

@@ -1,0 +1,301 @@
+"""The page model of a report (sections of figures, tables, code and notes), its rendering and its write.
+
+A report is built completely in memory first (every figure drawn, every table formatted), then rendered
+by one Jinja2 template with autoescaping on, then written atomically. So bad input fails before anything
+touches the disk, and a crash mid-write leaves the previous report where it was.
+
+Escaping is the template's job alone: builders hand over plain strings (run names, paths, config values,
+captions), never HTML, and no `|safe` or `Markup` appears anywhere. Figures are SVG documents shown
+through `<img src="data:...">`: a browser runs no script inside an image, and the page's
+Content-Security-Policy forbids scripts, connections and every non-`data:` image outright.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pandas as pd
+
+from sdzero.errors import UserError
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+PACKAGES = ("torch", "deepspeed", "diffusers", "transformers", "accelerate", "numpy", "mpi4py", "sdzero")
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+"""No scripts, no fetches: the page is data, and stays inert even if a hostile string slipped through."""
+
+
+@dataclass(frozen=True)
+class FigureItem:
+    key: str
+    """Unique within the report; the element id is `fig-<key>`."""
+    title: str
+    caption: str
+    """One line: what to read from the figure."""
+    svg: bytes
+    kind: str = "figure"
+
+    @property
+    def data_uri(self) -> str:
+        return "data:image/svg+xml;base64," + base64.b64encode(self.svg).decode("ascii")
+
+
+@dataclass(frozen=True)
+class TableItem:
+    key: str
+    title: str
+    caption: str
+    columns: list[str]
+    rows: list[list[str]]
+    numeric: list[bool] = field(default_factory=list)
+    """Per column: right-align (numbers)."""
+    kind: str = "table"
+
+
+@dataclass(frozen=True)
+class CodeItem:
+    key: str
+    title: str
+    caption: str
+    text: str
+    kind: str = "code"
+
+
+@dataclass(frozen=True)
+class NoteItem:
+    """One line in place of a section's content whose input is absent."""
+
+    key: str
+    text: str
+    kind: str = "note"
+
+
+Item = FigureItem | TableItem | CodeItem | NoteItem
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    items: list[Item]
+    intro: str = ""
+
+
+@dataclass
+class Report:
+    title: str
+    subtitle: str
+    source: str
+    """The folder the report was made from, shown as text."""
+    facts: list[tuple[str, str]]
+    """Key figures shown under the title."""
+    sections: list[Section]
+    notes: list[str] = field(default_factory=list)
+    """Warnings about the input that did not stop the report (a cut-short last line, ...)."""
+    generated: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+
+    def items(self) -> Iterable[Item]:
+        for section in self.sections:
+            yield from section.items
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+
+def format_value(value: Any) -> str:
+    """A cell as text: floats to 4 significant digits, containers as compact JSON, None as an en dash."""
+    if value is None or (isinstance(value, float) and pd.isna(value)):
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def frame_table(key: str, title: str, caption: str, frame: pd.DataFrame) -> TableItem:
+    """A TableItem from a DataFrame; numeric columns are right-aligned."""
+    numeric = [pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
+               for c in frame.columns]  # fmt: skip
+    rows = [[format_value(v) for v in row] for row in frame.itertuples(index=False, name=None)]
+    return TableItem(key, title, caption, [str(c) for c in frame.columns], rows, numeric)
+
+
+def mapping_table(key: str, title: str, caption: str, values: Mapping[str, Any]) -> TableItem:
+    """A two-column setting/value table, nested keys flattened with dots."""
+    rows = [[name, setting_value(name, value)] for name, value in flatten(values)]
+    return TableItem(key, title, caption, ["setting", "value"], rows, [False, False])
+
+
+def setting_value(name: str, value: Any) -> str:
+    """Like format_value, with units read from the name: `*_unix_s` as a date, `*_bytes` as GiB/MiB too."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        if name.endswith("_unix_s"):
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
+        if name.endswith("_bytes"):
+            return f"{human_bytes(value)} ({int(value)} bytes)"
+    return format_value(value)
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for name, value in values.items():
+        dotted = f"{prefix}{name}"
+        if isinstance(value, Mapping) and value:
+            out += flatten(value, dotted + ".")
+        else:
+            out.append((dotted, value))
+    return out
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, None when the file is absent; UserError when it is not one."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON ({exc}); rewrite or remove it") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def human_bytes(value: float | None) -> str:
+    if value is None or pd.isna(value):
+        return "–"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+# ------------------------------------------------------------------------------------------ environment
+
+
+def environment_snapshot() -> dict[str, Any]:
+    """Versions and devices of this interpreter's machine. Package versions come from metadata (no import);
+    torch is imported only to list accelerators, which it alone can."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "versions": versions,
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": _physical_memory_bytes(),
+        "accelerators": _accelerators(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _accelerators() -> list[dict[str, Any]]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        found.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory)})
+    return found
+
+
+def environment_table(recorded: Mapping[str, Any] | None, where: str) -> TableItem:
+    """The environment a run recorded, else this machine's at report time (and the caption says which)."""
+    if recorded:
+        return mapping_table("environment", "Environment", f"As recorded in {where}.", recorded)
+    snapshot = environment_snapshot()
+    caption = f"No {where}: these are the versions and devices of the machine that made this report."
+    return mapping_table("environment", "Environment", caption, snapshot)
+
+
+# ------------------------------------------------------------------------------------------- rendering
+
+
+def _environment() -> jinja2.Environment:
+    # autoescape=True for every template, whatever its file name: `select_autoescape` goes by extension
+    # and would leave a `.html.j2` template unescaped.
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def check_unique_keys(report: Report) -> None:
+    keys = [f"{item.kind}-{item.key}" for item in report.items()] + [s.key for s in report.sections]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"report element ids repeat: {', '.join(repeated)}")
+
+
+def render_html(report: Report) -> str:
+    """The whole page as one string: CSS inline, figures as data URIs, nothing fetched."""
+    check_unique_keys(report)
+    return _environment().get_template("report.html.j2").render(report=report, csp=CSP)
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` via a temporary file in the same folder, fsync, rename, fsync the folder.
+
+    A reader (or a crash) sees the old file or the new one, never a mix; the temporary file is removed
+    when anything fails.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # makes the rename itself durable
+    finally:
+        os.close(dir_fd)
+    return path

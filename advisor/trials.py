@@ -1,0 +1,317 @@
+"""One trial: the trainer under the `deepspeed` launcher, watched, killed if stuck, and classified.
+
+A trial runs `sdzero/train.py --profile-out` (see sdzero.profiling) in its own session, with its output in
+`<trial>/log.txt`. Every way it can end becomes data rather than an exception:
+
+- ok: the trainer wrote its profile (a launcher that then hangs in teardown is killed, the result kept);
+- oom: the log shows an out-of-memory error, or the measured peak passed `--mem-cap-gib`;
+- timeout: no result within `--trial-timeout`, or no new training step for `--stall-timeout`;
+- crash: anything else; the reason is the error line, and the last lines of the log come with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from advisor.grid import TrialSpec
+from sdzero.launch import deepspeed_command
+
+GIB = 2**30
+POLL_S = 0.5
+# A rank that died is followed by the launcher's own clean-up; past this grace the whole session is
+# killed (a rank whose data-loader workers ignore SIGTERM never exits by itself).
+CRASH_GRACE_S = 30.0
+LOG_TAIL_LINES = 20
+
+OOM_PATTERNS = re.compile(
+    r"OutOfMemoryError|CUDA out of memory|out of memory|DefaultCPUAllocator: can't allocate memory|"
+    r"std::bad_alloc|Cannot allocate memory|exits with return code = -9",
+    re.IGNORECASE,
+)
+"""What an out-of-memory death leaves in a log. Return code -9 is SIGKILL, on a host usually the kernel's
+OOM killer (the launcher reports the code of the rank that died first)."""
+CRASH_MARKERS = re.compile(r"Traceback \(most recent call last\)|exits with return code|Killing subprocess")
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Crash)\b|sdzero: error:).*)$")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """What every trial of one profile shares."""
+
+    model: str
+    """A local pipeline folder (absolute) or a hub id."""
+    data: Path
+    steps: int
+    """Measured optimizer steps (after the warm-up)."""
+    warmup_steps: int
+    trial_timeout_s: float
+    stall_timeout_s: float | None
+    """Kill a trial that logged a step and then none for this long; None: only the trial timeout."""
+    mem_cap_bytes: int | None = None
+    hostfile: Path | None = None
+    hosts: int = 1
+    train_args: tuple[str, ...] = ()
+    crash_grace_s: float = CRASH_GRACE_S
+
+
+@dataclass
+class TrialOutcome:
+    status: str
+    reason: str
+    profile: dict[str, Any] | None
+    wall_s: float
+    returncode: int | None
+    log_path: Path
+    log_tail: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
+    """The trainer's own options for one trial; user options come last so they can add to them."""
+    return [
+        "--deepspeed_config", str(ds_config),
+        "--model", settings.model,
+        "--data", str(settings.data),
+        "--output-dir", str(trial_dir / "run"),
+        "--max-steps", str(settings.warmup_steps + settings.steps),
+        "--profile-out", str(trial_dir / "profile.json"),
+        "--profile-warmup-steps", str(settings.warmup_steps),
+        *settings.train_args,
+    ]  # fmt: skip
+
+
+def trial_command(spec: TrialSpec, settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
+    return deepspeed_command(
+        trainer_args(settings, ds_config, trial_dir),
+        num_gpus=spec.ranks_per_node,
+        hostfile=settings.hostfile,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+
+
+class _Watch:
+    """Reads the growing log and the metrics file of a running trial."""
+
+    def __init__(self, log_path: Path, metrics_path: Path, profile_path: Path) -> None:
+        self.log_path, self.metrics_path, self.profile_path = log_path, metrics_path, profile_path
+        self._offset = 0
+        self._carry = ""
+        self.crash_seen_at: float | None = None
+        self.profile_seen_at: float | None = None
+        self.metrics_size = 0
+        self.last_progress_at: float | None = None
+        self.steps_logged = 0
+
+    def poll(self, now: float) -> None:
+        with self.log_path.open("rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        self._offset += len(chunk)
+        text = self._carry + chunk.decode(errors="replace")
+        lines = text.split("\n")
+        self._carry = lines.pop()  # an unfinished line waits for the next poll
+        if self.crash_seen_at is None and any(CRASH_MARKERS.search(line) for line in lines):
+            self.crash_seen_at = now
+        if self.profile_seen_at is None and self.profile_path.exists():
+            self.profile_seen_at = now
+        size = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
+        if size != self.metrics_size:
+            self.metrics_size, self.last_progress_at = size, now
+            self.steps_logged = self.metrics_path.read_text().count("\n")
+
+
+def run_trial(
+    spec: TrialSpec,
+    settings: TrialSettings,
+    ds_config: Path,
+    trial_dir: Path,
+    extra_env: Mapping[str, str] | None = None,
+) -> TrialOutcome:
+    """Run one trial to its end (or kill it) and classify how it ended. Never raises for a failed trial."""
+    for stale in ("profile.json", "log.txt"):
+        (trial_dir / stale).unlink(missing_ok=True)  # an earlier, interrupted attempt must not count
+    metrics = trial_dir / "run" / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    log_path, profile_path = trial_dir / "log.txt", trial_dir / "profile.json"
+    command = trial_command(spec, settings, ds_config, trial_dir)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        # Own session: the launcher, its ranks and their data-loader workers share one process group,
+        # which is what gets killed when the trial hangs.
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            killed_for = _wait(process, settings, _Watch(log_path, metrics, profile_path), started)
+        finally:
+            if process.poll() is None:  # interrupted (Ctrl-C) or an error here: leave no ranks behind
+                kill_session(process)
+    wall_s = time.monotonic() - started
+    return classify_trial(process.returncode, killed_for, log_path, profile_path, settings, wall_s)
+
+
+def _wait(
+    process: subprocess.Popen[bytes], settings: TrialSettings, watch: _Watch, started: float
+) -> str | None:
+    """Wait for the launcher; return why it was killed, or None if it exited by itself."""
+    while process.poll() is None:
+        time.sleep(POLL_S)
+        now = time.monotonic()
+        watch.poll(now)
+        reason = _kill_reason(settings, watch, now, started)
+        if reason is not None:
+            kill_session(process)
+            return reason
+    return None
+
+
+def _kill_reason(settings: TrialSettings, watch: _Watch, now: float, started: float) -> str | None:
+    grace = settings.crash_grace_s
+    if watch.profile_seen_at is not None and now - watch.profile_seen_at > grace:
+        return f"teardown: the profile was written but the launcher had not exited {grace:.0f} s later"
+    if watch.crash_seen_at is not None and now - watch.crash_seen_at > grace:
+        return f"crash: a rank failed and the launcher had not exited {grace:.0f} s later"
+    if now - started > settings.trial_timeout_s:
+        return f"timeout: no result within --trial-timeout {settings.trial_timeout_s:g} s"
+    stall = settings.stall_timeout_s
+    if stall and watch.last_progress_at is not None and now - watch.last_progress_at > stall:
+        return f"timeout: hung, no new step for {stall:g} s after step {watch.steps_logged} (--stall-timeout)"
+    return None
+
+
+def kill_session(process: subprocess.Popen[bytes]) -> None:
+    """Stop the launcher's whole process group: SIGTERM, a grace, then SIGKILL for what is left.
+
+    SIGKILL follows even when the launcher has exited: ranks and their data-loader workers share its group
+    and may outlive it, or ignore SIGTERM.
+    """
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10.0)
+    process.wait()
+
+
+# --------------------------------------------------------------------------------------------------
+# Classifying
+
+
+def read_profile(path: Path) -> dict[str, Any] | None:
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return profile if isinstance(profile, dict) and profile.get("ranks") else None
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a log, progress-bar redraws reduced to their final state."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    clean = [line.rsplit("\r", 1)[-1].rstrip() for line in text.splitlines()]
+    return "\n".join([line for line in clean if line][-lines:])
+
+
+def error_line(tail: str) -> str:
+    """The most telling line of a failed run's log: its last exception, else its last line."""
+    for line in reversed(tail.splitlines()):
+        match = ERROR_LINE.match(line.strip())
+        if match:
+            return match.group(1)[:300]
+    last = tail.splitlines()[-1] if tail else "(empty log)"
+    return _RANK_PREFIX.sub("", last)[:300]
+
+
+def classify_trial(
+    returncode: int | None,
+    killed_for: str | None,
+    log_path: Path,
+    profile_path: Path,
+    settings: TrialSettings,
+    wall_s: float,
+) -> TrialOutcome:
+    tail = log_tail(log_path)
+    full_log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    profile = read_profile(profile_path)
+    # a timeout's reason is why it was killed; for the others, being killed is worth a note
+    notes = [killed_for] if killed_for and not killed_for.startswith("timeout") else []
+
+    def outcome(status: str, reason: str) -> TrialOutcome:
+        return TrialOutcome(status, reason, profile, wall_s, returncode, log_path, tail, notes)
+
+    if profile is not None:
+        cap = settings.mem_cap_bytes
+        peak = int(profile["device_peak_bytes"])
+        if cap is not None and peak > cap:
+            rank = max(profile["ranks"], key=lambda r: r["device_peak_bytes"])["rank"]
+            return outcome(
+                "oom",
+                f"memory cap: peak {peak / GIB:.3f} GiB on rank {rank} > --mem-cap-gib {cap / GIB:g}",
+            )
+        return outcome("ok", "; ".join(notes))
+    oom = OOM_PATTERNS.search(full_log)
+    if oom:
+        line = full_log[: oom.end()].rsplit("\n", 1)[-1] + full_log[oom.end() :].split("\n", 1)[0]
+        return outcome("oom", "out of memory: " + _RANK_PREFIX.sub("", line.strip())[:300])
+    if killed_for and killed_for.startswith("timeout"):
+        return outcome("timeout", killed_for.removeprefix("timeout: "))
+    return outcome("crash", error_line(tail) + (f" (exit code {returncode})" if returncode else ""))
+
+
+# --------------------------------------------------------------------------------------------------
+# A profile's figures as one table row
+
+
+def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
+    """Flatten the trainer's profile into trials.csv columns (per-rank detail as JSON text)."""
+    if profile is None:
+        return {}
+    ranks = profile["ranks"]
+    states = [r["model_state_bytes"] for r in ranks]
+    phases = profile.get("phases_s") or {}
+    breakdown = profile.get("ds_breakdown_s") or {}
+    comm = profile.get("comm") or {}
+    row: dict[str, Any] = {
+        "grad_accum": profile["grad_accum"],
+        "world_size": profile["world_size"],
+        "global_batch": profile["global_batch"],
+        "samples_per_s": profile["samples_per_s"],
+        "step_time_s": profile["step_time_s"],
+        **{k: phases.get(k) for k in ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")},
+        **{f"ds_{k}_s": breakdown.get(k) for k in ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")},
+        "comm_s": comm.get("seconds_per_step"),
+        "comm_bytes": comm.get("bytes_per_step"),
+        "comm_ops": json.dumps(comm.get("ops")) if comm else None,
+        "trained_params": profile["trained_params"],
+        **{f"{k}_bytes": max(s[k] for s in states) for k in ("params", "grads", "master", "optimizer")},
+        "model_state_bytes": max(r["model_state_total_bytes"] for r in ranks),
+        "model_state_bytes_per_rank": json.dumps(states),
+        "bucket_bytes": max(r["bucket_bytes"] for r in ranks),
+        "offloaded_bytes": max(r["offloaded_bytes"] for r in ranks),
+        "frozen_bytes": max(r["frozen_bytes"] for r in ranks),
+        "activation_bytes": max(r["activation_bytes"] for r in ranks),
+        "device_peak_bytes": profile["device_peak_bytes"],
+        "peak_rss_bytes": profile["peak_rss_bytes"],
+        "cuda_peak_bytes": max((r["cuda_peak_bytes"] or 0) for r in ranks) or None,
+        "measured_steps": profile["measured_steps"],
+    }
+    return row

@@ -1,0 +1,518 @@
+"""Checkpoints you can trust: DeepSpeed's own shards under a commit protocol, a manifest, retention, resume.
+
+Layout under `<output-dir>/checkpoints/`:
+
+    step_00000004/              one complete checkpoint: DeepSpeed's files, ema/, manifest.json
+    latest                      the tag of the newest committed checkpoint, replaced atomically
+    .incoming-step_00000006/    a save in progress, or one a crash cut short: never loaded, never counted
+
+DeepSpeed's `save_checkpoint` writes shards straight to their final names and rank 0 then writes `latest`
+with a plain write, so a job killed mid-save can leave `latest` naming a half-written checkpoint (transformers
+PR#35580). The commit protocol on top of it:
+
+1. every rank calls `save_checkpoint` into the staging folder (a collective: calling it on rank 0 alone
+   deadlocks, diffusers#2606) and writes its EMA file;
+2. barrier; each rank fsyncs and hashes a share of the files, rank 0 gathers sizes and sha256;
+3. rank 0 writes manifest.json (temp file, fsync, rename), renames the folder to its final name, then
+   replaces `latest` the same way and fsyncs the folder;
+4. rank 0 deletes complete checkpoints beyond the newest K and stale staging folders.
+
+A folder without a valid manifest is never loaded and never counted among the K kept; a resume also checks
+every file's size and sha256, and falls back to the previous checkpoint with a warning naming the bad file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sdzero.errors import UserError
+
+log = logging.getLogger("sdzero.checkpoint")
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STAGING_PREFIX = ".incoming-"
+EMA_DIR = "ema"
+MANIFEST_FORMAT = 1
+KILL_HOOK = "SDZERO_TEST_KILL_BEFORE_COMMIT"
+"""Test hook: rank 0 SIGKILLs itself after every shard of this step is written, before the commit."""
+
+
+def step_tag(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (POSIX: the directory entry is data of the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that readers see the old or the new content, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def describe_file(path: Path, fsync: bool = False) -> dict[str, Any]:
+    """Size and sha256 of one file, read in 8 MiB blocks; `fsync` first makes the bytes durable."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def list_files(folder: Path) -> list[str]:
+    """Every file under `folder` except the manifest, as sorted POSIX paths relative to it."""
+    folder = Path(folder)
+    return sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
+
+
+# ------------------------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds and how it was trained; written last, by rank 0."""
+
+    tag: str
+    step: int
+    serial: int
+    """Commit order within the folder: newest = highest serial (a run resumed from an older step writes
+    checkpoints with lower steps that are nevertheless newer)."""
+    zero_stage: int
+    dtype: str
+    world_size: int
+    seed: int
+    model: str
+    prediction_type: str
+    ema: bool
+    files: dict[str, dict[str, Any]]
+    created_unix_s: float = 0.0
+    format: int = MANIFEST_FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["bytes"]) for f in self.files.values())
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def load_manifest(folder: Path) -> Manifest:
+    """The folder's manifest, or ManifestError saying why it is missing or invalid."""
+    path = Path(folder) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{path} is missing (the save never committed)") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path} is unreadable ({exc})") from exc
+    try:
+        manifest = Manifest(**raw)
+        if manifest.format != MANIFEST_FORMAT:
+            raise ManifestError(f"{path}: format {manifest.format}, this sdzero reads {MANIFEST_FORMAT}")
+        if not manifest.files or not all(
+            isinstance(v, dict) and {"bytes", "sha256"} <= set(v) for v in manifest.files.values()
+        ):
+            raise ManifestError(f"{path}: the file list is empty or malformed")
+    except TypeError as exc:
+        raise ManifestError(f"{path}: not an sdzero manifest ({exc})") from exc
+    return manifest
+
+
+def read_manifest(folder: Path) -> Manifest | None:
+    try:
+        return load_manifest(folder)
+    except ManifestError:
+        return None
+
+
+def verify_files(folder: Path, manifest: Manifest, names: Iterable[str] | None = None) -> list[str]:
+    """Problems, one line each naming the file, for `names` (default: all files in the manifest)."""
+    folder = Path(folder)
+    problems = []
+    for name in manifest.files if names is None else names:
+        expected = manifest.files[name]
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+            continue
+        size = path.stat().st_size
+        if size != int(expected["bytes"]):
+            problems.append(f"{path} has {size} bytes, the manifest says {expected['bytes']} (truncated?)")
+        elif describe_file(path)["sha256"] != expected["sha256"]:
+            problems.append(f"{path} does not match its sha256 in the manifest (corrupted)")
+    return problems
+
+
+# ------------------------------------------------------------------------------ discovery and retention
+
+
+def complete_checkpoints(root: Path) -> list[tuple[Path, Manifest]]:
+    """Folders under `root` with a valid manifest, newest first. Staging folders never count."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        if not child.is_dir() or child.name.startswith("."):
+            continue
+        manifest = read_manifest(child)
+        if manifest is not None:
+            found.append((child, manifest))
+    return sorted(found, key=lambda pm: (pm[1].serial, pm[1].step), reverse=True)
+
+
+def retention_victims(root: Path, keep_last: int) -> list[Path]:
+    """What to delete after a commit: complete checkpoints beyond the newest `keep_last` (0: keep all),
+    and staging folders (after a commit none is in progress, so any left is a crashed save's)."""
+    root = Path(root)
+    complete = complete_checkpoints(root)
+    victims = [path for path, _ in complete[keep_last:]] if keep_last > 0 else []
+    if root.is_dir():
+        victims += sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STAGING_PREFIX))
+    return victims
+
+
+def next_serial(root: Path) -> int:
+    return 1 + max((m.serial for _, m in complete_checkpoints(root)), default=0)
+
+
+def locate(path: Path) -> tuple[list[tuple[Path, Manifest]], bool]:
+    """Resolve a CHECKPOINT argument: (candidates newest first, whether it named one checkpoint).
+
+    Accepted: one checkpoint folder; a folder of checkpoints; a run's output folder (its checkpoints/).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: not a folder; pass a checkpoint folder or a run's output folder")
+    if (path / MANIFEST).exists() or any(path.glob("*model_states.pt")):
+        try:
+            return [(path, load_manifest(path))], True
+        except ManifestError as exc:
+            raise UserError(f"{path} is not a complete checkpoint: {exc}") from exc
+    root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+    return complete_checkpoints(root), False
+
+
+def first_verified(
+    candidates: list[tuple[Path, Manifest]],
+    verify: Callable[[Path, Manifest], list[str]],
+    warn: Callable[[str], None],
+) -> tuple[Path, Manifest] | None:
+    """The newest candidate whose files all verify; each one skipped is reported with the bad file."""
+    for i, (path, manifest) in enumerate(candidates):
+        problems = verify(path, manifest)
+        if not problems:
+            return path, manifest
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        after = "falling back to the previous checkpoint" if i + 1 < len(candidates) else "no older one left"
+        warn(f"checkpoint {path} is damaged: {problems[0]}{more}; {after}")
+    return None
+
+
+def check_compatible(path: Path, manifest: Manifest, zero_stage: int, dtype: str, world_size: int) -> None:
+    """Stop with one clear line when the checkpoint cannot be resumed exactly by this run.
+
+    DeepSpeed partitions the optimizer state by rank; loading it into another stage, precision or world
+    size needs its universal-checkpoint conversion, which sdzero does not do, and loading weights alone
+    would silently restart Adam's moments. So the run stops instead.
+    """
+    then = (manifest.zero_stage, manifest.dtype, manifest.world_size)
+    now = (zero_stage, dtype, world_size)
+    if then == now:
+        return
+    raise UserError(
+        f"--resume {path}: written by ZeRO-{then[0]} {then[1]} on {then[2]} ranks, this run is ZeRO-{now[0]} "
+        f"{now[1]} on {now[2]} ranks; resuming across a change of ZeRO stage, precision or world size would "
+        "need DeepSpeed's universal checkpoint conversion (not supported) or drop the optimizer state. Resume "
+        "with the same DeepSpeed JSON and rank count, or start a new run from its weights: "
+        f"`sdzero export {path} OUT`, then --model OUT"
+    )
+
+
+# ------------------------------------------------------------------------------------------- RNG state
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states in types that torch.load(weights_only=True) accepts (no numpy objects)."""
+    from deepspeed.accelerator import get_accelerator
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "accelerator": get_accelerator().get_rng_state(),
+        "numpy": [
+            str(name),
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+        "python": random.getstate(),
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["accelerator"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(state["python"])
+
+
+# ------------------------------------------------------------------------------------ collective parts
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Where training continues: the last completed optimizer step and the data position after it."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    """Micro-batches this rank has taken from the current epoch (the same count on every rank)."""
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What the manifest records about the run, and what a resume must match."""
+
+    zero_stage: int
+    dtype: str
+    world_size: int
+    seed: int
+    model: str
+    prediction_type: str
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    manifest: Manifest
+    verify_s: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+
+def distributed_verify(path: Path, manifest: Manifest) -> list[str]:
+    """Every rank checks a share of the files; all ranks get the same problem list. A collective."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = verify_files(path, manifest, sorted(manifest.files)[rank::world])
+    shares: list[list[str]] = [[] for _ in range(world)]
+    dist.all_gather_object(shares, mine)
+    return sorted(p for share in shares for p in share)
+
+
+def find_resume(
+    resume: str, output_dir: Path, zero_stage: int, dtype: str, world_size: int
+) -> ResumePoint | None:
+    """The checkpoint to resume from, agreed by all ranks (a collective), or None for a fresh start."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    root = checkpoint_root(output_dir)
+    if resume == "none":
+        if rank == 0 and complete_checkpoints(root):
+            log.warning(
+                "%s holds checkpoints from an earlier run; starting fresh as --resume none says (pass "
+                "--resume auto to continue from them)",
+                root,
+            )
+        return None
+    # Rank 0 lists, everyone uses its list: ranks must agree even if a shared filesystem lags.
+    listing: list[Any] = [None]
+    if rank == 0:
+        try:
+            found = (complete_checkpoints(root), False) if resume == "auto" else locate(Path(resume))
+            listing[0] = ("ok", found)
+        except UserError as exc:
+            listing[0] = ("error", str(exc))
+    dist.broadcast_object_list(listing, src=0)
+    status, found = listing[0]
+    if status == "error":
+        raise UserError(found)
+    candidates, _ = found
+    if resume == "auto" and not candidates:
+        if rank == 0:
+            log.info("--resume auto: no complete checkpoint under %s; starting fresh", root)
+        return None
+    start = time.perf_counter()
+    skipped: list[str] = []
+    warn = (lambda msg: (skipped.append(msg), log.warning(msg))) if rank == 0 else skipped.append
+    chosen = first_verified(candidates, distributed_verify, warn)
+    if chosen is None:
+        if resume != "auto":
+            why = skipped[-1] if skipped else "no folder there has a valid manifest.json"
+            raise UserError(f"--resume {resume}: no complete, undamaged checkpoint ({why})")
+        if rank == 0:
+            log.warning("--resume auto: every checkpoint under %s is damaged; starting fresh", root)
+        return None
+    path, manifest = chosen
+    check_compatible(path, manifest, zero_stage, dtype, world_size)
+    return ResumePoint(path, manifest, verify_s=time.perf_counter() - start, skipped=skipped)
+
+
+class Checkpointer:
+    """Saves and restores engine + EMA + data position + RNG under the commit protocol above."""
+
+    def __init__(self, output_dir: Path, keep_last: int, engine: Any, ema: Any, ident: RunIdentity) -> None:
+        import torch.distributed as dist
+
+        self.root = checkpoint_root(output_dir)
+        self.keep_last = keep_last
+        self.engine = engine
+        self.ema = ema
+        self.ident = ident
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if engine.checkpoint_engine.is_decoupled():
+            raise UserError(
+                "the DeepSpeed JSON selects a decoupled (asynchronous) checkpoint engine; sdzero's commit "
+                "protocol needs every shard on disk before the manifest, so remove that setting"
+            )
+
+    def save(self, state: TrainState) -> Path:
+        """Write a complete checkpoint of `state`; every rank must call it. Returns its folder."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        tag = step_tag(state.step)
+        staging = self.root / f"{STAGING_PREFIX}{tag}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # a crashed save of the same step
+        dist.barrier()  # nobody writes into the staging folder before it is clean
+        rng = [None] * self.world
+        dist.all_gather_object(rng, capture_rng())
+        client_state = {
+            "sdzero": {**asdict(state), "rng": rng, "seed": self.ident.seed, "ema": self._ema_info()}
+        }
+        self.engine.save_checkpoint(
+            str(self.root), tag=staging.name, client_state=client_state, save_latest=False
+        )
+        if self.ema is not None:
+            self.ema.save(staging / EMA_DIR, self.rank)
+        dist.barrier()  # every rank's shards are written
+        t_write = time.perf_counter()
+
+        names: list[Any] = [list_files(staging) if self.rank == 0 else None]
+        dist.broadcast_object_list(names, src=0)
+        mine = {n: describe_file(staging / n, fsync=True) for n in names[0][self.rank :: self.world]}
+        shares: list[Any] = [None] * self.world
+        dist.all_gather_object(shares, mine)
+        t_hash = time.perf_counter()
+
+        final = self.root / tag
+        if self.rank == 0:
+            if os.environ.get(KILL_HOOK) == str(state.step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            files = {k: v for share in shares for k, v in share.items()}
+            self._commit(staging, final, state.step, files)
+        dist.barrier()  # nobody goes on (or exits) before the commit is durable
+        if self.rank == 0:
+            total = sum(v["bytes"] for share in shares for v in share.values())
+            log.info(
+                "checkpoint %s: %.1f MB in %.2f s (write %.2f s, fsync+sha256 %.2f s, commit %.2f s)",
+                final, total / 1e6, time.perf_counter() - t0, t_write - t0, t_hash - t_write,
+                time.perf_counter() - t_hash,
+            )  # fmt: skip
+        return final
+
+    def _ema_info(self) -> dict[str, Any] | None:
+        if self.ema is None:
+            return None
+        return {"decay": self.ema.decay, "updates": self.ema.updates, "folder": EMA_DIR}
+
+    def _commit(self, staging: Path, final: Path, step: int, files: dict[str, Any]) -> None:
+        manifest = Manifest(
+            tag=final.name, step=step, serial=next_serial(self.root), ema=self.ema is not None, files=files,
+            created_unix_s=time.time(), **asdict(self.ident),
+        )  # fmt: skip
+        atomic_write_text(staging / MANIFEST, manifest.to_json())
+        old = None
+        if final.exists():  # the same step saved by an earlier timeline: replace it only now
+            old = final.with_name(f"{STAGING_PREFIX}old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(staging, final)
+        fsync_dir(self.root)
+        atomic_write_text(self.root / LATEST, final.name)
+        for victim in retention_victims(self.root, self.keep_last):
+            shutil.rmtree(victim, ignore_errors=True)
+
+    def load(self, point: ResumePoint) -> TrainState:
+        """Restore engine, optimizer, LR schedule, EMA and this rank's RNG; every rank must call it."""
+        t0 = time.perf_counter()
+        path = point.path
+        load_path, client_state = self.engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None or not client_state or "sdzero" not in client_state:
+            raise UserError(
+                f"--resume {path}: DeepSpeed found no model states there; is it an sdzero checkpoint?"
+            )
+        saved = client_state["sdzero"]
+        restore_rng(saved["rng"][self.rank])
+        if self.ema is not None:
+            if saved.get("ema"):
+                self.ema.load(path / EMA_DIR, self.rank)
+            elif self.rank == 0:
+                log.warning("%s has no EMA; the EMA starts from the resumed weights", path)
+        elif saved.get("ema") and self.rank == 0:
+            log.warning("%s holds an EMA but --ema-decay is not set; it is not carried on", path)
+        state = TrainState(
+            step=int(saved["step"]),
+            epoch=int(saved["epoch"]),
+            batches_in_epoch=int(saved["batches_in_epoch"]),
+        )
+        if self.rank == 0:
+            log.info(
+                "resumed from %s (step %d) in %.2f s (verify %.2f s, load %.2f s)",
+                path, state.step, point.verify_s + time.perf_counter() - t0, point.verify_s,
+                time.perf_counter() - t0,
+            )  # fmt: skip
+        return state

@@ -1,0 +1,74 @@
+"""Preemption: SIGTERM / SIGUSR1 become a checkpoint at the next step boundary and exit code 143.
+
+The handler only records the signal. The ranks agree at the end of each optimizer step, inside the small
+collective the loop already makes for its step statistics, so a signal that reached one rank stops all of
+them at the same step (Slurm signals every task, a single `kill` signals one). A watchdog bounds the
+time: if the save hangs (a rank died, a filesystem stalls), the process exits 143 anyway, and the
+unfinished checkpoint, having no manifest, is never loaded.
+
+DataLoader workers ignore these signals: a launcher or Slurm signals the whole process tree, and a worker
+killed by SIGTERM makes the main process raise before it can save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import types
+
+log = logging.getLogger("sdzero.preemption")
+
+EXIT_PREEMPTED = 143
+"""128 + SIGTERM, what schedulers expect from a job that stopped on request (also used for SIGUSR1)."""
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """Raised after the preemption checkpoint is committed; the interpreter exits with 143."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_PREEMPTED)
+
+
+class PreemptionFlag:
+    """Set by SIGTERM/SIGUSR1 on this rank; `requested` is what this rank contributes to the agreement."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.signum: int | None = None
+        self._watchdog: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def install(self) -> PreemptionFlag:
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self._watchdog = threading.Timer(self.timeout_s, _give_up, args=(self.timeout_s,))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+
+def _give_up(timeout_s: float) -> None:
+    log.error(
+        "preemption: no complete checkpoint within %.0f s of the signal; exiting without one", timeout_s
+    )
+    os._exit(EXIT_PREEMPTED)
+
+
+def ignore_preemption_signals(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: leave SIGTERM/SIGUSR1 to the rank process (see the module docstring)."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

@@ -1,0 +1,471 @@
+"""Trial measurements taken inside the trainer, for `sdzero profile` (the advisor runs the real trainer).
+
+`start_probe` returns a `Probe` that the training loop calls at three points (step begin, step end,
+after the last step). With `--profile-out FILE` it records, after `--profile-warmup-steps` uncounted steps:
+
+- throughput and step time, the trainer's own phase timers, DeepSpeed's `wall_clock_breakdown` timers and
+  its `comms_logger` totals (when the DeepSpeed JSON enables them);
+- per rank, the exact bytes of model states the rank holds, read from the engine, by kind: 16-bit
+  parameters, gradients, fp32 master weights, optimizer states (plus gradient buckets, reported apart);
+- per rank, activation bytes: the storages autograd saves during one micro-step's forward of the trained
+  network (saved-tensor hooks), parameters excluded;
+- per rank, peak RSS, the CUDA allocator's peak, and the peak a device would hold (see `device_peak`).
+
+Rank 0 writes FILE as JSON once every rank has reported. Without `--profile-out` the probe only serves the
+test hooks below and costs nothing per step.
+
+Test-only hooks (read from the environment, used by the advisor's failure tests): SDZERO_TEST_CRASH_AT_STEP=N
+raises at the start of step N on every rank; SDZERO_TEST_HANG_AT_STEP=N sleeps forever there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PROFILE_VERSION = 1
+STATE_KINDS = ("params", "grads", "master", "optimizer")
+"""Model states, in the order the ZeRO paper counts them: 2Ψ + 2Ψ + KΨ with K = 12 for Adam."""
+
+# Where DeepSpeed's ZeRO optimizers (0.16 .. 0.19) keep gradients besides `param.grad`: stage 1/2 keep the
+# rank's reduced partition in `averaged_gradients` (or `grads_in_partition` with contiguous gradients),
+# stage 3 in one flat `grad_partitions_flat_buffer`. Internal names, so a missing one is skipped, not an error.
+_GRAD_ATTRS = ("grads_in_partition", "averaged_gradients", "grad_partitions_flat_buffer")
+_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+# Communication buckets: gradients pass through them on the way to a reduce; not model states.
+_BUCKET_ATTRS = ("ipg_buckets", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")
+
+
+class InjectedCrash(RuntimeError):
+    """Raised by the SDZERO_TEST_CRASH_AT_STEP hook."""
+
+
+def _env_step(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: storages held, deduplicated (views of one flat buffer count once, padding included)
+
+
+def _tensors(node: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside nested lists, tuples, dicts and dataclass-like objects (DeepSpeed's buckets)."""
+    if depth > 4 or node is None:
+        return
+    if isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _tensors(value, depth + 1)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            yield from _tensors(value, depth + 1)
+    elif hasattr(node, "__dataclass_fields__"):
+        for name in node.__dataclass_fields__:
+            yield from _tensors(getattr(node, name, None), depth + 1)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[tuple[str, int]]) -> tuple[int, int]:
+    """(bytes, of which off the compute device) of the storages behind `tensors` not yet in `seen`.
+
+    Counting storages, not tensor sizes, gives what the allocator really holds: ZeRO keeps parameters,
+    gradients and master weights as views into flat buffers padded for alignment, and a view's own numel
+    would miss that padding.
+    """
+    total = offloaded = 0
+    compute = _compute_device_type()
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue  # a ZeRO-3 placeholder (its data lives in ds_tensor) or an empty tensor
+        key = (str(t.device), storage.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+        if t.device.type != compute:
+            offloaded += storage.nbytes()
+    return total, offloaded
+
+
+def _compute_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _module_param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    for p in module.parameters():
+        # ZeRO-3: `ds_tensor` is this rank's shard; `p.data` is empty unless the parameter is persistent
+        # (below stage3_param_persistence_threshold, kept whole on every rank) or gathered right now.
+        # A gathered non-persistent parameter is ZeRO-3's working set, not a model state: left out.
+        shard = getattr(p, "ds_tensor", None)
+        if shard is None:
+            yield p.data
+            continue
+        yield shard
+        if getattr(p, "ds_persist", False):
+            yield p.data
+
+
+def trained_param_count(module: torch.nn.Module) -> int:
+    """Ψ: the trained network's parameter count (ZeRO-3 knows the full size as `ds_numel`)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
+
+
+def model_state_bytes(engine: Any) -> dict[str, int]:
+    """Bytes of model states this rank holds, by kind, read from the engine.
+
+    A storage counts once, in the first kind that reaches it, in this order: `buckets` (ZeRO's reduce
+    buckets: gradients pass through them, so a gradient that is a view into one is counted there, not as a
+    gradient), `params` (the module's 16-bit weights or, under ZeRO-3, their shards), `master` (fp32
+    master partitions), `optimizer` (the inner optimizer's state: Adam's m and v), `grads` (`param.grad`
+    and ZeRO's gradient partitions). `offloaded` says how many of these bytes live off the compute device
+    (CPU offload on a GPU machine).
+    """
+    seen: set[tuple[str, int]] = set()
+    zero_opt = engine.optimizer
+    inner = getattr(zero_opt, "optimizer", zero_opt)
+    # fp32 master partitions: the inner optimizer's state keys and parameters (ZeRO-3 swaps them into its
+    # param_groups only while stepping, so its flat partitions are read by name too)
+    masters = [*inner.state.keys(), *(p for group in inner.param_groups for p in group["params"])]
+    # `grad_accum`: where ZeRO-1 accumulates when the accumulation dtype differs from the weights' dtype
+    grads = [g for p in engine.module.parameters() for g in (p.grad, getattr(p, "grad_accum", None))]
+    sources: dict[str, list[torch.Tensor]] = {
+        "buckets": [t for name in _BUCKET_ATTRS for t in _tensors(getattr(zero_opt, name, None))],
+        "params": list(_module_param_tensors(engine.module)),
+        "master": masters + [t for name in _MASTER_ATTRS for t in _tensors(getattr(zero_opt, name, None))],
+        "optimizer": [t for state in inner.state.values() for t in _tensors(state)],
+        "grads": grads + [t for name in _GRAD_ATTRS for t in _tensors(getattr(zero_opt, name, None))],
+    }
+    out = {"offloaded": 0}
+    for kind, tensors in sources.items():
+        out[kind], offloaded = storage_bytes(tensors, seen)
+        out["offloaded"] += offloaded
+    return {k: out[k] for k in (*STATE_KINDS, "buckets", "offloaded")}
+
+
+def module_bytes(*modules: torch.nn.Module) -> int:
+    """Parameter and buffer bytes of frozen modules (VAE, text encoder), replicated on every rank."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for m in modules:
+        total += storage_bytes([*m.parameters(), *m.buffers()], seen)[0]
+    return total
+
+
+def peak_rss_bytes() -> int:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return int(kib if sys.platform == "darwin" else kib * 1024)
+
+
+def cuda_peak_bytes() -> int | None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return None
+
+
+class ActivationMeter:
+    """Bytes autograd saves for backward during one forward of `module`: the activation memory.
+
+    A saved-tensor pack hook sees every tensor saved for backward. Parameters (and views of them, such as a
+    transposed weight) are model states, not activations, and are skipped; storages count once.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.tensors = 0
+        self._seen: set[tuple[str, int]] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)):
+            added, _ = storage_bytes([t], self._seen)
+            if added:
+                self.bytes += added
+                self.tensors += 1
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed's own instruments
+
+
+class CommMeter:
+    """Totals of DeepSpeed's comms_logger over the measured window, per collective.
+
+    comms_logger times each op with a timer that DeepSpeed (0.19) never resets, so every recorded latency
+    is the running total for that op name. Resetting the timers at the window start and reading each
+    timer's elapsed total at the end gives the window's true sum whichever way a version records.
+    """
+
+    def __init__(self) -> None:
+        import deepspeed.comm as ds_comm
+
+        self._comm = ds_comm
+        self.enabled = bool(ds_comm.comms_logger.enabled)
+
+    def reset(self) -> None:
+        if not self.enabled:
+            return
+        self._comm.reset_log()
+        for timer in self._comm.comm.timers.get_timers().values():
+            timer.reset()
+
+    def totals(self, steps: int) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        ops: dict[str, dict[str, float]] = {}
+        timers = self._comm.comm.timers.get_timers()
+        for name, by_size in self._comm.comms_logger.get_raw_data().items():
+            count = sum(v[0] for v in by_size.values())
+            size = sum(msg_size * v[0] for msg_size, v in by_size.items())
+            timer = timers.get(name)
+            if timer is not None and len(timer.event_timers) == count:
+                ms = timer.elapsed(reset=False)
+            else:  # a DeepSpeed that records one latency per op
+                ms = sum(sum(v[1]) for v in by_size.values())
+            ops[name] = {
+                "count_per_step": count / steps,
+                "bytes_per_step": size / steps,
+                "seconds_per_step": ms / 1e3 / steps,
+            }
+        return {
+            "seconds_per_step": sum(o["seconds_per_step"] for o in ops.values()),
+            "bytes_per_step": sum(o["bytes_per_step"] for o in ops.values()),
+            "ops": ops,
+        }
+
+
+DS_TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+"""DeepSpeed's global timers, summed over one optimizer step's micro-steps. Where communication lands
+differs by stage: ZeRO-1 reduces gradients once at the boundary (`bwd_allreduce`); ZeRO-2 reduces buckets
+inside backward hooks (`bwd_inner`, with overlap_comm) and waits for the last ones in `bwd_allreduce`;
+ZeRO-3 also all-gathers parameters inside `fwd` and `bwd` and its reduce-scatters run in `bwd_inner`;
+stages 1 and 2 all-gather the updated partitions inside `step`."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The probe
+
+
+class Probe:
+    """The training loop's hook: test hooks always, measurements with `--profile-out`."""
+
+    def __init__(self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...],
+                 out: Path | None, warmup_steps: int) -> None:  # fmt: skip
+        self.engine, self.ds, self.frozen = engine, ds, frozen
+        self.out, self.warmup_steps = out, warmup_steps
+        self.crash_at = _env_step("SDZERO_TEST_CRASH_AT_STEP")
+        self.hang_at = _env_step("SDZERO_TEST_HANG_AT_STEP")
+        # Instruments run on the last uncounted step (or step 1 without warm-up), so their own overhead
+        # (a Python call per saved tensor) stays out of the measured window.
+        self.instrument_step = max(1, warmup_steps)
+        self.records: list[dict[str, Any]] = []
+        self.ds_timers: list[dict[str, float]] = []
+        self.states: dict[str, int] | None = None
+        self.activations: ActivationMeter | None = None
+        self._handles: list[Any] = []
+        self._wrapped: list[tuple[Any, str]] = []
+        self._first_step: int | None = None
+        self.comm = CommMeter() if out is not None else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.out is not None
+
+    def step_begin(self, step: int) -> None:
+        if self._first_step is None:
+            self._first_step = step
+        if step == self.crash_at:
+            raise InjectedCrash(f"injected crash at step {step} (SDZERO_TEST_CRASH_AT_STEP)")
+        if step == self.hang_at:
+            print(
+                f"sdzero: injected hang at step {step} (SDZERO_TEST_HANG_AT_STEP)",
+                file=sys.stderr,
+                flush=True,
+            )
+            while True:
+                time.sleep(3600)
+        if not self.enabled:
+            return
+        n = self._nth(step)
+        if n == self.instrument_step:
+            self._arm_instruments()
+        if n == self.warmup_steps + 1:
+            assert self.comm is not None
+            self.comm.reset()
+
+    def step_end(self, step: int, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        n = self._nth(step)
+        if n == self.instrument_step:
+            self._disarm_instruments()
+        if n > self.warmup_steps:
+            self.records.append(record)
+            if self.engine.wall_clock_breakdown():
+                # refreshed by engine.step() before DeepSpeed logs and resets its timers (in ms)
+                cache = self.engine.get_wall_clock_timers()
+                self.ds_timers.append({k: cache[k] / 1e3 for k in DS_TIMERS if k in cache})
+
+    def _nth(self, step: int) -> int:
+        """1 for the first step this run takes (a resumed run starts after its checkpoint's step)."""
+        return step - (self._first_step or step) + 1
+
+    def _arm_instruments(self) -> None:
+        self.activations = ActivationMeter()
+        meter = self.activations
+        module = self.engine.module
+        state = {"ctx": None, "done": False}
+
+        def pre_forward(_module: Any, _args: Any) -> None:
+            if not state["done"]:
+                state["ctx"] = meter.hooks()
+                state["ctx"].__enter__()
+
+        def post_forward(_module: Any, _args: Any, _output: Any) -> None:
+            if state["ctx"] is not None:
+                state["ctx"].__exit__(None, None, None)
+                state["ctx"], state["done"] = None, True  # one micro-step is enough: activations repeat
+
+        self._handles = [
+            module.register_forward_pre_hook(pre_forward),
+            module.register_forward_hook(post_forward),
+        ]
+        # Model states are read at three points of this one step and each kind keeps its largest reading,
+        # its resident size: before the gradient reduction (ZeRO-1 still holds every full gradient), right
+        # before the optimizer step (gradients complete, nothing freed) and right after it (Adam creates its
+        # states lazily in its first step). The two methods are wrapped on these instances for this step.
+        self._wrap_once(self.engine, "allreduce_gradients")
+        self._wrap_once(self.engine.optimizer, "step", after=True)
+
+    def _wrap_once(self, owner: Any, name: str, after: bool = False) -> None:
+        original = getattr(owner, name)
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            self._read_states()
+            vars(owner).pop(name, None)  # back to the class's method
+            result = original(*args, **kwargs)
+            if after:
+                self._read_states()
+            return result
+
+        setattr(owner, name, measured)
+        self._wrapped.append((owner, name))
+
+    def _read_states(self) -> None:
+        reading = model_state_bytes(self.engine)
+        old = self.states or {}
+        self.states = {k: max(v, old.get(k, 0)) for k, v in reading.items()}
+
+    def _disarm_instruments(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for owner, name in self._wrapped:  # a wrapped method that never ran is unwrapped here
+            vars(owner).pop(name, None)
+        self._wrapped = []
+
+    def finish(self) -> dict[str, Any] | None:
+        """Gather every rank's figures and write the profile (rank 0). A collective: every rank calls it."""
+        if not self.enabled:
+            return None
+        assert self.out is not None and self.comm is not None
+        mine = self._rank_figures()
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if dist.get_rank() != 0:
+            return None
+        profile = self._summary(ranks)
+        write_json_atomic(self.out, profile)
+        return profile
+
+    def _rank_figures(self) -> dict[str, Any]:
+        states = self.states or {}
+        activation = self.activations.bytes if self.activations else 0
+        frozen = module_bytes(*self.frozen)
+        cuda_peak = cuda_peak_bytes()
+        on_device = sum(states.get(k, 0) for k in (*STATE_KINDS, "buckets")) - states.get("offloaded", 0)
+        return {
+            "rank": dist.get_rank(),
+            "model_state_bytes": {k: states.get(k, 0) for k in STATE_KINDS},
+            "model_state_total_bytes": sum(states.get(k, 0) for k in STATE_KINDS),
+            "bucket_bytes": states.get("buckets", 0),
+            "offloaded_bytes": states.get("offloaded", 0),
+            "frozen_bytes": frozen,
+            "activation_bytes": activation,
+            "activation_tensors": self.activations.tensors if self.activations else 0,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "cuda_peak_bytes": cuda_peak,
+            # Without a device allocator (CPU), the peak a device would hold: model states on the compute
+            # device, buckets, frozen modules and one micro-batch's activations. RSS would add the Python and
+            # library runtime, which no accelerator holds.
+            "device_peak_bytes": cuda_peak if cuda_peak is not None else on_device + frozen + activation,
+        }
+
+    def _summary(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        assert self.comm is not None
+        steps = len(self.records)
+        step_times = [r["step_time_s"] for r in self.records]
+        total_time = sum(step_times)
+        phases = ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")
+        ds_breakdown = None
+        if self.ds_timers:
+            ds_breakdown = {k: statistics.fmean(t.get(k, 0.0) for t in self.ds_timers) for k in DS_TIMERS}
+        ds = self.ds
+        return {
+            "version": PROFILE_VERSION,
+            "zero_stage": ds.zero_stage,
+            "dtype": ds.dtype,
+            "micro_batch": ds.micro_batch,
+            "grad_accum": ds.grad_accum,
+            "world_size": ds.world_size,
+            "global_batch": ds.global_batch,
+            "offload_optimizer": ds.offload_optimizer,
+            "offload_param": ds.offload_param,
+            "device": _compute_device_type(),
+            "warmup_steps": self.warmup_steps,
+            "measured_steps": steps,
+            "trained_params": trained_param_count(self.engine.module),
+            "samples_per_s": ds.global_batch * steps / total_time if total_time > 0 else None,
+            "step_time_s": total_time / steps if steps else None,
+            "step_time_median_s": statistics.median(step_times) if steps else None,
+            "phases_s": {k: statistics.fmean(r.get(k, 0.0) for r in self.records) for k in phases}
+            if steps
+            else None,
+            "ds_breakdown_s": ds_breakdown,
+            "comm": self.comm.totals(steps) if steps else None,
+            "ranks": ranks,
+            "device_peak_bytes": max(r["device_peak_bytes"] for r in ranks),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        }
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a profile."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe:
+    """The loop's probe; `cfg.profile_out` None means no measurements (test hooks still apply)."""
+    out = getattr(cfg, "profile_out", None)
+    warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
+    return Probe(engine, ds, (comps.vae, comps.text_encoder), Path(out) if out else None, warmup)
