@@ -60,7 +60,7 @@ class Premade:
     """Cycles through micro-batches made once up front, so neither loop pays for data loading."""
 
     def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
-        self.batches, self.i, self.epoch = batches, 0, 0
+        self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = self.batches[self.i % len(self.batches)]
@@ -118,6 +118,8 @@ def worker(args: argparse.Namespace) -> None:
     from sdzero.config import TrainConfig, load_ds_config, world_size_from_env
     from sdzero.metrics import MetricsWriter
     from sdzero.models import load_components
+    from sdzero.preemption import PreemptionFlag
+    from sdzero.step_hooks import StepHooks
 
     ds = load_ds_config(args.config, world_size_from_env())
     deepspeed.init_distributed()
@@ -135,11 +137,13 @@ def worker(args: argparse.Namespace) -> None:
     premade = Premade([b for _, b in zip(range(4 * ds.grad_accum), iter(loader), strict=False)])
     engine, config = loop.init_engine(cfg, ds, comps)
     loop.prepare_output(cfg, ds, config, rank)
+    # No checkpoints, EMA or validation: what is left of the hooks is the per-step preemption vote.
+    hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, PreemptionFlag(60.0))
 
     def sdzero_block() -> None:
         # train_steps closes its writer at the end, as a run does; each block opens one (appending).
         writer = MetricsWriter(out / "metrics.jsonl") if rank == 0 else None
-        loop.train_steps(cfg, ds, comps, engine, premade, writer, prediction_type, 0, device)
+        loop.train_steps(cfg, ds, comps, engine, premade, writer, prediction_type, 0, device, hooks)
 
     def bare() -> None:
         bare_block(engine, comps, premade, args.steps, ds.grad_accum, device)

@@ -24,6 +24,7 @@ from sdzero.data import (
     find_unreadable,
     read_metadata,
 )
+from sdzero.environment import environment_snapshot
 from sdzero.errors import UserError
 from sdzero.metrics import MetricsWriter, PhaseTimer, peak_memory_bytes, rotate_previous
 from sdzero.models import Components, detect_family, encode_latents, encode_text, load_components
@@ -214,6 +215,8 @@ def prepare_output(
         zero_stage=ds.zero_stage, dtype=ds.dtype, world_size=ds.world_size, lr_effective=cfg.effective_lr(ds)
     )
     (cfg.output_dir / "run_config.json").write_text(json.dumps(run, indent=2) + "\n")
+    environment = {**environment_snapshot(), "world_size": ds.world_size}  # rank 0's view, for reports
+    (cfg.output_dir / "environment.json").write_text(json.dumps(environment, indent=2) + "\n")
     return MetricsWriter(cfg.output_dir / "metrics.jsonl")
 
 

@@ -32,6 +32,8 @@ def test_loss_falls_and_unreadable_images_are_skipped(tiny_model, synth_data, tm
     assert [r["epoch"] for r in rows[6:8]] == [0, 1] and rows[-1]["epoch"] == 3
     assert "61 images (3 unreadable skipped)" in proc.stderr + proc.stdout
     assert rows[0]["lr"] == pytest.approx(1e-3 * 2**0.5)  # sqrt(global 8 / one rank's 4)
+    environment = json.loads((out / "environment.json").read_text())
+    assert environment["world_size"] == 2 and environment["versions"]["deepspeed"]
     # DeepSpeed's own monitor section works as documented: its lr events, plus the loss we add.
     written = {p.name for p in (tmp_path / "monitor").rglob("*.csv")}
     assert {"Train_Samples_lr.csv", "Train_Samples_train_loss.csv"} <= written, written

@@ -80,3 +80,11 @@ def test_train_entrypoint_reports_bad_input_in_one_line(tmp_path, capsys):
     assert err == [
         f"sdzero: error: --deepspeed_config {tmp_path / 'missing.json'}: no such file; pick one of ds_configs/*.json"
     ]
+
+
+def test_advisor_commands_report_bad_input_through_the_cli(tmp_path):
+    result = runner.invoke(app, ["report", "--run", str(tmp_path / "nope")])
+    assert result.exit_code == 2
+    assert "--run" in result.output and "no such folder" in result.output
+    result = runner.invoke(app, ["comm", "--ranks", "0", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "sdzero: error:" in result.output

@@ -1,0 +1,62 @@
+"""What machine and software a run or a report was made on (versions, devices, memory)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+PACKAGES = ("torch", "deepspeed", "diffusers", "transformers", "accelerate", "numpy", "mpi4py", "sdzero")
+
+
+def environment_snapshot() -> dict[str, Any]:
+    """Versions and devices of this interpreter's machine. Package versions come from metadata (no import);
+    torch is imported only to list accelerators, which it alone can."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "versions": versions,
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": _physical_memory_bytes(),
+        "accelerators": _accelerators(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _accelerators() -> list[dict[str, Any]]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        found.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory)})
+    return found
