@@ -7,6 +7,9 @@ TORCH_SPEC ?= torch==2.13.0
 # mpi4py needs an MPI toolchain (apt: libopenmpi-dev openmpi-bin); it is added when mpicc is present.
 EXTRAS ?= dev$(shell command -v mpicc >/dev/null 2>&1 && echo ,mpi)
 PYTEST_ARGS ?=
+# DeepSpeed's JIT-built ops live with the venv: two checkouts sharing ~/.cache/torch_extensions rebuild
+# each other's ops, and a rank killed mid-build leaves a lock that makes every later launch wait forever.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: venv demo test test-unit lint format bench clean
 
@@ -16,9 +19,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
-	@# DeepSpeed builds its CPU/GPU ops just in time; build the Adam ones once here, not inside a timed job.
+	@# DeepSpeed builds its ops just in time; build the ones the trainer uses once here, not inside a
+	@# timed (and possibly killed) job: Adam (fused and CPU) and, on CPUs, the shared-memory collectives.
 	$(BIN)/python -c "import torch; from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam; \
-	  p = [torch.nn.Parameter(torch.zeros(1))]; FusedAdam(p); DeepSpeedCPUAdam(p)" >/dev/null
+	  from deepspeed.accelerator import get_accelerator; \
+	  p = [torch.nn.Parameter(torch.zeros(1))]; FusedAdam(p); DeepSpeedCPUAdam(p); \
+	  b = get_accelerator().create_op_builder('ShareMemCommBuilder'); b is None or b.load()" >/dev/null
 	touch $@
 
 demo: venv

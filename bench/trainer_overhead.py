@@ -119,11 +119,14 @@ def worker(args: argparse.Namespace) -> None:
     from sdzero.metrics import MetricsWriter
     from sdzero.models import load_components
     from sdzero.preemption import PreemptionFlag
+    from sdzero.shm import release_shm_buffer
     from sdzero.step_hooks import StepHooks
 
     ds = load_ds_config(args.config, world_size_from_env())
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank has mapped its peers' shared-memory buffers by now
+    release_shm_buffer(rank)
     loop.quiet_libraries(rank)
     device = torch.device(get_accelerator().current_device_name())
     out = args.work / "bench_run"

@@ -31,6 +31,7 @@ from sdzero.models import Components, detect_family, encode_latents, encode_text
 from sdzero.objectives import diffusion_loss, training_target
 from sdzero.preemption import PreemptionFlag, ignore_preemption_signals
 from sdzero.profiling import start_probe
+from sdzero.shm import release_shm_buffer
 from sdzero.step_hooks import StepHooks, adopt_checkpoint_seed
 
 log = logging.getLogger("sdzero")
@@ -247,6 +248,8 @@ def run(cfg: TrainConfig) -> RunSummary:
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank has mapped its peers' shared-memory buffers by now
+    release_shm_buffer(rank)
     quiet_libraries(rank)
     accel = get_accelerator()
     # init_distributed does not pick this rank's GPU (the engine does, later): without this, every rank's
