@@ -143,10 +143,12 @@ def export(
 
 
 def _register_advisor_commands() -> None:
+    from advisor.advise import advise_command
     from advisor.comm import comm_command
     from advisor.profile import profile_command
     from advisor.report import report_command
 
+    command("advise")(advise_command)
     command("comm")(comm_command)
     command("profile")(profile_command)
     command("report")(report_command)

@@ -1,0 +1,148 @@
+"""Search economy: measure a small seed set, then let the model choose each next trial.
+
+Seeds: the smallest micro-batch of every ladder (one point per stage and precision, for the intercepts and
+the communication mix; a single ladder also gets a larger rung). Until a second micro-batch is measured the
+compute is taken as proportional to the micro-batch; the model's first pick, its predicted best (a large
+micro-batch), then gives the slope. Then, until the
+budget is spent: refit, predict every unmeasured grid point at the target node count, drop those predicted
+not to fit (in the trial or at the target), those above an out-of-memory trial of their ladder, and those
+predicted more than DOMINATED_MARGIN slower than the best prediction; measure the fastest of the rest.
+It stops when nothing is left: the best predicted config is then measured.
+
+`run_specs` is injected: `sdzero advise` runs real trials, bench/advisor_accuracy.py replays a measured
+full grid through the very same choices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from advisor.grid import GridPlan, TrialSpec
+from advisor.memory_model import ZeroSettings
+from advisor.network import Network
+from advisor.predict import BatchTarget, Candidate, grad_accum_for
+from advisor.validate import fit_models
+
+DOMINATED_MARGIN = 0.10
+SEED_SLOPE_INDEX = 2
+"""With a single ladder, the second seed: its third rung (micro-batch 4 on the default ladder)."""
+
+
+@dataclass
+class SearchResult:
+    trials: pd.DataFrame
+    full_grid: int
+    chosen_by_model: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+
+def seed_specs(plan: GridPlan) -> list[TrialSpec]:
+    seeds = [ladder[0] for ladder in plan.ladders]
+    first = plan.ladders[0]
+    if len(plan.ladders) == 1 and len(first) > 1:
+        seeds.append(first[min(SEED_SLOPE_INDEX, len(first) - 1)])
+    return seeds
+
+
+def _blocked(spec: TrialSpec, trials: pd.DataFrame) -> bool:
+    """Measured already, or above an out-of-memory trial of the same ladder."""
+    mine = trials[trials["trial_id"] == spec.trial_id]
+    if not mine.empty:
+        return True
+    ladder = (spec.zero_stage, spec.precision, spec.offload, spec.ranks_per_node)
+    for _, row in trials[trials["status"] == "oom"].iterrows():
+        other = (
+            int(row["zero_stage"]),
+            str(row["precision"]),
+            str(row["offload"]),
+            int(row["ranks_per_node"]),
+        )
+        if other == ladder and spec.micro_batch >= int(row["micro_batch"]):
+            return True
+    return False
+
+
+def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings,
+                measured_net: Network, target_net: Network, target_nodes: int, usable_bytes: float,
+                target: BatchTarget | None) -> tuple[TrialSpec | None, str]:  # fmt: skip
+    """The next grid point to measure, or None and why the search is done."""
+    if (trials["status"] == "ok").sum() == 0:
+        return None, "no trial succeeded, nothing to fit"
+    models = fit_models(trials, numels, zero, measured_net)
+    scored = []
+    for spec in (s for ladder in plan.ladders for s in ladder):
+        if _blocked(spec, trials):
+            continue
+        c = Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload)
+        trial_mem = models.memory.per_rank_bytes(
+            c.zero_stage, c.precision, c.micro_batch, c.offload, spec.ranks_per_node
+        )
+        world = target_nodes * target_net.gpus_per_node
+        accum = grad_accum_for(c.micro_batch, world, target)
+        if accum is None:
+            continue
+        target_mem = models.memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
+        if max(trial_mem["total"], target_mem["total"]) > usable_bytes:
+            continue
+        step = models.timing.predict(
+            c.zero_stage, c.precision, c.micro_batch, accum, target_nodes, target_net
+        )
+        scored.append((step.samples_per_s, spec))
+    measured_ok = trials[trials["status"] == "ok"]
+    best_measured = 0.0
+    for _, row in measured_ok.iterrows():
+        accum = grad_accum_for(int(row["micro_batch"]), target_nodes * target_net.gpus_per_node, target)
+        if accum is not None:
+            step = models.timing.predict(int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"]), accum,
+                                         target_nodes, target_net)  # fmt: skip
+            best_measured = max(best_measured, step.samples_per_s)
+    if not scored:
+        return None, "every unmeasured grid point is measured, predicted not to fit, or above an OOM"
+    scored.sort(key=lambda t: -t[0])
+    top_rate, top = scored[0]
+    if top_rate < (1 - DOMINATED_MARGIN) * best_measured:
+        return None, (f"the rest are predicted at least {DOMINATED_MARGIN:.0%} slower than a measured config "
+                      f"at {target_nodes} nodes (dominated)")  # fmt: skip
+    return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {target_nodes} nodes"
+
+
+def run_search(
+    plan: GridPlan,
+    run_specs: Callable[[list[TrialSpec]], pd.DataFrame],
+    numels: tuple[int, ...],
+    zero: ZeroSettings,
+    measured_net: Network,
+    target_net: Network,
+    target_nodes: int,
+    usable_bytes: float,
+    target: BatchTarget | None,
+    budget_s: float,
+    max_trials: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """Seeds, then model-chosen trials while the budget allows. `run_specs` returns the whole trial table."""
+    say = log or (lambda message: None)
+    started = time.monotonic()
+    result = SearchResult(pd.DataFrame(), plan.max_trials)
+    trials = run_specs(seed_specs(plan))
+    limit = max_trials if max_trials is not None else plan.max_trials
+    while len(trials) < limit:
+        walls = pd.to_numeric(trials.get("wall_s", pd.Series(dtype=float)), errors="coerce").dropna()
+        per_trial = float(walls.mean()) if len(walls) else 0.0
+        if time.monotonic() - started + per_trial > budget_s:
+            result.log.append(f"stopped: --budget-minutes reached after {len(trials)} trials")
+            break
+        spec, why = choose_next(plan, trials, numels, zero, measured_net, target_net, target_nodes,
+                                usable_bytes, target)  # fmt: skip
+        result.log.append(why)
+        say(why)
+        if spec is None:
+            break
+        result.chosen_by_model.append(spec.trial_id)
+        trials = run_specs([spec])
+    result.trials = trials
+    return result

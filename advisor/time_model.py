@@ -1,0 +1,189 @@
+"""Time per optimizer step of a ZeRO config at any node count: fitted compute plus costed communication.
+
+Compute per micro-step is fitted to the trials as a + b x micro_batch, with an intercept per ZeRO stage and
+precision (the stage changes hooks, gathers and the optimizer's share) and a slope per precision (the
+network's work per sample does not depend on the stage). A trial's compute is its step time minus the
+time its ranks spent inside collectives (DeepSpeed's comms_logger).
+
+Communication is the op mix each stage really issued in the trials (comms_logger: all-reduce of gradients
+at ZeRO-1/2 in this DeepSpeed, not the paper's reduce-scatter; per-parameter all-gathers at ZeRO-3, ...),
+each op's size converted to its full buffer and costed at the target world size with the alpha-beta
+figures of advisor.network, hierarchically: inside the node first, then across nodes, where the node's
+ranks share its link. Which ops repeat per accumulation micro-step follows the stage: gradient reductions
+at ZeRO-2/3 run inside every backward, ZeRO-3's parameter gathers in every forward and backward; ZeRO-1
+reduces once at the boundary and stages 1/2 gather updated partitions once per step.
+
+Overlap: per stage, the ratio of the communication time the trials measured to what the alpha-beta model
+says the same ops cost at the measured world size. Below 1, part was hidden behind compute (or the
+benchmark's link was slower than the trial saw); above 1, the trial's collectives ran slower than the
+benchmark's (contention with compute). Applied at every node count, it makes the model reproduce the
+measured step time at the measured node count exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from advisor.network import Link, Network
+
+SMALL_OP_BYTES = 1024
+"""Ops below this size (loss-scale checks, broadcasts of flags) cost latency only and run once per step."""
+
+
+@dataclass(frozen=True)
+class CommOp:
+    collective: str
+    """all_reduce, all_gather or reduce_scatter (how it is costed); others are costed as all_reduce."""
+    count: float
+    """Calls per optimizer step at grad_accum 1."""
+    full_bytes: float
+    """Bytes of the whole buffer per step (all calls together), independent of the world size."""
+    per_micro_step: bool
+
+
+def _kind(name: str) -> str:
+    if name.startswith("all_gather"):
+        return "all_gather"
+    if name.startswith("reduce_scatter"):
+        return "reduce_scatter"
+    return "all_reduce"
+
+
+def ops_from_trial(comm_ops: str | dict | None, stage: int, world: int, grad_accum: int = 1) -> list[CommOp]:
+    """The trial's collectives as full-buffer volumes (comms_logger logs an all-gather's input shard)."""
+    raw = json.loads(comm_ops) if isinstance(comm_ops, str) else (comm_ops or {})
+    ops = []
+    for name, figures in raw.items():
+        kind = _kind(name)
+        count = float(figures["count_per_step"])
+        size = float(figures["bytes_per_step"]) * (world if kind == "all_gather" else 1)
+        large = size / max(count, 1.0) >= SMALL_OP_BYTES
+        repeats = large and ((stage == 3) or (stage == 2 and kind != "all_gather"))
+        if repeats:  # the trial's figures cover grad_accum micro-steps
+            count, size = count / grad_accum, size / grad_accum
+        ops.append(CommOp(kind, count, size, repeats))
+    return ops
+
+
+def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float) -> float:
+    """Ring cost of one level: count x latency steps + bus volume / busbw. Tree latency where shorter."""
+    if ranks <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
+        volume = 2 * (ranks - 1) / ranks * size
+    else:
+        steps = ranks - 1
+        volume = (ranks - 1) / ranks * size
+    return count * steps * link.hop_latency_s + volume / link.busbw_bytes_s
+
+
+def op_seconds(op: CommOp, ranks_per_node: int, nodes: int, net: Network) -> float:
+    """Hierarchical cost: within the node over all of its ranks, then across nodes on 1/g of the buffer per
+    rank, the g ranks of a node sharing its link (so the node moves the whole buffer's share)."""
+    intra = _phase_s(op.collective, op.full_bytes, ranks_per_node, net.intra, op.count)
+    inter = _phase_s(op.collective, op.full_bytes, nodes, net.inter, op.count)
+    return intra + inter
+
+
+@dataclass
+class StepPrediction:
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_time_s: float
+    samples_per_s: float
+
+
+@dataclass
+class TimeModel:
+    intercepts: dict[tuple[int, str], float]
+    slopes: dict[str, float]
+    ops: dict[int, list[CommOp]]
+    comm_factor: dict[int, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def compute_per_micro_s(self, stage: int, precision: str, micro_batch: int) -> float:
+        slope = self.slopes.get(precision, float(np.mean(list(self.slopes.values()))))
+        intercept = self.intercepts.get((stage, precision))
+        if intercept is None:  # no trial of this pair: the mean of the others of this precision, else all
+            same = [v for (s, p), v in self.intercepts.items() if p == precision] or list(
+                self.intercepts.values()
+            )
+            intercept = float(np.mean(same))
+        return max(intercept + slope * micro_batch, 1e-9)
+
+    def comm_seconds(
+        self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
+    ) -> float:
+        total = 0.0
+        for op in self.ops.get(stage, []):
+            total += op_seconds(op, ranks_per_node, nodes, net) * (grad_accum if op.per_micro_step else 1)
+        return total
+
+    def predict(self, stage: int, precision: str, micro_batch: int, grad_accum: int, nodes: int,
+                net: Network) -> StepPrediction:  # fmt: skip
+        compute = grad_accum * self.compute_per_micro_s(stage, precision, micro_batch)
+        comm = self.comm_seconds(stage, grad_accum, net.gpus_per_node, nodes, net)
+        exposed = comm * self.comm_factor.get(stage, 1.0)
+        step = compute + exposed
+        world = nodes * net.gpus_per_node
+        return StepPrediction(compute, comm, exposed, step, micro_batch * grad_accum * world / step)
+
+
+def measured_compute_s(rows: pd.DataFrame) -> pd.Series:
+    comm = pd.to_numeric(rows["comm_s"], errors="coerce").fillna(0.0)
+    return (rows["step_time_s"] - comm) / rows["grad_accum"]
+
+
+def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
+    """Fit on the ok trials given; `measured_net` is the network the trials ran on (for the overlap)."""
+    ok = trials[trials["status"] == "ok"].reset_index(drop=True)
+    if ok.empty:
+        raise ValueError("no successful trial to fit the time model on")
+    y = measured_compute_s(ok).to_numpy(dtype=float)
+    groups = sorted({(int(s), str(p)) for s, p in zip(ok["zero_stage"], ok["precision"], strict=True)})
+    precisions = sorted({p for _, p in groups})
+    columns = [f"a{g}" for g in groups] + [f"b{p}" for p in precisions]
+    design = np.zeros((len(ok), len(columns)))
+    for i, row in ok.iterrows():
+        design[i, groups.index((int(row["zero_stage"]), str(row["precision"])))] = 1.0
+        design[i, len(groups) + precisions.index(str(row["precision"]))] = float(row["micro_batch"])
+    notes: list[str] = []
+    slopes_known = {p for p in precisions if ok.loc[ok["precision"] == p, "micro_batch"].nunique() >= 2}
+    if len(slopes_known) < len(precisions):  # no slope can be told from the intercept: proportional
+        notes.append(
+            "compute: one micro-batch measured per precision, so compute is taken as proportional to it"
+        )
+        for j, p in enumerate(precisions):
+            if p not in slopes_known:
+                design[:, len(groups) + j] = 0.0
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    intercepts = {g: float(coef[i]) for i, g in enumerate(groups)}
+    slopes = {p: float(coef[len(groups) + j]) for j, p in enumerate(precisions)}
+    for p in precisions:
+        if p not in slopes_known:  # a0 + 0 -> all time proportional to the micro-batch
+            rows = ok[ok["precision"] == p]
+            slopes[p] = float(np.mean(measured_compute_s(rows) / rows["micro_batch"]))
+            for g in groups:
+                if g[1] == p:
+                    intercepts[g] = 0.0
+    model = TimeModel(intercepts, slopes, {}, {}, notes)
+    for stage, rows in ok.groupby("zero_stage"):
+        row = rows.iloc[0]
+        model.ops[int(stage)] = ops_from_trial(row["comm_ops"] if isinstance(row["comm_ops"], str) else None,
+                                               int(stage), int(row["world_size"]), int(row["grad_accum"]))  # fmt: skip
+        factors = []
+        for _, r in rows.iterrows():
+            costed = model.comm_seconds(int(stage), int(r["grad_accum"]), int(r["ranks_per_node"]),
+                                        int(r.get("nodes", 1) or 1), measured_net)  # fmt: skip
+            comm = float(r["comm_s"]) if pd.notna(r["comm_s"]) else 0.0
+            if costed > 0:
+                factors.append(comm / costed)
+        model.comm_factor[int(stage)] = float(np.median(factors)) if factors else 1.0
+    return model

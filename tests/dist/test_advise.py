@@ -1,0 +1,130 @@
+"""`sdzero advise --max-nodes 32` for real on the tiny default: 2 ranks through the deepspeed launcher.
+
+One advise run (module fixture, ~2.5 min on 2 idle cores: the collectives benchmark and 4-5 trials) serves
+every test here: its files, the memory model against the bytes its trials measured, and the recommended
+JSON trained for 2 steps by the trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from advisor.advise import advise_command
+from advisor.memory_model import ZeroSettings, trained_numels
+from sdzero.errors import EXIT_USER_ERROR, UserError
+from sdzero.launch import shipped_config
+from tests.launch import check_ok, metrics, run_trainer
+
+pytestmark = pytest.mark.dist
+
+
+def cli() -> typer.Typer:
+    """`advise` as sdzero.cli registers commands: a UserError is one line and exit code 2."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @functools.wraps(advise_command)
+    def wrapper(*args, **kwargs):
+        try:
+            return advise_command(*args, **kwargs)
+        except UserError as exc:
+            typer.echo(f"sdzero: error: {exc}", err=True)
+            raise typer.Exit(EXIT_USER_ERROR) from None
+
+    app.command("advise")(wrapper)
+    app.command("other")(lambda: None)  # two commands: typer then expects the command name
+    return app
+
+
+@pytest.fixture(scope="module")
+def advised(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("advise") / "out"
+    result = CliRunner().invoke(
+        cli(), ["advise", "--max-nodes", "32", "--out", str(out), "--budget-minutes", "2.5"]
+    )
+    return {"out": out, "result": result}
+
+
+def test_advise_end_to_end_writes_the_contract_files(advised):
+    result, out = advised["result"], advised["out"]
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "held-out error" in result.output and "launch: deepspeed" in result.output
+    predictions = pd.read_csv(out / "predictions.csv")
+    assert sorted(predictions["node_count"].unique()) == [1, 2, 4, 8, 16, 32]
+    parts = predictions["compute_s"] + predictions["exposed_comm_s"]
+    assert ((parts - predictions["step_time_s"]).abs() < 1e-9 * predictions["step_time_s"]).all()
+    rec = json.loads((out / "recommendation.json").read_text())
+    assert rec["config_id"] in set(predictions["config_id"]) and rec["lr_scaling"] == "linear"
+    assert set(rec["error"]) >= {"step_time_mape", "memory_mape"}
+    assert rec["trials_run"] < rec["full_grid"] == 12  # the search measured a part of the grid
+    assert f"trials run: {rec['trials_run']} of a full grid of 12" in result.output
+    validation = pd.read_csv(out / "validation.csv")
+    assert validation["held_out"].any() and set(validation["quantity"]) >= {
+        "step_time_s",
+        "mem_per_rank_bytes",
+    }
+    assert (out / "comm" / "comm_fit.json").is_file() and (out / "environment.json").is_file()
+    html = (out / "report.html").read_text()
+    assert rec["config_id"] in html
+
+
+def test_memory_model_matches_the_real_trials(advised):
+    out = advised["out"]
+    trials = pd.read_csv(out / "profile" / "trials.csv")
+    ok = trials[trials["status"] == "ok"]
+    assert len(ok) >= 3  # the seeds at least
+    from advisor.grid import load_base_config
+
+    zero = ZeroSettings.from_config(load_base_config(shipped_config("zero2_bf16.json")))
+    from advisor.memory_model import fit_memory_model
+
+    model = fit_memory_model(ok, trained_numels(out / "model"), zero)
+    for _, row in ok.iterrows():
+        per_rank = json.loads(row["model_state_bytes_per_rank"])
+        predicted = model.state_bytes(row["zero_stage"], row["precision"], row["world_size"])
+        for kind, value in predicted.items():
+            assert value == max(r[kind] for r in per_rank), (row["trial_id"], kind)
+    assert model.notes == []  # the formulas' bytes per element, no override needed
+    validation = pd.read_csv(out / "validation.csv")
+    held = validation[(validation["quantity"] == "activation_bytes") & validation["held_out"]]
+    assert len(held) == len(ok)
+    assert ((held["predicted"] / held["measured"] - 1).abs() < 0.10).all(), held
+
+
+def test_recommended_config_trains_two_steps(advised, tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    out = advised["out"]
+    config_path = out / "recommended_ds_config.json"
+    config = json.loads(config_path.read_text())
+    rec = json.loads((out / "recommendation.json").read_text())
+    parsed = DeepSpeedConfig(config)  # no process group: world size 1
+    assert parsed.zero_optimization_stage == rec["zero_stage"]
+    assert config["optimizer"]["params"]["lr"] == pytest.approx(rec["lr"])
+    proc = run_trainer(config_path, out / "model", out / "data", tmp_path / "run", steps=2)
+    check_ok(proc)
+    assert len(metrics(tmp_path / "run")) >= 2
+
+
+def test_a_global_batch_no_config_reaches_is_refused(advised, tmp_path):
+    # 2 ranks per node: every global batch is even, so 3 cannot be reached (fails before any trial)
+    result = CliRunner().invoke(cli(), ["advise", "--out", str(tmp_path / "o"), "--global-batch", "3",
+                                        "--model", str(advised["out"] / "model"), "--data", str(advised["out"] / "data")])  # fmt: skip
+    assert result.exit_code == EXIT_USER_ERROR
+    assert "--global-batch 3: no config reaches it" in result.output
+    assert not (tmp_path / "o" / "profile").exists()
+
+
+def test_bad_flags_are_one_line_errors(tmp_path):
+    for flags, message in ((["--max-nodes", "0"], "--max-nodes 0"), (["--preset", "ib-999"], "--preset 'ib-999'"),
+                           (["--headroom", "1.5"], "--headroom 1.5"), (["--gpus-per-node", "0"], "--gpus-per-node 0")):  # fmt: skip
+        result = CliRunner().invoke(cli(), ["advise", "--out", str(tmp_path / "o"), *flags])
+        assert result.exit_code == EXIT_USER_ERROR, flags
+        assert message in result.output and "Traceback" not in result.output
+    assert not Path(tmp_path / "o").exists()

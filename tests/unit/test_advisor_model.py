@@ -1,0 +1,326 @@
+"""The performance and memory model on synthetic trial rows: exact states, fitted activations and compute,
+scaling properties, the recommendation's JSON and the search's economy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from advisor.grid import GridRequest, plan_grid
+from advisor.memory_model import ZeroSettings, fit_memory_model, state_elements
+from advisor.network import PRESETS, build_network
+from advisor.predict import (
+    BatchTarget,
+    Candidate,
+    check_reachable,
+    grad_accum_for,
+    node_counts,
+    predict_table,
+)
+from advisor.recommend import recommend, what_would_fit
+from advisor.search import run_search
+from advisor.validate import fit_models, mape, trial_predictions, validation_table
+from sdzero.errors import UserError
+
+RNG = np.random.default_rng(0)
+NUMELS = tuple(int(k) for k in RNG.integers(10, 5000, size=60))
+ZERO = ZeroSettings(reduce_bucket_size=1000, overlap_comm=False, persistence_threshold=0)
+ACT_A, ACT_B = 50_000.0, 1_000_000.0
+COMPUTE = {1: 0.10, 2: 0.12, 3: 0.20}
+SLOPE = 0.05
+COMM = {  # a comms_logger op mix per stage, as trials record it at 2 ranks
+    1: {"all_reduce": {"count_per_step": 3, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.01},
+        "all_gather_into_tensor": {"count_per_step": 1, "bytes_per_step": sum(NUMELS), "seconds_per_step": 0.005}},
+    2: {"all_reduce": {"count_per_step": 3, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.01},
+        "all_gather_into_tensor": {"count_per_step": 1, "bytes_per_step": sum(NUMELS), "seconds_per_step": 0.005}},
+    3: {"all_gather_into_tensor": {"count_per_step": 60, "bytes_per_step": sum(NUMELS), "seconds_per_step": 0.01},
+        "reduce_scatter_tensor": {"count_per_step": 1, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.004}},
+}  # fmt: skip
+
+
+def brute_force_states(numels, stage: int, n: int) -> dict[str, int]:
+    """The largest rank's elements, rank by rank (the rules tests/dist/test_profile.py checks on the engine)."""
+    psi = sum(numels)
+    if stage == 3:
+        shard = sum(math.ceil(k / n) for k in numels)
+        return {"params": shard, "grads": shard, "master": shard, "optimizer": shard}
+    padded = math.ceil(psi / (2 * n)) * 2 * n
+    part = padded // n
+    most = 0
+    for rank in range(n):
+        lo, hi, overlap, offset = rank * part, (rank + 1) * part, 0, 0
+        for k in numels:
+            if offset < hi and offset + k > lo:
+                overlap += k
+            offset += k
+        most = max(most, overlap)
+    return {"params": padded, "grads": psi if stage == 1 else most, "master": part, "optimizer": part}
+
+
+def trial(stage: int, mb: int, precision: str = "bf16", world: int = 2, noise: float = 0.0, **over) -> dict:
+    elements = brute_force_states(NUMELS, stage, world)
+    states = {k: elements[k] * b for k, b in {"params": 2, "grads": 2, "master": 4, "optimizer": 8}.items()}
+    states |= {k: over.pop(k) for k in list(over) if k in states}
+    act = (ACT_A + ACT_B * mb) * (1 + noise)
+    comm_s = sum(o["seconds_per_step"] for o in COMM[stage].values())
+    step = COMPUTE[stage] + SLOPE * mb + comm_s
+    bucket = 2 * ZERO.reduce_bucket_size
+    row = {
+        "trial_id": f"z{stage}-{precision}-mb{mb}-off-none-r{world}", "status": "ok", "zero_stage": stage,
+        "precision": precision, "micro_batch": mb, "offload": "none", "ranks_per_node": world, "nodes": 1,
+        "grad_accum": 1, "world_size": world, "global_batch": mb * world, "step_time_s": step,
+        "samples_per_s": mb * world / step, "comm_s": comm_s, "comm_ops": json.dumps(COMM[stage]),
+        **{f"{k}_bytes": v for k, v in states.items()}, "model_state_bytes": sum(states.values()),
+        "bucket_bytes": bucket, "frozen_bytes": 7000, "activation_bytes": act,
+        "device_peak_bytes": sum(states.values()) + bucket + 7000 + act, "wall_s": 10.0,
+    }  # fmt: skip
+    return row | over
+
+
+def grid_trials(noise: bool = True) -> pd.DataFrame:
+    rows = [
+        trial(s, mb, noise=(0.02 * RNG.standard_normal() if noise else 0.0))
+        for s in (1, 2, 3)
+        for mb in (1, 2, 4, 8)
+    ]
+    return pd.DataFrame(rows)
+
+
+def nets(gpus: int = 2, preset: str = "ib-200"):
+    return build_network(None, 2)[0], build_network(None, gpus, preset)[0]
+
+
+# ------------------------------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 64])
+def test_state_elements_match_the_partitioning_rank_by_rank(stage, world):
+    assert state_elements(NUMELS, stage, world, persistence_threshold=0) == brute_force_states(
+        NUMELS, stage, world
+    )
+
+
+def test_zero3_keeps_small_parameters_whole_on_every_rank():
+    shard = sum(math.ceil(k / 4) for k in NUMELS)
+    persistent = sum(k for k in NUMELS if k < 1000)
+    assert state_elements(NUMELS, 3, 4, persistence_threshold=1000)["params"] == shard + persistent
+
+
+def test_memory_model_reproduces_measured_model_states_exactly():
+    trials = grid_trials()
+    model = fit_memory_model(trials, NUMELS, ZERO)
+    for _, row in trials.iterrows():
+        predicted = model.state_bytes(row["zero_stage"], row["precision"], row["world_size"])
+        assert predicted == {k: row[f"{k}_bytes"] for k in ("params", "grads", "master", "optimizer")}
+    assert model.notes == []
+
+
+def test_bytes_per_element_the_trials_show_override_the_formula():
+    # an optimizer with one moment (SGD with momentum): 4 bytes per element, not Adam's 8
+    rows = [trial(2, 1, optimizer_bytes=4 * brute_force_states(NUMELS, 2, 2)["optimizer"])]
+    model = fit_memory_model(pd.DataFrame(rows), NUMELS, ZERO)
+    assert model.element_bytes(2, "bf16", "optimizer") == 4
+    assert model.state_bytes(2, "bf16", 16)["optimizer"] == 4 * brute_force_states(NUMELS, 2, 16)["optimizer"]
+    assert any("optimizer measured at 4 bytes" in note for note in model.notes)
+
+
+def test_activations_within_ten_percent_on_held_out_micro_batches():
+    validation = validation_table(grid_trials(noise=True), NUMELS, ZERO, nets()[0])
+    held = validation[(validation["quantity"] == "activation_bytes") & validation["held_out"]]
+    assert len(held) == 12
+    assert ((held["predicted"] / held["measured"] - 1).abs() < 0.10).all()
+    assert mape(validation, "model_state_bytes") == 0.0
+
+
+# --------------------------------------------------------------------------------------------- prediction
+
+
+def test_predictions_reduce_to_the_measured_numbers_at_the_measured_node_count():
+    trials = grid_trials(noise=False)
+    measured_net = nets()[0]
+    models = fit_models(trials, NUMELS, ZERO, measured_net)
+    for _, row in trials.iterrows():
+        predicted = trial_predictions(models, row, measured_net)
+        assert predicted["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-9)
+        assert predicted["mem_per_rank_bytes"] == pytest.approx(row["device_peak_bytes"], rel=1e-12)
+
+
+def test_scaling_is_monotone_where_the_formulas_say_so():
+    measured_net, target = nets(gpus=8)
+    models = fit_models(grid_trials(), NUMELS, ZERO, measured_net)
+    nodes = node_counts(1024)
+    table = predict_table([Candidate(s, "bf16", 4) for s in (1, 2, 3)], nodes, models.memory, models.timing,
+                          target, 1e12, None)  # fmt: skip
+    psi = sum(NUMELS)
+    for stage, rows in table.groupby("zero_stage"):
+        mem = rows.sort_values("node_count")["mem_per_rank_bytes"].to_numpy()
+        if stage == 3:  # more nodes never raise per-rank memory under ZeRO-3
+            assert (np.diff(mem) <= 0).all()
+        else:  # ZeRO-1/2: 16-bit params and (ZeRO-1) grads stay whole; only padding to 2N may add
+            worlds = rows.sort_values("node_count")["world_size"].to_numpy()
+            assert (np.diff(mem) <= 2 * 2 * worlds[1:] * 16).all()
+            floor = 2 * psi + (2 * psi if stage == 1 else 0)
+            assert mem.min() > floor
+        comm = rows.sort_values("node_count")["exposed_comm_s"].to_numpy()
+        assert (np.diff(comm) >= -1e-12).all()  # more nodes never communicate less per rank
+        assert (rows["efficiency"] <= 1 + 1e-9).all()  # and never scale better than linear
+
+
+def test_node_counts_and_bad_values():
+    assert node_counts(32) == [1, 2, 4, 8, 16, 32]
+    assert node_counts(48)[-2:] == [32, 48]
+    assert node_counts(1024)[-1] == 1024
+    with pytest.raises(UserError, match="--max-nodes 0"):
+        node_counts(0)
+    with pytest.raises(UserError, match="--preset"):
+        build_network(None, 8, "ib-999")
+    with pytest.raises(UserError, match="--global-batch"):
+        BatchTarget.parse("lots")
+
+
+def test_global_batch_target_picks_accumulation_and_refuses_the_unreachable():
+    target = BatchTarget.parse("256")
+    assert grad_accum_for(4, 16, target) == 4
+    assert grad_accum_for(4, 128, target) is None  # 512 per step already
+    assert grad_accum_for(4, 16, BatchTarget.parse("100-300")) == 4  # the largest inside the range
+    check_reachable([1, 2, 4], 8, [1, 2, 4], BatchTarget.parse("96"))
+    with pytest.raises(UserError, match="no config reaches it"):
+        check_reachable([1, 2, 4], 8, [1, 2, 4], BatchTarget.parse("7"))
+
+
+def test_inter_node_figures_from_flags_and_presets():
+    net, _ = build_network(None, 8, inter_node_gbps=200, inter_node_latency_us=5)
+    assert net.inter.busbw_bytes_s == pytest.approx(25e9) and net.inter.hop_latency_s == pytest.approx(5e-6)
+    slow, fast = build_network(None, 8, "eth-25")[0], build_network(None, 8, "ib-400")[0]
+    assert slow.inter.busbw_bytes_s < fast.inter.busbw_bytes_s
+    assert set(PRESETS) == {"ib-100", "ib-200", "ib-400", "eth-25", "eth-100"}
+
+
+# ---------------------------------------------------------------------------------------- recommendation
+
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}, "steps_per_print": 1000}  # fmt: skip
+
+
+def _predictions(usable: float, target: BatchTarget | None = None) -> tuple[pd.DataFrame, object]:
+    measured_net, net = nets(gpus=8)
+    models = fit_models(grid_trials(), NUMELS, ZERO, measured_net)
+    cands = [Candidate(s, "bf16", mb) for s in (1, 2, 3) for mb in (1, 2, 4, 8)]
+    return predict_table(cands, node_counts(32), models.memory, models.timing, net, usable, target), models
+
+
+def test_recommended_json_passes_deepspeed_config_parsing_with_scaled_lr():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    table, _ = _predictions(1e12, BatchTarget.parse("1024"))
+    best, config, runners, lr = recommend(table, BASE, 1e12, "sqrt", 4)
+    assert int(best["global_batch"]) == 1024
+    assert lr == pytest.approx(1e-4 * math.sqrt(1024 / 4))
+    assert config["optimizer"]["params"]["lr"] == lr and "comms_logger" not in config
+    assert config["gradient_accumulation_steps"] == best["grad_accum"]
+    parsed = DeepSpeedConfig(json.loads(json.dumps(config)))  # no process group: world size 1
+    assert parsed.zero_optimization_stage == best["zero_stage"]
+    assert parsed.train_micro_batch_size_per_gpu == best["micro_batch"]
+    assert runners and all(r["why_not"] for r in runners)
+    assert best["samples_per_s"] >= max(r["samples_per_s"] for r in runners)
+
+
+def test_memory_limit_decides_and_nothing_fitting_says_what_would():
+    table, models = _predictions(1e12)
+    zero3_mb8 = table[(table["config_id"] == "z3-bf16-mb8-off-none") & (table["node_count"] == 32)]
+    usable = float(zero3_mb8["mem_per_rank_bytes"].iloc[0]) * 1.001
+    tight, _ = _predictions(usable)
+    best, _, runners, _ = recommend(tight, BASE, usable, "linear", 4)
+    assert best["mem_per_rank_bytes"] <= usable
+    memory_losers = [r for r in runners if r["why_not"].startswith("memory")]
+    assert all(r["mem_per_rank_bytes"] > usable for r in memory_losers)
+    message = what_would_fit(models.memory, [Candidate(1, "bf16", 8)], [1, 32], 8, 1000.0)
+    assert "least predicted need" in message and "GiB" in message
+
+
+# ------------------------------------------------------------------------------------------------- search
+
+
+def test_search_measures_a_fraction_of_the_grid_and_finds_the_best():
+    full = grid_trials(noise=False).set_index("trial_id")
+    plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
+                                 ranks_per_node=(2,)), {"bf16": True, "fp16": True})  # fmt: skip
+    measured: list[str] = []
+
+    def replay(specs):
+        measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
+        return full.loc[measured].reset_index()
+
+    measured_net, target = nets(gpus=2)
+    result = run_search(plan, replay, NUMELS, ZERO, measured_net, target, 32, 1e12, None, budget_s=600)
+    assert len(result.trials) < plan.max_trials
+    best_id = full["samples_per_s"].idxmax()
+    assert best_id in set(result.trials["trial_id"])
+    assert result.chosen_by_model  # beyond the seeds
+
+
+# ------------------------------------------------------------------------------------- the whole pipeline
+
+
+def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_path, tiny_model, synth_data):
+    """run_advise with trials answered from synthetic rows and no benchmark: the files the report reads."""
+    import advisor.advise as advise
+    import advisor.comm
+    import advisor.profile
+    from advisor.report_advise import build_advise_report
+    from advisor.report_page import NoteItem
+
+    full = grid_trials().set_index("trial_id")
+
+    def fake_runner(*_args):
+        measured: list[str] = []
+
+        def run(specs):
+            measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
+            return full.loc[measured].reset_index()
+
+        return run
+
+    def no_comm(*_args, **_kwargs):
+        raise advisor.comm.CommRunError("skipped in this test")
+
+    monkeypatch.setattr(advise, "trial_runner", fake_runner)
+    monkeypatch.setattr(advise, "trained_numels", lambda model: NUMELS)
+    monkeypatch.setattr(advisor.comm, "run_comm", no_comm)
+    monkeypatch.setattr(
+        advisor.profile, "device_support", lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False}
+    )
+    base = {
+        **BASE,
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": ZERO.reduce_bucket_size,
+            "overlap_comm": False,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    base_path = tmp_path / "base.json"
+    base_path.write_text(json.dumps(base))
+    result = advise.run_advise(max_nodes=64, model=str(tiny_model), data=synth_data, out_dir=tmp_path / "out",
+                               deepspeed_config=base_path,
+                               global_batch="512-2048", lr_scaling="sqrt", device_memory_gib=1.0)  # fmt: skip
+    rec = result.recommendation
+    assert 512 <= rec["global_batch"] <= 2048 and rec["lr_scaling"] == "sqrt"
+    assert rec["trials_run"] < rec["full_grid"] == 12
+    assert rec["error"]["memory_mape"] < 0.05 and rec["error"]["step_time_mape"] < 0.5
+    assert any("collectives benchmark failed" in note for note in rec["notes"])
+    for name in ("predictions.csv", "validation.csv", "recommendation.json", "recommended_ds_config.json",
+                 "trials.csv", "environment.json", "report.html"):  # fmt: skip
+        assert (tmp_path / "out" / name).is_file(), name
+    report = build_advise_report(tmp_path / "out")
+    notes = {s.key: [i.text for i in s.items if isinstance(i, NoteItem)] for s in report.sections}
+    # every section the model feeds has content, not the one line that stands for an absent file
+    for key in ("recommendation", "scaling", "validation"):
+        assert key in notes and not notes[key], (key, notes.get(key))
+    assert rec["config_id"] in repr(report)
