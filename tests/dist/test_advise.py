@@ -14,13 +14,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import typer
+from launch import check_ok, metrics, run_trainer
 from typer.testing import CliRunner
 
 from advisor.advise import advise_command
 from advisor.memory_model import ZeroSettings, trained_numels
 from sdzero.errors import EXIT_USER_ERROR, UserError
 from sdzero.launch import shipped_config
-from tests.launch import check_ok, metrics, run_trainer
 
 pytestmark = pytest.mark.dist
 
