@@ -101,7 +101,9 @@ def sample_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 def resize_and_crop(
     img: Image.Image, resolution: int, rng: np.random.Generator, random_crop: bool
-) -> Image.Image:
+) -> tuple[Image.Image, tuple[int, int]]:
+    """Resize the short side to `resolution`, crop a square; also return the crop's (top, left), which
+    SDXL's micro-conditioning takes as an input."""
     w, h = img.size
     scale = resolution / min(w, h)
     new_w, new_h = max(resolution, round(w * scale)), max(resolution, round(h * scale))
@@ -111,7 +113,7 @@ def resize_and_crop(
         top = int(rng.integers(0, new_h - resolution + 1))
     else:
         left, top = (new_w - resolution) // 2, (new_h - resolution) // 2
-    return img.crop((left, top, left + resolution, top + resolution))
+    return img.crop((left, top, left + resolution, top + resolution)), (top, left)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,10 @@ class SampleSpec:
 class CaptionedImages(Dataset):
     """Items are keyed by (sample index, epoch) so the per-sample randomness is reproducible."""
 
-    def __init__(self, records: list[Record], spec: SampleSpec, tokenize: Callable[[str], torch.Tensor]):
+    def __init__(
+        self, records: list[Record], spec: SampleSpec, tokenize: Callable[[str], dict[str, torch.Tensor]]
+    ):
+        # `tokenize` returns every token tensor the family's text encoders take (input_ids, input_ids_2, ...).
         self.records = records
         self.spec = spec
         self.tokenize = tokenize
@@ -143,7 +148,8 @@ class CaptionedImages(Dataset):
         index, epoch = key
         rng = sample_generator(self.spec.seed, epoch, index)
         img = self._load(index)
-        img = resize_and_crop(img, self.spec.resolution, rng, self.spec.random_crop)
+        original_hw = (img.height, img.width)
+        img, crop_top_left = resize_and_crop(img, self.spec.resolution, rng, self.spec.random_crop)
         if self.spec.random_flip and rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         pixels = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
@@ -156,10 +162,14 @@ class CaptionedImages(Dataset):
         return {
             "pixel_values": pixels.contiguous(),
             "latent_eps": torch.from_numpy(latent_eps),
-            "input_ids": self.tokenize(self.records[index].text),
+            **self.tokenize(self.records[index].text),
             "noise": torch.from_numpy(noise),
             "timestep": torch.tensor(int(rng.integers(0, self.spec.num_train_timesteps)), dtype=torch.long),
             "index": torch.tensor(index, dtype=torch.long),
+            # SDXL's size/crop micro-conditioning (add_time_ids); other families ignore them.
+            "original_size": torch.tensor(original_hw, dtype=torch.long),
+            "crop_top_left": torch.tensor(crop_top_left, dtype=torch.long),
+            "target_size": torch.tensor((self.spec.resolution, self.spec.resolution), dtype=torch.long),
         }
 
     def _load(self, index: int) -> Image.Image:

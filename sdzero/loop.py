@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -26,9 +27,10 @@ from sdzero.data import (
 )
 from sdzero.environment import environment_snapshot
 from sdzero.errors import UserError
+from sdzero.inputs import encode_batch
 from sdzero.metrics import MetricsWriter, PhaseTimer, peak_memory_bytes, rotate_previous
-from sdzero.models import Components, detect_family, encode_latents, encode_text, load_components
-from sdzero.objectives import diffusion_loss, training_target
+from sdzero.models import Components, detect_family, load_components, tokenize
+from sdzero.objectives import denoising_loss
 from sdzero.preemption import PreemptionFlag, ignore_preemption_signals
 from sdzero.profiling import start_probe
 from sdzero.shm import release_shm_buffer
@@ -95,13 +97,7 @@ def build_data(cfg: TrainConfig, ds: DsSettings, comps: Components, rank: int, w
         random_crop=cfg.random_crop,
         noise_offset=cfg.noise_offset,
     )
-    tokenizer = comps.tokenizer
-
-    def tokenize(text: str) -> torch.Tensor:
-        ids = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True)
-        return torch.tensor(ids.input_ids, dtype=torch.long)
-
-    dataset = CaptionedImages(good, spec, tokenize)
+    dataset = CaptionedImages(good, spec, functools.partial(tokenize, comps))
     sampler = EpochSampler(len(good), rank, world, seed=cfg.seed)
     loader = DataLoader(
         dataset,
@@ -184,16 +180,12 @@ def micro_step(engine, comps: Components, batch: dict[str, torch.Tensor], predic
                cfg: TrainConfig, timer: PhaseTimer, device: torch.device) -> torch.Tensor:  # fmt: skip
     with timer.phase("encode_s"):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        latents = encode_latents(comps.vae, batch["pixel_values"], batch["latent_eps"])
-        text = encode_text(comps.text_encoder, batch["input_ids"])
+        latents, cond = encode_batch(comps, batch)
     with timer.phase("forward_s"):
-        timesteps = batch["timestep"]
-        noise = batch["noise"]
-        noisy = comps.noise_scheduler.add_noise(latents, noise, timesteps)
         model_dtype = next(p for p in engine.module.parameters()).dtype
-        pred = engine(noisy.to(model_dtype), timesteps, text.to(model_dtype), return_dict=False)[0]
-        target = training_target(comps.noise_scheduler, prediction_type, latents, noise, timesteps)
-        loss = diffusion_loss(pred, target, timesteps, comps.noise_scheduler, prediction_type, cfg.snr_gamma)
+        loss = denoising_loss(
+            engine, model_dtype, comps.noise_scheduler, latents, cond, batch, prediction_type, cfg.snr_gamma
+        )
     with timer.phase("backward_s"):
         engine.backward(loss)
     with timer.phase("optimizer_s"):

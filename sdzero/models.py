@@ -126,3 +126,17 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, eps: torch.Tensor
 @torch.no_grad()
 def encode_text(text_encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return text_encoder(input_ids)[0]
+
+
+def tokenize(comps: Components, text: str) -> dict[str, torch.Tensor]:
+    """Every token tensor the family's text encoders take, for one caption (keys become batch keys)."""
+    tok = comps.tokenizer
+    ids = tok(text, padding="max_length", max_length=tok.model_max_length, truncation=True).input_ids
+    return {"input_ids": torch.tensor(ids, dtype=torch.long)}
+
+
+@torch.no_grad()
+def encode_prompts(comps: Components, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text conditioning of a micro-batch, by name (what a latent/text-embedding cache stores):
+    `encoder_hidden_states` for every family, plus pooled embeddings for the families that take them."""
+    return {"encoder_hidden_states": encode_text(comps.text_encoder, batch["input_ids"])}

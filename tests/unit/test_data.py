@@ -82,8 +82,8 @@ def spec(**kw) -> SampleSpec:
     return SampleSpec(resolution=32, latent_shape=(4, 16, 16), num_train_timesteps=1000, seed=7, **kw)
 
 
-def tokens(text: str) -> torch.Tensor:
-    return torch.tensor([len(text)])
+def tokens(text: str) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.tensor([len(text)])}
 
 
 def test_samples_are_a_function_of_seed_epoch_and_index(tmp_path):
