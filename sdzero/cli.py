@@ -89,6 +89,40 @@ def train(
     raise typer.Exit(subprocess.call(cmd))
 
 
+@command(
+    "launch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def launch(
+    ctx: typer.Context,
+    hostfile: Annotated[Path, typer.Option(help="DeepSpeed hostfile: one `host slots=N` line per node")],
+    launcher: Annotated[
+        str, typer.Option(help="how ranks start on the hosts: pdsh (ssh) or openmpi")
+    ] = "pdsh",
+    master_addr: Annotated[
+        str | None, typer.Option(help="rendezvous address; default: the first host's address")
+    ] = None,
+    master_port: Annotated[int | None, typer.Option(help="rendezvous port; default: a free one")] = None,
+    check_only: Annotated[
+        bool, typer.Option(help="check the hosts and write .deepspeed_env, but start nothing")
+    ] = False,
+) -> None:
+    """Check a hostfile, write the .deepspeed_env remote ranks need, then run sdzero/train.py on its hosts."""
+    import os
+
+    from sdzero.hosts import describe, plan_launch
+
+    plan = plan_launch(hostfile, list(ctx.args), launcher=launcher, master_addr=master_addr,
+                       master_port=master_port)  # fmt: skip
+    for line in describe(plan):
+        typer.echo(line, err=True)
+    typer.echo("+ " + " ".join(plan.command), err=True)
+    if check_only:
+        return
+    sys.stderr.flush()
+    os.execv(plan.command[0], plan.command)  # the launcher's exit code is this command's
+
+
 @command("demo")
 def demo(
     out: Annotated[Path, typer.Option(help="work folder for model, data and run")] = Path("demo"),

@@ -226,6 +226,9 @@ class TrainConfig:
     validation_inference_steps: int = 25
     preempt_timeout_s: float = 300.0
     """After SIGTERM/SIGUSR1, exit 143 at the latest this long after the signal even if the save hangs."""
+    dist_timeout_s: float = 600.0
+    """How long a collective may wait for a peer before the process group raises: a rank whose host died
+    makes the others fail (and the job exit non-zero) within this bound instead of hanging for ever."""
     export_final: bool = False
     """Write `<output-dir>/final`, a complete diffusers pipeline with the trained UNet, at the end."""
     profile_out: Path | None = None
@@ -301,6 +304,10 @@ class TrainConfig:
             )
         if self.preempt_timeout_s <= 0:
             raise UserError(f"--preempt-timeout-s must be positive, got {self.preempt_timeout_s}")
+        if self.dist_timeout_s <= 0:
+            raise UserError(
+                f"--dist-timeout-s must be a positive number of seconds, got {self.dist_timeout_s}"
+            )
 
     def base_lr(self, ds: DsSettings) -> float:
         if self.lr is not None:
@@ -401,6 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="steps left out of the profile's figures",
+    )
+    p.add_argument(
+        "--dist-timeout-s",
+        type=float,
+        default=600.0,
+        help="seconds a collective waits for a peer before the job fails (a dead host ends the run)",
     )
     add_checkpoint_args(p)
     # Set by the deepspeed launcher; the rank is read from the environment instead.

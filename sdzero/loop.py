@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +239,14 @@ def run(cfg: TrainConfig) -> RunSummary:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    deepspeed.init_distributed()
+    # The timeout bounds every collective: when a host dies mid-run, the survivors raise instead of
+    # waiting for ever. Under mpirun (no RANK/MASTER_* set) DeepSpeed discovers the ranks through mpi4py
+    # and would use port 29500 unless told; a MASTER_PORT given to mpirun (-x) is kept.
+    deepspeed.init_distributed(
+        timeout=timedelta(seconds=cfg.dist_timeout_s),
+        auto_mpi_discovery=True,
+        distributed_port=int(os.environ.get("MASTER_PORT", "29500")),
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()  # every rank has mapped its peers' shared-memory buffers by now
     release_shm_buffer(rank)

@@ -1,0 +1,431 @@
+"""A cluster of "hosts" on one machine: network namespaces on a bridge, each with its own sshd.
+
+Each host is a network namespace with one veth leg on a private bridge, its own UTS hostname (Open MPI
+and DeepSpeed's MPI discovery tell nodes apart by hostname) and an sshd that listens only on that
+namespace's address. The filesystem is shared, as on a cluster with NFS: the same venv and data paths
+work on every host. Recipe and measurements: /work/shared/notes/multinode-on-one-machine.md.
+
+Everything a cluster creates carries its tag (netns, bridge, veths, the state folder, the lines added to
+~/.ssh/known_hosts), and is recorded in `STATE_ROOT/<tag>/state.json` before it is created, so that
+`down()` ends exactly what was started, and a cluster left behind by a killed run is found and removed by
+the next `up()` (its owner process is gone) without touching anything else.
+
+Links can be rate-limited with `tc tbf`. Added delay needs `netem`, which this kernel does not have
+("Specified qdisc kind is unknown"); `shape(delay_ms=...)` says so instead of pretending.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATE_ROOT = Path("/run/sdzero-cluster")
+SUBNET_PREFIX = "10.77"
+"""Every address lives inside 10.77.X.0/24 on a bridge this module creates, X unused on this machine."""
+KNOWN_HOSTS = Path.home() / ".ssh" / "known_hosts"
+CLIENT_KEY = Path.home() / ".ssh" / "id_ed25519"
+"""ssh, pdsh and Open MPI's ssh agent use the default identity, so the cluster authorizes that key."""
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot host a cluster (not root, no namespaces, no sshd): tests skip with the reason."""
+
+
+def run(cmd: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def unavailable_reason() -> str | None:
+    """Why no cluster can be made here, or None. Cheap checks first; namespaces are tried for real."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, a bridge and sshd)"
+    for tool in ("ip", "tc", "sshd", "ssh", "ssh-keygen", "unshare"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            return f"`{tool}` is not installed (apt-get install -y iproute2 openssh-server openssh-client)"
+    probe = f"sdzprobe{os.getpid() % 100000}"
+    made = run(["ip", "netns", "add", probe], check=False)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+@dataclass
+class Host:
+    index: int
+    netns: str
+    veth: str
+    address: str
+    hostname: str
+    sshd_pid: int | None = None
+
+
+@dataclass
+class Cluster:
+    """`with Cluster(hosts=2) as c:` ... `c.hostfile`; or `c.up()` / `c.down()` (also at exit and SIGTERM)."""
+
+    hosts: int = 2
+    slots: int = 1
+    persistent: bool = False
+    """Kept after this process exits (the CLI's `up`); otherwise a later `up()` removes it as stale."""
+    tag: str = field(default_factory=lambda: secrets.token_hex(3))
+    members: list[Host] = field(default_factory=list)
+    subnet: str = ""
+    shaped_rate: str | None = None
+
+    @property
+    def state_dir(self) -> Path:
+        return STATE_ROOT / self.tag
+
+    @property
+    def bridge(self) -> str:
+        return f"sdzb{self.tag}"
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.subnet}.1"
+
+    @property
+    def hostfile(self) -> Path:
+        return self.state_dir / "hostfile"
+
+    @property
+    def master(self) -> Host:
+        return self.members[0]
+
+    def write_hostfile(self, path: Path, slots: int | None = None, hosts: int | None = None) -> Path:
+        lines = [
+            f"{h.address} slots={slots or self.slots}" for h in self.members[: hosts or len(self.members)]
+        ]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    # -- life cycle ------------------------------------------------------------------------------------
+
+    def up(self) -> Cluster:
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+        STATE_ROOT.mkdir(parents=True, exist_ok=True)
+        with _lock():
+            reap_stale()
+            self.subnet = _free_subnet()
+            self.members = [
+                Host(
+                    i,
+                    f"sdz-{self.tag}-n{i}",
+                    f"sdzv{self.tag}n{i}",
+                    f"{self.subnet}.{10 + i}",
+                    f"node{i}-{self.tag}",
+                )  # fmt: skip
+                for i in range(1, self.hosts + 1)
+            ]
+            self.state_dir.mkdir()
+            self._save()  # recorded before anything exists, so a crash half-way is still cleaned up
+            if not self.persistent:
+                _register_teardown(self)
+            try:
+                self._make_network()
+            except BaseException:
+                self.down()
+                raise
+        try:
+            self._start_sshd()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _make_network(self) -> None:
+        run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
+        run(["ip", "link", "set", self.bridge, "up"])
+        for h in self.members:
+            run(["ip", "netns", "add", h.netns])
+            run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns])
+            run(["ip", "link", "set", h.veth, "master", self.bridge, "up"])
+            self.exec(h, ["ip", "addr", "add", f"{h.address}/24", "dev", "eth0"])
+            self.exec(h, ["ip", "link", "set", "eth0", "up"])
+            self.exec(h, ["ip", "link", "set", "lo", "up"])
+            # Traffic to the launching machine goes through the bridge's address.
+            self.exec(h, ["ip", "route", "add", "default", "via", self.gateway])
+
+    def _start_sshd(self) -> None:
+        d = self.state_dir
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key")])
+        if not CLIENT_KEY.exists():
+            CLIENT_KEY.parent.mkdir(mode=0o700, exist_ok=True)
+            run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(CLIENT_KEY)])
+        shutil.copy(CLIENT_KEY.with_suffix(".pub"), d / "authorized_keys")
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation folder
+        host_key = (d / "host_key.pub").read_text().split()
+        with KNOWN_HOSTS.open("a") as f:
+            for h in self.members:
+                f.write(f"{h.address} {host_key[0]} {host_key[1]} {self.known_hosts_mark}\n")
+        for h in self.members:
+            config = d / f"sshd_config.{h.index}"
+            config.write_text(
+                f"ListenAddress {h.address}\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+                "UsePAM no\nStrictModes no\nPidFile none\nMaxStartups 100\nMaxSessions 100\n"
+                "AcceptEnv LANG LC_*\n"
+            )
+            log = (d / f"sshd.{h.index}.log").open("w")
+            sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+            proc = subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    h.netns,
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    f'hostname "$0"; exec {sshd} -D -e -f {config}',
+                    h.hostname,
+                ],  # fmt: skip
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            h.sshd_pid = proc.pid  # `exec` keeps the pid: this is sshd itself
+            self._save()
+        for h in self.members:
+            self._wait_for_ssh(h)
+
+    def _wait_for_ssh(self, h: Host, timeout_s: float = 20) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            proc = self.ssh(h, "hostname", check=False, timeout=10)
+            if proc.returncode == 0 and proc.stdout.strip() == h.hostname:
+                return
+            if time.monotonic() > deadline:
+                log = (self.state_dir / f"sshd.{h.index}.log").read_text()[-2000:]
+                raise RuntimeError(f"sshd on {h.address} did not answer: {proc.stderr.strip()}\n{log}")
+            time.sleep(0.2)
+
+    def down(self) -> None:
+        teardown(self.state_dir)
+        _unregister_teardown(self)
+
+    def __enter__(self) -> Cluster:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- using it --------------------------------------------------------------------------------------
+
+    @property
+    def known_hosts_mark(self) -> str:
+        return f"sdzero-cluster-{self.tag}"
+
+    def exec(self, h: Host, cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+        return run(["ip", "netns", "exec", h.netns, *cmd], check=check)
+
+    def ssh(
+        self, h: Host, command: str, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        return run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", h.address, command],
+                   check=check, timeout=timeout)  # fmt: skip
+
+    def shape(self, rate: str | None, delay_ms: float | None = None) -> None:
+        """Rate-limit every host's link (egress of its eth0) with a token bucket; None removes it."""
+        if delay_ms:
+            raise ValueError(
+                "added delay needs the netem qdisc, which this kernel does not provide "
+                "('Specified qdisc kind is unknown'); only rate shaping (tbf) is available here"
+            )
+        for h in self.members:
+            if rate is None:
+                self.exec(h, ["tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
+            else:
+                # burst must hold at least one timer tick of traffic at the rate; 256 kB does up to ~10 Gbit/s.
+                self.exec(h, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
+                              "burst", "256kb", "latency", "50ms"])  # fmt: skip
+        self.shaped_rate = rate
+        self._save()
+
+    def rank_pids(self, h: Host, marker: str = "sdzero/train.py") -> list[int]:
+        """Training ranks running in host h: processes in its namespace whose parent is a launcher."""
+        pids = run(["ip", "netns", "pids", h.netns]).stdout.split()
+        found = []
+        for pid in pids:
+            cmdline = _cmdline(int(pid))
+            if marker in cmdline and "deepspeed.launcher" not in cmdline:
+                parent = _cmdline(_ppid(int(pid)))
+                if marker not in parent:  # not a DataLoader worker (its parent is the rank)
+                    found.append(int(pid))
+        return found
+
+    def _save(self) -> None:
+        state = {
+            "tag": self.tag,
+            "owner_pid": None if self.persistent else os.getpid(),
+            "owner_start": None if self.persistent else _start_time(os.getpid()),
+            "bridge": self.bridge,
+            "subnet": self.subnet,
+            "netns": [h.netns for h in self.members],
+            "veths": [h.veth for h in self.members],
+            "sshd_pids": [h.sshd_pid for h in self.members if h.sshd_pid],
+            "known_hosts_mark": self.known_hosts_mark,
+            "hosts": [{"address": h.address, "hostname": h.hostname, "netns": h.netns} for h in self.members],
+            "shaped_rate": self.shaped_rate,
+        }
+        tmp = self.state_dir / "state.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_dir / "state.json")
+
+
+# -- teardown: by recorded state, so it also works for a cluster whose owner died ---------------------
+
+
+def teardown(state_dir: Path) -> None:
+    """Remove what the state file records: sshd pids (only if still this cluster's sshd), netns, bridge,
+    known_hosts lines. Safe to call twice."""
+    path = state_dir / "state.json"
+    if not path.exists():
+        shutil.rmtree(state_dir, ignore_errors=True)
+        return
+    state = json.loads(path.read_text())
+    for pid in state.get("sshd_pids", []):
+        # Only a process that is still sshd running our own config file; a reused pid is left alone.
+        if "sshd" in _cmdline(pid) and str(state_dir) in _cmdline(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    for netns in state.get("netns", []):
+        _end_processes_in(netns)
+        run(["ip", "netns", "del", netns], check=False)
+    for veth in state.get("veths", []):
+        run(["ip", "link", "del", veth], check=False)
+    if state.get("bridge"):
+        run(["ip", "link", "del", state["bridge"]], check=False)
+    _drop_known_hosts(state.get("known_hosts_mark", ""))
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _end_processes_in(netns: str) -> None:
+    """Processes still inside one of our namespaces (ranks started over its sshd) are this cluster's."""
+    pids = run(["ip", "netns", "pids", netns], check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _drop_known_hosts(mark: str) -> None:
+    if not mark or not KNOWN_HOSTS.exists():
+        return
+    lines = KNOWN_HOSTS.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not line.rstrip().endswith(mark)]
+    if len(kept) != len(lines):
+        tmp = KNOWN_HOSTS.with_suffix(".sdzero-tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(KNOWN_HOSTS)
+
+
+def reap_stale() -> list[str]:
+    """Remove clusters whose owning process is gone (a killed test run); keep persistent (CLI) ones."""
+    removed = []
+    for state_file in STATE_ROOT.glob("*/state.json"):
+        state = json.loads(state_file.read_text())
+        pid = state.get("owner_pid")
+        if pid is None:
+            continue
+        if _start_time(pid) == state.get("owner_start"):
+            continue  # its owner is alive
+        teardown(state_file.parent)
+        removed.append(state["tag"])
+    return removed
+
+
+def list_clusters() -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(STATE_ROOT.glob("*/state.json"))]
+
+
+def _free_subnet() -> str:
+    used = run(["ip", "-o", "-4", "addr"]).stdout + run(["ip", "-o", "-4", "route"]).stdout
+    taken = {s["subnet"] for s in list_clusters()}
+    for x in range(0, 255):
+        subnet = f"{SUBNET_PREFIX}.{x}"
+        if f"{subnet}." not in used and subnet not in taken:
+            return subnet
+    raise RuntimeError(f"no free {SUBNET_PREFIX}.X.0/24 subnet left")
+
+
+@contextlib.contextmanager
+def _lock():
+    with (STATE_ROOT / ".lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _start_time(pid: int) -> int | None:
+    """Process start time in clock ticks: tells a living owner from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+# -- teardown at exit and on SIGTERM for clusters owned by this process --------------------------------
+
+_OWNED: list[Cluster] = []
+
+
+def _teardown_owned() -> None:
+    for cluster in list(_OWNED):
+        cluster.down()
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _teardown_owned()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _register_teardown(cluster: Cluster) -> None:
+    if not _OWNED:
+        atexit.register(_teardown_owned)
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            with contextlib.suppress(ValueError):  # not the main thread: atexit still covers normal exits
+                signal.signal(signal.SIGTERM, _on_sigterm)
+    _OWNED.append(cluster)
+
+
+def _unregister_teardown(cluster: Cluster) -> None:
+    if cluster in _OWNED:
+        _OWNED.remove(cluster)
