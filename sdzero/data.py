@@ -100,20 +100,21 @@ def sample_generator(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 
 def resize_and_crop(
-    img: Image.Image, resolution: int, rng: np.random.Generator, random_crop: bool
+    img: Image.Image, size: int | tuple[int, int], rng: np.random.Generator, random_crop: bool
 ) -> tuple[Image.Image, tuple[int, int]]:
-    """Resize the short side to `resolution`, crop a square; also return the crop's (top, left), which
-    SDXL's micro-conditioning takes as an input."""
+    """Resize to cover `size` (a square side, or (height, width) for an aspect-ratio bucket), then crop
+    it out; also return the crop's (top, left), which SDXL's micro-conditioning takes as an input."""
+    out_h, out_w = (size, size) if isinstance(size, int) else size
     w, h = img.size
-    scale = resolution / min(w, h)
-    new_w, new_h = max(resolution, round(w * scale)), max(resolution, round(h * scale))
+    scale = max(out_w / w, out_h / h)
+    new_w, new_h = max(out_w, round(w * scale)), max(out_h, round(h * scale))
     img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
     if random_crop:
-        left = int(rng.integers(0, new_w - resolution + 1))
-        top = int(rng.integers(0, new_h - resolution + 1))
+        left = int(rng.integers(0, new_w - out_w + 1))
+        top = int(rng.integers(0, new_h - out_h + 1))
     else:
-        left, top = (new_w - resolution) // 2, (new_h - resolution) // 2
-    return img.crop((left, top, left + resolution, top + resolution)), (top, left)
+        left, top = (new_w - out_w) // 2, (new_h - out_h) // 2
+    return img.crop((left, top, left + out_w, top + out_h)), (top, left)
 
 
 @dataclass(frozen=True)
@@ -128,17 +129,50 @@ class SampleSpec:
     random_crop: bool = False
     noise_offset: float = 0.0
 
+    def latent_shape_for(self, size_hw: tuple[int, int]) -> tuple[int, int, int]:
+        """The latent shape of a sample trained at (height, width) pixels (an aspect-ratio bucket)."""
+        channels, side = self.latent_shape[0], self.latent_shape[1]
+        return channels, size_hw[0] * side // self.resolution, size_hw[1] * side // self.resolution
+
+
+def draw_noise(
+    rng: np.random.Generator, spec: SampleSpec, latent_shape: tuple[int, int, int]
+) -> dict[str, torch.Tensor]:
+    """A sample's diffusion noise, VAE posterior draw and timestep, after its crop and flip draws.
+
+    Online encoding and a latent cache both call this with the same generator state, so a sample gets
+    the same noise either way (the cache equality test rests on it).
+    """
+    noise = rng.standard_normal(latent_shape, dtype=np.float32)
+    if spec.noise_offset:
+        # Offset noise (Guttenberg 2023): a per-channel constant lets the model shift mean brightness.
+        offset = rng.standard_normal((latent_shape[0], 1, 1), dtype=np.float32)
+        noise = noise + spec.noise_offset * offset
+    latent_eps = rng.standard_normal(latent_shape, dtype=np.float32)  # VAE posterior sample
+    timestep = int(rng.integers(0, spec.num_train_timesteps))
+    return {
+        "noise": torch.from_numpy(noise),
+        "latent_eps": torch.from_numpy(latent_eps),
+        "timestep": torch.tensor(timestep, dtype=torch.long),
+    }
+
 
 class CaptionedImages(Dataset):
     """Items are keyed by (sample index, epoch) so the per-sample randomness is reproducible."""
 
     def __init__(
-        self, records: list[Record], spec: SampleSpec, tokenize: Callable[[str], dict[str, torch.Tensor]]
+        self,
+        records: list[Record],
+        spec: SampleSpec,
+        tokenize: Callable[[str], dict[str, torch.Tensor]],
+        sizes: list[tuple[int, int]] | None = None,
     ):
         # `tokenize` returns every token tensor the family's text encoders take (input_ids, input_ids_2, ...).
+        # `sizes`: each record's (height, width) aspect-ratio bucket; None trains every sample square.
         self.records = records
         self.spec = spec
         self.tokenize = tokenize
+        self.sizes = sizes
         self.late_failures = 0  # counted per process (a worker's count stays in the worker)
 
     def __len__(self) -> int:
@@ -149,27 +183,23 @@ class CaptionedImages(Dataset):
         rng = sample_generator(self.spec.seed, epoch, index)
         img = self._load(index)
         original_hw = (img.height, img.width)
-        img, crop_top_left = resize_and_crop(img, self.spec.resolution, rng, self.spec.random_crop)
+        size_hw = self.sizes[index] if self.sizes else (self.spec.resolution, self.spec.resolution)
+        img, crop_top_left = resize_and_crop(img, size_hw, rng, self.spec.random_crop)
         if self.spec.random_flip and rng.random() < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         pixels = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
-        noise = rng.standard_normal(self.spec.latent_shape, dtype=np.float32)
-        if self.spec.noise_offset:
-            # Offset noise (Guttenberg 2023): a per-channel constant lets the model shift mean brightness.
-            offset = rng.standard_normal((self.spec.latent_shape[0], 1, 1), dtype=np.float32)
-            noise = noise + self.spec.noise_offset * offset
-        latent_eps = rng.standard_normal(self.spec.latent_shape, dtype=np.float32)  # VAE posterior sample
+        drawn = draw_noise(rng, self.spec, self.spec.latent_shape_for(size_hw))
         return {
             "pixel_values": pixels.contiguous(),
-            "latent_eps": torch.from_numpy(latent_eps),
+            "latent_eps": drawn["latent_eps"],
             **self.tokenize(self.records[index].text),
-            "noise": torch.from_numpy(noise),
-            "timestep": torch.tensor(int(rng.integers(0, self.spec.num_train_timesteps)), dtype=torch.long),
+            "noise": drawn["noise"],
+            "timestep": drawn["timestep"],
             "index": torch.tensor(index, dtype=torch.long),
             # SDXL's size/crop micro-conditioning (add_time_ids); other families ignore them.
             "original_size": torch.tensor(original_hw, dtype=torch.long),
             "crop_top_left": torch.tensor(crop_top_left, dtype=torch.long),
-            "target_size": torch.tensor((self.spec.resolution, self.spec.resolution), dtype=torch.long),
+            "target_size": torch.tensor(size_hw, dtype=torch.long),
         }
 
     def _load(self, index: int) -> Image.Image:
