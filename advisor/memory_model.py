@@ -58,14 +58,18 @@ class ZeroSettings:
 
 
 def trained_numels(model: str | Path) -> tuple[int, ...]:
-    """Element counts of the trained UNet's parameters in module order, built on the meta device (no weights)."""
+    """Element counts of the trained network's parameters in module order (the UNet, or SD3's transformer),
+    built on the meta device (no weights)."""
     import torch
-    from diffusers import UNet2DConditionModel
 
-    config = UNet2DConditionModel.load_config(str(model), subfolder="unet")
+    from sdzero.models import TRAINED_SUBFOLDER, detect_family, trained_network_class
+
+    family = detect_family(str(model))
+    cls = trained_network_class(family)
+    config = cls.load_config(str(model), subfolder=TRAINED_SUBFOLDER[family])
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(config)
-    return tuple(int(p.numel()) for p in unet.parameters() if p.requires_grad)
+        net = cls.from_config(config)
+    return tuple(int(p.numel()) for p in net.parameters() if p.requires_grad)
 
 
 def state_elements(numels: tuple[int, ...] | np.ndarray, stage: int, world: int,

@@ -43,7 +43,7 @@ def command(name: str, **settings: Any) -> Callable[[Callable[..., Any]], Callab
 @command("tiny-model")
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="folder to write the diffusers pipeline into (must not exist)")],
-    family: Annotated[str, typer.Option(help="model family: sd15")] = "sd15",
+    family: Annotated[str, typer.Option(help="model family: sd15, sdxl or sd3")] = "sd15",
     seed: Annotated[int, typer.Option(help="seed of the random weights")] = 0,
 ) -> None:
     """Write a tiny random-weight pipeline in diffusers format (the embedded default model)."""

@@ -18,6 +18,22 @@ from sdzero.errors import UserError
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")
+"""SD3 timestep densities / loss weights, as diffusers.training_utils names them."""
+MODE_SCALE_MAX = 2 / (math.pi - 2)
+"""Above this the `mode` density is not monotone in u (SD3 paper, eq. 20: -1 <= s <= 2/(pi-2))."""
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """SD3 flow matching: how timesteps are drawn and weighted (diffusers' SD3 defaults)."""
+
+    weighting_scheme: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    precondition_outputs: bool = False
+    """Turn the velocity prediction into an x0 estimate and compare it with the latents (EDM-style)."""
 
 
 def world_size_from_env() -> int:
@@ -229,6 +245,18 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     """How long a collective may wait for a peer before the process group raises: a rank whose host died
     makes the others fail (and the job exit non-zero) within this bound instead of hanging for ever."""
+    weighting_scheme: str | None = None
+    """SD3 only: timestep density / loss weight (WEIGHTING_SCHEMES); default logit_normal."""
+    logit_mean: float | None = None
+    """SD3 only, logit_normal: mean of the normal whose sigmoid is u (default 0.0)."""
+    logit_std: float | None = None
+    """SD3 only, logit_normal: its standard deviation (default 1.0)."""
+    mode_scale: float | None = None
+    """SD3 only, mode: the scale s of the mode density (default 1.29)."""
+    precondition_outputs: bool = False
+    """SD3 only: compare an x0 estimate from the prediction with the latents (see FlowSettings)."""
+    max_sequence_length: int | None = None
+    """SD3 only: T5 tokens per caption (default 77, at most 512 as in diffusers' SD3 pipeline)."""
     export_final: bool = False
     """Write `<output-dir>/final`, a complete diffusers pipeline with the trained UNet, at the end."""
     profile_out: Path | None = None
@@ -258,6 +286,7 @@ class TrainConfig:
             raise UserError(f"--snr-gamma must be positive, got {self.snr_gamma}")
         if self.noise_offset < 0:
             raise UserError(f"--noise-offset must be >= 0, got {self.noise_offset}")
+        self._check_flow_options()
         if not (0 < self.max_bad_fraction <= 1):
             raise UserError(f"--max-bad-fraction must be in (0, 1], got {self.max_bad_fraction}")
         if self.num_workers < 0:
@@ -309,6 +338,75 @@ class TrainConfig:
                 f"--dist-timeout-s must be a positive number of seconds, got {self.dist_timeout_s}"
             )
 
+    def _check_flow_options(self) -> None:
+        scheme = self.weighting_scheme
+        if scheme is not None and scheme not in WEIGHTING_SCHEMES:
+            raise UserError(
+                f"--weighting-scheme must be one of {', '.join(WEIGHTING_SCHEMES)}, got {scheme!r}"
+            )
+        if self.logit_std is not None and not self.logit_std > 0:
+            raise UserError(
+                f"--logit-std must be positive (the spread of the logit-normal), got {self.logit_std}"
+            )
+        if self.mode_scale is not None and not -1 <= self.mode_scale <= MODE_SCALE_MAX:
+            raise UserError(
+                f"--mode-scale must be in [-1, {MODE_SCALE_MAX:.3f}] (2/(pi-2)), where the mode density is a "
+                f"valid monotone map; got {self.mode_scale}"
+            )
+        given = "logit_normal" if scheme is None else scheme
+        for flag, value, needs in (("--logit-mean", self.logit_mean, "logit_normal"),
+                                   ("--logit-std", self.logit_std, "logit_normal"),
+                                   ("--mode-scale", self.mode_scale, "mode")):  # fmt: skip
+            if value is not None and given != needs:
+                raise UserError(f"{flag} only applies to --weighting-scheme {needs} (the scheme is {given})")
+        if self.max_sequence_length is not None and not 1 <= self.max_sequence_length <= 512:
+            raise UserError(
+                f"--max-sequence-length must be in [1, 512] (T5 tokens per caption), got {self.max_sequence_length}"
+            )
+
+    def sd3_only_flags(self) -> list[str]:
+        """The SD3 flags this run sets (an error unless the model is SD3)."""
+        flags = {
+            "--weighting-scheme": self.weighting_scheme is not None,
+            "--logit-mean": self.logit_mean is not None,
+            "--logit-std": self.logit_std is not None,
+            "--mode-scale": self.mode_scale is not None,
+            "--precondition-outputs": self.precondition_outputs,
+            "--max-sequence-length": self.max_sequence_length is not None,
+        }
+        return [flag for flag, is_set in flags.items() if is_set]
+
+    def check_family(self, family: str) -> None:
+        """Options that only one kind of objective understands, checked once the model's family is known
+        (from its model_index.json), before any process group exists."""
+        if family != "sd3":
+            flags = self.sd3_only_flags()
+            if flags:
+                raise UserError(
+                    f"{', '.join(flags)}: SD3 (flow matching) options, but --model {self.model} is a {family} "
+                    "pipeline; drop them or train an SD3 model"
+                )
+            return
+        ddpm = {"--prediction-type": self.prediction_type is not None, "--snr-gamma": self.snr_gamma is not None,
+                "--noise-offset": self.noise_offset > 0}  # fmt: skip
+        flags = [flag for flag, is_set in ddpm.items() if is_set]
+        if flags:
+            raise UserError(
+                f"{', '.join(flags)}: DDPM options, but --model {self.model} is SD3, trained by flow matching; "
+                "use --weighting-scheme (and --logit-mean/--logit-std/--mode-scale) instead"
+            )
+
+    def flow_settings(self) -> FlowSettings:
+        """SD3's flow-matching settings, defaults filled in."""
+        defaults = FlowSettings()
+        return FlowSettings(
+            weighting_scheme=self.weighting_scheme or defaults.weighting_scheme,
+            logit_mean=defaults.logit_mean if self.logit_mean is None else self.logit_mean,
+            logit_std=defaults.logit_std if self.logit_std is None else self.logit_std,
+            mode_scale=defaults.mode_scale if self.mode_scale is None else self.mode_scale,
+            precondition_outputs=self.precondition_outputs,
+        )
+
     def base_lr(self, ds: DsSettings) -> float:
         if self.lr is not None:
             return self.lr
@@ -353,6 +451,26 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_flow_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("SD3 flow matching (only for SD3 models)")
+    g.add_argument(
+        "--weighting-scheme",
+        choices=WEIGHTING_SCHEMES,
+        default=None,
+        help="timestep density / loss weight (default logit_normal)",
+    )
+    g.add_argument("--logit-mean", type=float, default=None, help="logit_normal mean (default 0.0)")
+    g.add_argument("--logit-std", type=float, default=None, help="logit_normal std (default 1.0)")
+    g.add_argument("--mode-scale", type=float, default=None, help="mode density scale (default 1.29)")
+    g.add_argument(
+        "--precondition-outputs",
+        action="store_true",
+        help="compare an x0 estimate (noisy - sigma * prediction) with the latents",
+    )
+    g.add_argument("--max-sequence-length", type=int, default=None,
+                   help="T5 tokens per caption (default 77, at most 512)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sdzero/train.py",
@@ -388,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None)
     p.add_argument("--snr-gamma", type=float, default=None, help="Min-SNR weighting gamma (e.g. 5.0)")
     p.add_argument("--noise-offset", type=float, default=0.0)
+    add_flow_args(p)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--random-flip", action="store_true")
     p.add_argument("--random-crop", action="store_true", help="random instead of center crop")

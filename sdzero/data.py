@@ -18,6 +18,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from sdzero.config import FlowSettings
 from sdzero.errors import UserError
 
 log = logging.getLogger("sdzero.data")
@@ -128,6 +129,8 @@ class SampleSpec:
     random_flip: bool = False
     random_crop: bool = False
     noise_offset: float = 0.0
+    flow: FlowSettings | None = None
+    """SD3: each sample also draws `flow_u`, its place on the flow-matching schedule."""
 
     def latent_shape_for(self, size_hw: tuple[int, int]) -> tuple[int, int, int]:
         """The latent shape of a sample trained at (height, width) pixels (an aspect-ratio bucket)."""
@@ -150,11 +153,17 @@ def draw_noise(
         noise = noise + spec.noise_offset * offset
     latent_eps = rng.standard_normal(latent_shape, dtype=np.float32)  # VAE posterior sample
     timestep = int(rng.integers(0, spec.num_train_timesteps))
-    return {
+    drawn = {
         "noise": torch.from_numpy(noise),
         "latent_eps": torch.from_numpy(latent_eps),
         "timestep": torch.tensor(timestep, dtype=torch.long),
     }
+    if spec.flow is not None:
+        from sdzero.objectives import flow_u  # diffusers' density sampler, driven by this sample's seed
+
+        generator = torch.Generator().manual_seed(int(rng.integers(0, 2**63 - 1)))
+        drawn["flow_u"] = torch.tensor(flow_u(spec.flow, generator), dtype=torch.float32)
+    return drawn
 
 
 class CaptionedImages(Dataset):
@@ -195,6 +204,7 @@ class CaptionedImages(Dataset):
             **self.tokenize(self.records[index].text),
             "noise": drawn["noise"],
             "timestep": drawn["timestep"],
+            **({"flow_u": drawn["flow_u"]} if "flow_u" in drawn else {}),
             "index": torch.tensor(index, dtype=torch.long),
             # SDXL's size/crop micro-conditioning (add_time_ids); other families ignore them.
             "original_size": torch.tensor(original_hw, dtype=torch.long),

@@ -1,4 +1,5 @@
-"""Writing the trained network in diffusers format (safetensors), with the frozen parts beside it.
+"""Writing the trained network in diffusers format (safetensors), with the frozen parts beside it: a
+StableDiffusionPipeline, StableDiffusionXLPipeline or StableDiffusion3Pipeline folder, by the model's family.
 
 Under ZeRO-3 the engine's module holds empty placeholders: calling `save_pretrained` on it writes near-
 empty files (accelerate#2294). The weights are consolidated first by DeepSpeed itself: layer by layer from
@@ -50,17 +51,45 @@ def atomic_publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def unet_from_state(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype):
-    from diffusers import UNet2DConditionModel
-
-    unet = UNet2DConditionModel.from_config(config)
-    missing, unexpected = unet.load_state_dict(state, strict=False)
+def unet_from_state(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, cls: Any = None):
+    """The trained network (a UNet, or SD3's transformer: `cls`) rebuilt from its config and `state`."""
+    if cls is None:
+        from diffusers import UNet2DConditionModel as cls
+    net = cls.from_config(config)
+    missing, unexpected = net.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RuntimeError(
-            f"export: state dict does not fit the UNet (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            f"export: state dict does not fit the {cls.__name__} (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    # A UNet built from its config is fp32 already; `.to` only when a cast is needed (diffusers warns on it).
-    return unet if dtype == torch.float32 else unet.to(dtype)
+    # A network built from its config is fp32 already; `.to` only when a cast is needed (diffusers warns on it).
+    return net if dtype == torch.float32 else net.to(dtype)
+
+
+def build_pipeline(comps: Any, trained: torch.nn.Module, scheduler: Any = None) -> Any:
+    """The family's diffusers pipeline around `trained` and the frozen parts of `comps` (loaded if a cache
+    run skipped them). `scheduler` defaults to a fresh one of the pipeline's own sampler class."""
+    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    from sdzero.models import ensure_frozen, sampling_scheduler
+
+    ensure_frozen(comps, comps.vae.device if comps.vae is not None else "cpu")
+    scheduler = scheduler if scheduler is not None else sampling_scheduler(comps)
+    clip = {"vae": comps.vae, "text_encoder": comps.text_encoder, "tokenizer": comps.tokenizer}
+    if comps.family == "sdxl":
+        return StableDiffusionXLPipeline(
+            **clip, text_encoder_2=comps.text_encoder_2, tokenizer_2=comps.tokenizer_2, unet=trained,
+            scheduler=scheduler, add_watermarker=False,
+        )  # fmt: skip
+    if comps.family == "sd3":
+        return StableDiffusion3Pipeline(
+            **clip, text_encoder_2=comps.text_encoder_2, tokenizer_2=comps.tokenizer_2,
+            text_encoder_3=comps.text_encoder_3, tokenizer_3=comps.tokenizer_3, transformer=trained,
+            scheduler=scheduler,
+        )  # fmt: skip
+    return StableDiffusionPipeline(
+        **clip, unet=trained, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )  # fmt: skip
 
 
 def write_pipeline(
@@ -70,32 +99,25 @@ def write_pipeline(
     dtype: torch.dtype,
     extra_unets: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """A complete pipeline folder: the trained UNet from `unet_state` plus the frozen parts as loaded.
+    """A complete pipeline folder of the model's family: the trained network from `unet_state` (the UNet,
+    or SD3's transformer) plus the frozen parts as loaded.
 
-    `extra_unets` (e.g. {"unet_ema": state}) are written as further UNet folders beside it; the pipeline's
-    model_index.json does not list them, so `from_pretrained(out)` loads the trained UNet and ignores them.
+    `extra_unets` (e.g. {"unet_ema": state}) are written as further folders beside it, "unet" in the name
+    becoming the family's folder ("transformer_ema" for SD3); the pipeline's model_index.json does not list
+    them, so `from_pretrained(out)` loads the trained network and ignores them.
     """
-    from diffusers import StableDiffusionPipeline
-
-    unet = unet_from_state(comps.unet.config, unet_state, dtype)
-    pipe = StableDiffusionPipeline(
-        vae=comps.vae,
-        text_encoder=comps.text_encoder,
-        tokenizer=comps.tokenizer,
-        unet=unet,
-        scheduler=comps.noise_scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    cls = type(comps.unet)
+    trained = unet_from_state(comps.unet.config, unet_state, dtype, cls)
+    pipe = build_pipeline(comps, trained)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         for name, state in (extra_unets or {}).items():
-            unet_from_state(comps.unet.config, state, dtype).save_pretrained(
-                tmp / name, safe_serialization=True
+            folder = name.replace("unet", comps.trained_subfolder, 1)
+            unet_from_state(comps.unet.config, state, dtype, cls).save_pretrained(
+                tmp / folder, safe_serialization=True
             )
         atomic_publish(tmp, out)
     except BaseException:
@@ -132,7 +154,7 @@ def export_checkpoint(
     """`sdzero export`: a checkpoint (or the newest complete one in a folder / run) -> diffusers pipeline."""
     from sdzero.checkpoint import EMA_DIR, first_verified, locate, verify_files
     from sdzero.ema import assemble
-    from sdzero.models import DTYPES, load_components
+    from sdzero.models import DTYPES, load_components, resolve_prediction_type
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -154,7 +176,7 @@ def export_checkpoint(
         comps = load_components(model, compute, "cpu")
     except UserError as exc:
         raise UserError(f"{exc}; pass --model with the pipeline the run trained from") from exc
-    comps.noise_scheduler.register_to_config(prediction_type=manifest.prediction_type)
+    resolve_prediction_type(comps, manifest.prediction_type)  # a no-op for SD3 (flow matching)
     weights = consolidated_weights(path, manifest.zero_stage)
     extra = None
     if manifest.ema:

@@ -30,7 +30,7 @@ from sdzero.environment import environment_snapshot
 from sdzero.errors import UserError
 from sdzero.inputs import encode_batch
 from sdzero.metrics import MetricsWriter, PhaseTimer, peak_memory_bytes, rotate_previous
-from sdzero.models import Components, detect_family, load_components, tokenize
+from sdzero.models import Components, detect_family, load_components, resolve_prediction_type, tokenize
 from sdzero.objectives import denoising_loss
 from sdzero.preemption import PreemptionFlag, ignore_preemption_signals
 from sdzero.profiling import start_probe
@@ -97,6 +97,7 @@ def build_data(cfg: TrainConfig, ds: DsSettings, comps: Components, rank: int, w
         random_flip=cfg.random_flip,
         random_crop=cfg.random_crop,
         noise_offset=cfg.noise_offset,
+        flow=cfg.flow_settings() if comps.family == "sd3" else None,
     )
     dataset = CaptionedImages(good, spec, functools.partial(tokenize, comps))
     sampler = EpochSampler(len(good), rank, world, seed=cfg.seed)
@@ -185,8 +186,9 @@ def micro_step(engine, comps: Components, batch: dict[str, torch.Tensor], predic
     with timer.phase("forward_s"):
         model_dtype = next(p for p in engine.module.parameters()).dtype
         loss = denoising_loss(
-            engine, model_dtype, comps.noise_scheduler, latents, cond, batch, prediction_type, cfg.snr_gamma
-        )
+            engine, model_dtype, comps.noise_scheduler, latents, cond, batch, prediction_type, cfg.snr_gamma,
+            family=comps.family, flow=cfg.flow_settings() if comps.family == "sd3" else None,
+        )  # fmt: skip
     with timer.phase("backward_s"):
         engine.backward(loss)
     with timer.phase("optimizer_s"):
@@ -231,7 +233,7 @@ def gather_step_stats(
 def run(cfg: TrainConfig) -> RunSummary:
     # Everything that can be wrong with the input is checked before the process group exists.
     ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
-    detect_family(cfg.model)
+    cfg.check_family(detect_family(cfg.model))  # e.g. SD3-only flags on an SDXL model: one clear line
     read_metadata(cfg.data)
     # Installed before the slow start-up, so that an early SIGTERM is honoured at the first step boundary.
     preemption = PreemptionFlag(cfg.preempt_timeout_s).install()
@@ -260,9 +262,8 @@ def run(cfg: TrainConfig) -> RunSummary:
     device = torch.device(accel.current_device_name())
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
 
-    comps = load_components(cfg.model, ds.dtype, device)
-    prediction_type = cfg.prediction_type or comps.noise_scheduler.config.prediction_type
-    comps.noise_scheduler.register_to_config(prediction_type=prediction_type)
+    comps = load_components(cfg.model, ds.dtype, device, max_sequence_length=cfg.max_sequence_length)
+    prediction_type = resolve_prediction_type(comps, cfg.prediction_type)  # "flow_matching" for SD3
     dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world)
     engine, config = init_engine(cfg, ds, comps)
     hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, preemption)

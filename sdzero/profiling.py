@@ -468,4 +468,5 @@ def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe:
     """The loop's probe; `cfg.profile_out` None means no measurements (test hooks still apply)."""
     out = getattr(cfg, "profile_out", None)
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
-    return Probe(engine, ds, (comps.vae, comps.text_encoder), Path(out) if out else None, warmup)
+    # Every frozen module the family loaded (VAE, one to three text encoders; none when training from a cache).
+    return Probe(engine, ds, comps.frozen_modules(), Path(out) if out else None, warmup)

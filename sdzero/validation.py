@@ -47,15 +47,17 @@ class Validator:
     @torch.no_grad()
     def run(self, step: int, engine: Any, comps: Any, rank: int, device: torch.device) -> list[Path]:
         """Sample every prompt; all ranks must call this (ZeRO-3 gathers inside each UNet forward)."""
-        from diffusers import DDIMScheduler, StableDiffusionPipeline
+        from diffusers import DDIMScheduler
+
+        from sdzero.export import build_pipeline
 
         start = time.perf_counter()
-        unet = engine.module
-        pipe = StableDiffusionPipeline(
-            vae=comps.vae, text_encoder=comps.text_encoder, tokenizer=comps.tokenizer, unet=unet,
-            scheduler=DDIMScheduler.from_config(comps.noise_scheduler.config),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-        )  # fmt: skip
+        unet = engine.module  # the trained network: a UNet, or SD3's transformer
+        # SD/SDXL sample with DDIM from the training betas; SD3 with a fresh copy of its flow-matching
+        # scheduler (the training objective reads the unshifted-by-set_timesteps training schedule).
+        scheduler = None if comps.family == "sd3" else DDIMScheduler.from_config(comps.noise_scheduler.config)
+        pipe = build_pipeline(comps, unet, scheduler)  # loads the frozen parts if a cache run skipped them
+        extra = {"max_sequence_length": comps.max_sequence_length} if comps.family == "sd3" else {}
         pipe.set_progress_bar_config(disable=True)
         folder = self.out / f"step_{step:08d}"
         written: list[Path] = []
@@ -67,6 +69,7 @@ class Validator:
                     latents = pipe(
                         prompt, height=self.resolution, width=self.resolution,
                         num_inference_steps=self.inference_steps, generator=generator, output_type="latent",
+                        **extra,
                     ).images  # fmt: skip
                     image = self._decode(pipe, comps.vae, latents)
                     if rank == 0:
