@@ -69,6 +69,54 @@ def synth_data(
     typer.echo(f"wrote {images} captioned images to {out}")
 
 
+@command("cache")
+def cache(
+    model: Annotated[str, typer.Option(help="diffusers pipeline folder or hub id")],
+    data: Annotated[Path, typer.Option(help="image folder with metadata.jsonl (file_name, text)")],
+    out: Annotated[Path, typer.Option(help="cache folder (new, or an interrupted build of the same cache)")],
+    resolution: Annotated[int | None, typer.Option(help="pixels; default: the model's native size")] = None,
+    buckets: Annotated[bool, typer.Option(help="aspect-ratio buckets, as the trainer's --buckets")] = False,
+    flip: Annotated[
+        str, typer.Option(help="none, or both: also cache mirrored images (--random-flip)")
+    ] = "none",
+    dtype: Annotated[str, typer.Option(help="the training run's precision: bf16, fp16 or fp32")] = "bf16",
+    max_sequence_length: Annotated[int | None, typer.Option(help="SD3: T5 tokens per caption")] = None,
+    shard_size: Annotated[int, typer.Option(help="samples per shard file")] = 256,
+    batch_size: Annotated[int, typer.Option(help="images per VAE / text-encoder call")] = 16,
+    max_bad_fraction: Annotated[
+        float, typer.Option(help="stop above this fraction of unreadable images")
+    ] = 0.5,
+    num_gpus: Annotated[int | None, typer.Option(help="start this many ranks (deepspeed launcher)")] = None,
+    hostfile: Annotated[Path | None, typer.Option(help="DeepSpeed hostfile: ranks on every host")] = None,
+) -> None:
+    """Encode latents and text embeddings once, into sharded safetensors files (see docs/caching.md)."""
+    from sdzero.cache import build_cache, launcher_command
+    from sdzero.config import rank_from_env
+
+    if num_gpus is not None or hostfile is not None:
+        args = ["--model", model, "--data", str(data), "--out", str(out), "--flip", flip, "--dtype", dtype,
+                "--shard-size", str(shard_size), "--batch-size", str(batch_size),
+                "--max-bad-fraction", str(max_bad_fraction)]  # fmt: skip
+        args += ["--resolution", str(resolution)] if resolution else []
+        args += ["--max-sequence-length", str(max_sequence_length)] if max_sequence_length else []
+        args += ["--buckets"] if buckets else []
+        cmd = launcher_command(args, num_gpus, hostfile)
+        typer.echo("+ " + " ".join(cmd), err=True)
+        raise typer.Exit(subprocess.call(cmd))
+    result = build_cache(
+        model, data, out, resolution=resolution, buckets=buckets, flip=flip, dtype=dtype,
+        max_sequence_length=max_sequence_length, shard_size=shard_size, batch_size=batch_size,
+        max_bad_fraction=max_bad_fraction,
+    )  # fmt: skip
+    if rank_from_env() == 0:
+        if result.already_complete:
+            typer.echo(f"{out}: already a complete cache of {result.samples} samples for these settings")
+        else:
+            typer.echo(f"cached {result.samples} samples in {result.shards} shards to {out} in "
+                       f"{result.seconds:.1f} s (this rank: {result.built_here} built, {result.skipped_here} "
+                       "already there)")  # fmt: skip
+
+
 @command(
     "train",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

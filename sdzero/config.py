@@ -224,6 +224,10 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     random_flip: bool = False
     random_crop: bool = False
+    cache_dir: Path | None = None
+    """Train from a latent/text cache written by `sdzero cache` (the VAE and text encoders are not loaded)."""
+    buckets: bool = False
+    """Aspect-ratio buckets: each optimizer step trains one resolution of about the --resolution pixel count."""
     num_workers: int = 2
     max_bad_fraction: float = 0.5
     """Above this fraction of unreadable images the run stops instead of skipping them."""
@@ -289,6 +293,7 @@ class TrainConfig:
         self._check_flow_options()
         if not (0 < self.max_bad_fraction <= 1):
             raise UserError(f"--max-bad-fraction must be in (0, 1], got {self.max_bad_fraction}")
+        self._check_cache_options()
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be >= 0, got {self.num_workers}")
         self._check_checkpoint_options()
@@ -308,6 +313,16 @@ class TrainConfig:
             raise UserError(
                 f"--model {self.model}: folder has no model_index.json; pass a diffusers pipeline folder "
                 "(for example one written by `sdzero tiny-model`) or a hub id"
+            )
+
+    def _check_cache_options(self) -> None:
+        if self.cache_dir is None:
+            return
+        self.cache_dir = Path(self.cache_dir)
+        if self.random_crop:
+            raise UserError(
+                "--random-crop cannot be served from --cache-dir: a cache holds one (center) crop per image; "
+                "drop --random-crop, or train without --cache-dir"
             )
 
     def _check_checkpoint_options(self) -> None:
@@ -510,6 +525,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--random-flip", action="store_true")
     p.add_argument("--random-crop", action="store_true", help="random instead of center crop")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="train from this `sdzero cache` folder (no VAE or text encoder is loaded)",
+    )
+    p.add_argument(
+        "--buckets",
+        action="store_true",
+        help="aspect-ratio buckets: one resolution of about equal pixel count per optimizer step",
+    )
     p.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
     p.add_argument("--max-bad-fraction", type=float, default=0.5)
     p.add_argument(

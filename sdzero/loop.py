@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from sdzero.buckets import BucketBatchSampler, assign_buckets, bucket_sizes, image_sizes, samples_dropped
+from sdzero.cache import CachedSamples, CacheIndex, net_geometry, open_cache
 from sdzero.checkpoint import find_resume
 from sdzero.config import DsSettings, TrainConfig, load_ds_config, world_size_from_env
 from sdzero.data import (
@@ -72,19 +74,31 @@ def effective_ds_config(cfg: TrainConfig, ds: DsSettings) -> dict[str, Any]:
     return config
 
 
-def build_data(cfg: TrainConfig, ds: DsSettings, comps: Components, rank: int, world: int):
-    """Dataset and loader; unreadable images are found by all ranks together (each checks a share)."""
-    records = read_metadata(cfg.data)
-    mine = find_unreadable(records, rank, world)
-    shares: list[list[int]] = [[] for _ in range(world)]
-    dist.all_gather_object(shares, mine)  # every rank must agree on the dataset, or collectives desync
-    bad = {i for share in shares for i in share}
-    check_bad_fraction(len(records), len(bad), cfg.max_bad_fraction, cfg.data)
-    good = [r for i, r in enumerate(records) if i not in bad]
+def build_data(
+    cfg: TrainConfig,
+    ds: DsSettings,
+    comps: Components,
+    rank: int,
+    world: int,
+    cache: CacheIndex | None = None,
+):
+    """Dataset and loader; unreadable images are found by all ranks together (each checks a share), or
+    were found when the cache was built."""
+    if cache is None:
+        records = read_metadata(cfg.data)
+        mine = find_unreadable(records, rank, world)
+        shares: list[list[int]] = [[] for _ in range(world)]
+        dist.all_gather_object(shares, mine)  # every rank must agree on the dataset, or collectives desync
+        bad = {i for share in shares for i in share}
+        check_bad_fraction(len(records), len(bad), cfg.max_bad_fraction, cfg.data)
+        good = [r for i, r in enumerate(records) if i not in bad]
+        n_good, n_bad = len(good), len(bad)
+    else:
+        n_good, n_bad = len(cache), len(cache.raw["skipped_unreadable"])
     per_step = ds.micro_batch * ds.grad_accum * world
-    if len(good) < per_step:
+    if n_good < per_step:
         raise UserError(
-            f"--data {cfg.data}: {len(good)} readable images, fewer than one global batch of {per_step} "
+            f"--data {cfg.data}: {n_good} readable images, fewer than one global batch of {per_step} "
             "(micro-batch x accumulation x world size); add images or shrink the batch in the DeepSpeed JSON"
         )
     resolution = cfg.resolution or comps.native_resolution
@@ -99,19 +113,35 @@ def build_data(cfg: TrainConfig, ds: DsSettings, comps: Components, rank: int, w
         noise_offset=cfg.noise_offset,
         flow=cfg.flow_settings() if comps.family == "sd3" else None,
     )
-    dataset = CaptionedImages(good, spec, functools.partial(tokenize, comps))
-    sampler = EpochSampler(len(good), rank, world, seed=cfg.seed)
+    sampler: EpochSampler | BucketBatchSampler = EpochSampler(n_good, rank, world, seed=cfg.seed)
+    batching: dict[str, Any] = {"batch_size": ds.micro_batch, "sampler": sampler, "drop_last": True}
+    sizes = None
+    if cfg.buckets:
+        # Every rank computes the same assignment from the same files: no communication needed.
+        if cache is not None:
+            bucket_list = [(h, w) for h, w in cache.spec.buckets or []]
+            image_hw = cache.sizes
+        else:
+            bucket_list = bucket_sizes(resolution, net_geometry(cfg.model).granularity)
+            image_hw = image_sizes([r.path for r in good])
+        bucket_of = assign_buckets(image_hw, bucket_list)
+        sizes = [bucket_list[b] for b in bucket_of]
+        sampler = BucketBatchSampler(bucket_of, len(bucket_list), ds.micro_batch, ds.grad_accum, rank, world,
+                                     seed=cfg.seed, sizes=bucket_list)  # fmt: skip
+        batching = {"batch_sampler": sampler}
+    if cache is not None:
+        dataset: CaptionedImages | CachedSamples = CachedSamples(cache, spec)
+    else:
+        dataset = CaptionedImages(good, spec, functools.partial(tokenize, comps), sizes)
     loader = DataLoader(
         dataset,
-        batch_size=ds.micro_batch,
-        sampler=sampler,
+        **batching,
         num_workers=cfg.num_workers,
         persistent_workers=cfg.num_workers > 0,
         pin_memory=torch.cuda.is_available(),
-        drop_last=True,
         worker_init_fn=ignore_preemption_signals,  # the rank handles SIGTERM; a dead worker can't save
     )
-    return dataset, sampler, loader, len(bad)
+    return dataset, sampler, loader, n_bad
 
 
 class Batches:
@@ -124,7 +154,8 @@ class Batches:
     def __init__(self, loader: DataLoader, sampler: EpochSampler, epoch: int = 0, batches_in_epoch: int = 0):
         self.loader, self.sampler = loader, sampler
         self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
-        self.sampler.set_epoch(epoch, start=batches_in_epoch * int(loader.batch_size or 1))
+        per_batch = int(loader.batch_size or getattr(sampler, "micro_batch", 1))  # batch_sampler: buckets
+        self.sampler.set_epoch(epoch, start=batches_in_epoch * per_batch)
         self._it = iter(loader)
 
     def next(self) -> dict[str, torch.Tensor]:
@@ -197,7 +228,7 @@ def micro_step(engine, comps: Components, batch: dict[str, torch.Tensor], predic
 
 
 def prepare_output(
-    cfg: TrainConfig, ds: DsSettings, config: dict[str, Any], rank: int
+    cfg: TrainConfig, ds: DsSettings, config: dict[str, Any], rank: int, extra: dict[str, Any] | None = None
 ) -> MetricsWriter | None:
     if rank != 0:
         return None
@@ -208,7 +239,11 @@ def prepare_output(
     (cfg.output_dir / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
     run = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     run.update(
-        zero_stage=ds.zero_stage, dtype=ds.dtype, world_size=ds.world_size, lr_effective=cfg.effective_lr(ds)
+        zero_stage=ds.zero_stage,
+        dtype=ds.dtype,
+        world_size=ds.world_size,
+        lr_effective=cfg.effective_lr(ds),
+        **(extra or {}),
     )
     (cfg.output_dir / "run_config.json").write_text(json.dumps(run, indent=2) + "\n")
     environment = {**environment_snapshot(), "world_size": ds.world_size}  # rank 0's view, for reports
@@ -235,6 +270,10 @@ def run(cfg: TrainConfig) -> RunSummary:
     ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
     cfg.check_family(detect_family(cfg.model))  # e.g. SD3-only flags on an SDXL model: one clear line
     read_metadata(cfg.data)
+    cache = None
+    if cfg.cache_dir is not None:  # a cache made for another model, size, precision or data: refused here
+        cache = open_cache(cfg.cache_dir, cfg.model, cfg.data, cfg.resolution, cfg.buckets, ds.dtype,
+                           cfg.random_flip, cfg.max_sequence_length)  # fmt: skip
     # Installed before the slow start-up, so that an early SIGTERM is honoured at the first step boundary.
     preemption = PreemptionFlag(cfg.preempt_timeout_s).install()
 
@@ -262,20 +301,26 @@ def run(cfg: TrainConfig) -> RunSummary:
     device = torch.device(accel.current_device_name())
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
 
-    comps = load_components(cfg.model, ds.dtype, device, max_sequence_length=cfg.max_sequence_length)
+    # From a cache, the VAE and text encoders are never loaded (validation/export load them when due).
+    comps = load_components(cfg.model, ds.dtype, device, frozen=cache is None,
+                            max_sequence_length=cfg.max_sequence_length)  # fmt: skip
     prediction_type = resolve_prediction_type(comps, cfg.prediction_type)  # "flow_matching" for SD3
-    dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world)
+    dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
+    dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
     engine, config = init_engine(cfg, ds, comps)
     hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, preemption)
     state = hooks.restore(point)  # a collective when resuming
-    writer = prepare_output(cfg, ds, config, rank)
+    writer = prepare_output(cfg, ds, config, rank, {"samples_dropped_per_epoch": dropped})
     if rank == 0:
         log.info(
             "ZeRO-%d %s | %d ranks x micro-batch %d x accumulation %d = global batch %d | lr %.3g (%s scaling) | "
-            "%d images (%d unreadable skipped)",
+            "%d images (%d unreadable skipped) | %d samples per epoch left out by the batch shape%s",
             ds.zero_stage, ds.dtype, world, ds.micro_batch, ds.grad_accum, ds.global_batch,
-            cfg.effective_lr(ds), cfg.lr_scaling, len(dataset), n_bad,
+            cfg.effective_lr(ds), cfg.lr_scaling, len(dataset), n_bad, dropped,
+            f" | from cache {cfg.cache_dir}" if cache is not None else "",
         )  # fmt: skip
+        if isinstance(sampler, BucketBatchSampler):
+            log.info("aspect-ratio buckets (height x width: images): %s", sampler.describe())
     batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch)
     return train_steps(cfg, ds, comps, engine, batches, writer, prediction_type, n_bad, device, hooks)
 
