@@ -190,7 +190,7 @@ def run_advise(
     device = device_support()
     on_cpu = device["device"] == "cpu"
     ranks = default_ranks(device)
-    steps, warmup = (3, 1) if on_cpu else (5, 2)
+    steps, warmup = (5, 1) if on_cpu else (5, 2)
     train_args = ("--num-workers", "1") if on_cpu else ()
     settings = trial_settings(model, data, steps, warmup, 900.0, 300.0, None, hostfile, train_args)
     plan = plan_for_device(grid or (CPU_GRID if on_cpu else GridRequest()), device)

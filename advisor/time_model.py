@@ -107,16 +107,23 @@ class TimeModel:
     ops: dict[int, list[CommOp]]
     comm_factor: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    proportional: dict[tuple[int, str], float] = field(default_factory=dict)
+    """Seconds per sample of a (stage, precision) whose precision has one measured micro-batch only: its
+    compute is taken as proportional to the micro-batch (no intercept can be told from a slope)."""
 
     def compute_per_micro_s(self, stage: int, precision: str, micro_batch: int) -> float:
-        slope = self.slopes.get(precision, float(np.mean(list(self.slopes.values()))))
-        intercept = self.intercepts.get((stage, precision))
-        if intercept is None:  # no trial of this pair: the mean of the others of this precision, else all
-            same = [v for (s, p), v in self.intercepts.items() if p == precision] or list(
-                self.intercepts.values()
-            )
-            intercept = float(np.mean(same))
-        return max(intercept + slope * micro_batch, 1e-9)
+        if precision not in self.slopes and not any(p == precision for _, p in self.proportional):
+            # A precision never measured borrows a measured one's figures (the same network and data).
+            precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]
+        if precision in self.slopes:
+            intercept = self.intercepts.get((stage, precision))
+            if intercept is None:  # no trial of this pair: the mean of the others of this precision
+                intercept = float(np.mean([v for (_, p), v in self.intercepts.items() if p == precision]))
+            return max(intercept + self.slopes[precision] * micro_batch, 1e-9)
+        per_sample = self.proportional.get((stage, precision))
+        if per_sample is None:
+            per_sample = float(np.mean([v for (_, p), v in self.proportional.items() if p == precision]))
+        return max(per_sample * micro_batch, 1e-9)
 
     def comm_seconds(
         self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
@@ -136,9 +143,19 @@ class TimeModel:
         return StepPrediction(compute, comm, exposed, step, micro_batch * grad_accum * world / step)
 
 
+def measured_step_s(rows: pd.DataFrame) -> pd.Series:
+    """The step time the model is fitted to and judged by: the median of a trial's measured steps (one
+    step slowed by another process on a shared machine moves the mean, not the median); the mean for
+    trials recorded before the median was."""
+    mean = pd.to_numeric(rows["step_time_s"], errors="coerce")
+    if "step_time_median_s" not in rows:
+        return mean
+    return pd.to_numeric(rows["step_time_median_s"], errors="coerce").fillna(mean)
+
+
 def measured_compute_s(rows: pd.DataFrame) -> pd.Series:
     comm = pd.to_numeric(rows["comm_s"], errors="coerce").fillna(0.0)
-    return (rows["step_time_s"] - comm) / rows["grad_accum"]
+    return (measured_step_s(rows) - comm) / rows["grad_accum"]
 
 
 def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
@@ -146,34 +163,39 @@ def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
     ok = trials[trials["status"] == "ok"].reset_index(drop=True)
     if ok.empty:
         raise ValueError("no successful trial to fit the time model on")
-    y = measured_compute_s(ok).to_numpy(dtype=float)
-    groups = sorted({(int(s), str(p)) for s, p in zip(ok["zero_stage"], ok["precision"], strict=True)})
-    precisions = sorted({p for _, p in groups})
-    columns = [f"a{g}" for g in groups] + [f"b{p}" for p in precisions]
-    design = np.zeros((len(ok), len(columns)))
-    for i, row in ok.iterrows():
-        design[i, groups.index((int(row["zero_stage"]), str(row["precision"])))] = 1.0
-        design[i, len(groups) + precisions.index(str(row["precision"]))] = float(row["micro_batch"])
+    compute = measured_compute_s(ok)
     notes: list[str] = []
-    slopes_known = {p for p in precisions if ok.loc[ok["precision"] == p, "micro_batch"].nunique() >= 2}
-    if len(slopes_known) < len(precisions):  # no slope can be told from the intercept: proportional
+    # A slope per precision needs two micro-batch sizes of it; a precision measured at one size only is
+    # modelled per (stage, precision) as proportional to the micro-batch.
+    fitted = [
+        p
+        for p in sorted(set(ok["precision"].astype(str)))
+        if ok.loc[ok["precision"] == p, "micro_batch"].nunique() >= 2
+    ]
+    proportional: dict[tuple[int, str], float] = {}
+    for (stage, precision), rows in ok.groupby(["zero_stage", "precision"]):
+        if str(precision) not in fitted:
+            proportional[(int(stage), str(precision))] = float(
+                np.mean(compute[rows.index] / rows["micro_batch"])
+            )
+    if proportional:
         notes.append(
-            "compute: one micro-batch measured per precision, so compute is taken as proportional to it"
+            "compute: one micro-batch measured for "
+            + ", ".join(sorted({p for _, p in proportional}))
+            + ", so compute is taken as proportional to it"
         )
-        for j, p in enumerate(precisions):
-            if p not in slopes_known:
-                design[:, len(groups) + j] = 0.0
-    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    fit = ok[ok["precision"].astype(str).isin(fitted)].reset_index(drop=True)
+    y = measured_compute_s(fit).to_numpy(dtype=float)
+    groups = sorted({(int(s), str(p)) for s, p in zip(fit["zero_stage"], fit["precision"], strict=True)})
+    columns = [f"a{g}" for g in groups] + [f"b{p}" for p in fitted]
+    design = np.zeros((len(fit), len(columns)))
+    for i, row in fit.iterrows():
+        design[i, groups.index((int(row["zero_stage"]), str(row["precision"])))] = 1.0
+        design[i, len(groups) + fitted.index(str(row["precision"]))] = float(row["micro_batch"])
+    coef = np.linalg.lstsq(design, y, rcond=None)[0] if len(fit) else np.zeros(0)
     intercepts = {g: float(coef[i]) for i, g in enumerate(groups)}
-    slopes = {p: float(coef[len(groups) + j]) for j, p in enumerate(precisions)}
-    for p in precisions:
-        if p not in slopes_known:  # a0 + 0 -> all time proportional to the micro-batch
-            rows = ok[ok["precision"] == p]
-            slopes[p] = float(np.mean(measured_compute_s(rows) / rows["micro_batch"]))
-            for g in groups:
-                if g[1] == p:
-                    intercepts[g] = 0.0
-    model = TimeModel(intercepts, slopes, {}, {}, notes)
+    slopes = {p: float(coef[len(groups) + j]) for j, p in enumerate(fitted)}
+    model = TimeModel(intercepts, slopes, {}, {}, notes, proportional)
     for stage, rows in ok.groupby("zero_stage"):
         row = rows.iloc[0]
         model.ops[int(stage)] = ops_from_trial(row["comm_ops"] if isinstance(row["comm_ops"], str) else None,

@@ -296,6 +296,8 @@ def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
         "global_batch": profile["global_batch"],
         "samples_per_s": profile["samples_per_s"],
         "step_time_s": profile["step_time_s"],
+        # The median measured step: what the advisor models, robust to a step slowed by another process.
+        "step_time_median_s": profile.get("step_time_median_s"),
         **{k: phases.get(k) for k in ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")},
         **{f"ds_{k}_s": breakdown.get(k) for k in ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")},
         "comm_s": comm.get("seconds_per_step"),

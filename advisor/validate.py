@@ -14,7 +14,7 @@ import pandas as pd
 
 from advisor.memory_model import MemoryModel, ZeroSettings, fit_memory_model
 from advisor.network import Network
-from advisor.time_model import TimeModel, fit_time_model
+from advisor.time_model import TimeModel, fit_time_model, measured_step_s
 
 QUANTITIES = ("step_time_s", "mem_per_rank_bytes", "activation_bytes", "model_state_bytes")
 
@@ -44,7 +44,8 @@ def trial_predictions(models: Models, row: pd.Series, measured_net: Network) -> 
 
 
 def measured_values(row: pd.Series) -> dict[str, float]:
-    return {"step_time_s": float(row["step_time_s"]), "mem_per_rank_bytes": float(row["device_peak_bytes"]),
+    step = float(measured_step_s(row.to_frame().T).iloc[0])
+    return {"step_time_s": step, "mem_per_rank_bytes": float(row["device_peak_bytes"]),
             "activation_bytes": float(row["activation_bytes"]), "model_state_bytes": float(row["model_state_bytes"])}  # fmt: skip
 
 

@@ -11,7 +11,7 @@
    (d) the recommended config's measured samples/s / the grid's best (goal >= 0.97), at the measured
        node count (1 node, 2 ranks: where both can be measured).
 
-    python bench/advisor_accuracy.py [--work DIR] [--steps 3]
+    python bench/advisor_accuracy.py [--work DIR] [--steps 5]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=None, help="folder for everything (reuses a finished grid)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="advisor_accuracy_"))
 
@@ -43,6 +43,7 @@ def main() -> None:
     from advisor.profile import run_profile
     from advisor.recommend import recommend
     from advisor.search import run_search
+    from advisor.time_model import measured_step_s
     from advisor.validate import fit_models, trial_predictions
     from sdzero.launch import shipped_config
 
@@ -70,7 +71,8 @@ def main() -> None:
     step_err, act_err = [], []
     for _, row in unmeasured.iterrows():
         predicted = trial_predictions(models, row, net)
-        step_err.append(abs(predicted["step_time_s"] / row["step_time_s"] - 1))
+        measured_step = float(measured_step_s(row.to_frame().T).iloc[0])
+        step_err.append(abs(predicted["step_time_s"] / measured_step - 1))
         act_err.append(abs(predicted["activation_bytes"] / row["activation_bytes"] - 1))
     ok = full[full["status"] == "ok"]
     cands = [Candidate(int(r.zero_stage), str(r.precision), int(r.micro_batch)) for r in ok.itertuples()]

@@ -247,6 +247,31 @@ def test_memory_limit_decides_and_nothing_fitting_says_what_would():
 # ------------------------------------------------------------------------------------------------- search
 
 
+def test_one_micro_batch_per_stage_is_modelled_proportional_per_stage():
+    """Seeds measure micro-batch 1 of each stage only: each stage keeps its own per-sample compute (a slope
+    shared across stages would let a slow stage's seed pass for a fast one)."""
+    trials = pd.DataFrame([trial(s, 1) for s in (1, 2, 3)])
+    model = fit_models(trials, NUMELS, ZERO, nets()[0]).timing
+    for stage in (1, 2, 3):
+        per_sample = COMPUTE[stage] + SLOPE  # the seed's whole compute, at micro-batch 1
+        assert model.compute_per_micro_s(stage, "bf16", 8) == pytest.approx(8 * per_sample, rel=1e-9)
+    assert model.compute_per_micro_s(2, "fp16", 4) == pytest.approx(4 * (COMPUTE[2] + SLOPE), rel=1e-9)
+    assert any("proportional" in note for note in model.notes)
+
+
+def test_step_time_is_fitted_to_the_median_step():
+    """One slow step (another process on the machine) moves a trial's mean, not the median modelled."""
+    trials = grid_trials(noise=False)
+    medians = trials["step_time_s"].copy()
+    trials["step_time_median_s"] = medians
+    trials.loc[trials["trial_id"] == "z1-bf16-mb4-off-none-r2", "step_time_s"] *= 1.5
+    models = fit_models(trials, NUMELS, ZERO, nets()[0])
+    row = trials[trials["trial_id"] == "z1-bf16-mb4-off-none-r2"].iloc[0]
+    assert trial_predictions(models, row, nets()[0])["step_time_s"] == pytest.approx(
+        medians[row.name], rel=1e-9
+    )
+
+
 def test_search_measures_a_fraction_of_the_grid_and_finds_the_best():
     full = grid_trials(noise=False).set_index("trial_id")
     plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
