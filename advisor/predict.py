@@ -109,7 +109,7 @@ def predict_table(
             accum = grad_accum_for(c.micro_batch, world, target)
             if accum is None:
                 continue
-            step = timing.predict(c.zero_stage, c.precision, c.micro_batch, accum, n, net)
+            step = timing.predict(c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload)
             mem = memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
             rows.append({
                 "node_count": n, "config_id": c.config_id, "zero_stage": c.zero_stage, "dtype": c.precision,

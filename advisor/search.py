@@ -91,7 +91,7 @@ def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], z
         if max(trial_mem["total"], target_mem["total"]) > usable_bytes:
             continue
         step = models.timing.predict(
-            c.zero_stage, c.precision, c.micro_batch, accum, target_nodes, target_net
+            c.zero_stage, c.precision, c.micro_batch, accum, target_nodes, target_net, c.offload
         )
         scored.append((step.samples_per_s, spec))
     measured_ok = trials[trials["status"] == "ok"]
@@ -100,7 +100,7 @@ def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], z
         accum = grad_accum_for(int(row["micro_batch"]), target_nodes * target_net.gpus_per_node, target)
         if accum is not None:
             step = models.timing.predict(int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"]), accum,
-                                         target_nodes, target_net)  # fmt: skip
+                                         target_nodes, target_net, str(row.get("offload", "none")))  # fmt: skip
             best_measured = max(best_measured, step.samples_per_s)
     if not scored:
         return None, "every unmeasured grid point is measured, predicted not to fit, or above an OOM"

@@ -1,7 +1,8 @@
 """Time per optimizer step of a ZeRO config at any node count: fitted compute plus costed communication.
 
-Compute per micro-step is fitted to the trials as a + b x micro_batch, with an intercept per ZeRO stage and
-precision (the stage changes hooks, gathers and the optimizer's share) and a slope per precision (the
+Compute per micro-step is fitted to the trials as a + b x micro_batch, with an intercept per ZeRO stage,
+precision and offload (the stage changes hooks, gathers and the optimizer's share; offload moves the
+optimizer to the CPU) and a slope per precision (the
 network's work per sample does not depend on the stage). A trial's compute is its step time minus the
 time its ranks spent inside collectives (DeepSpeed's comms_logger).
 
@@ -100,30 +101,45 @@ class StepPrediction:
     samples_per_s: float
 
 
+Group = tuple[int, str, str]
+"""(ZeRO stage, precision, offload): what sets a config's fixed cost per micro-step (hooks, gathers, the
+optimizer's share and, with offload, the CPU optimizer and its transfers)."""
+
+
+def _closest(values: dict[Group, float], group: Group) -> float:
+    """The group's own figure, else the mean over groups of its precision and offload, else of its precision."""
+    if group in values:
+        return values[group]
+    for same in ((lambda g: g[1:] == group[1:]), (lambda g: g[1] == group[1])):
+        near = [v for g, v in values.items() if same(g)]
+        if near:
+            return float(np.mean(near))
+    return float(np.mean(list(values.values())))
+
+
 @dataclass
 class TimeModel:
-    intercepts: dict[tuple[int, str], float]
+    intercepts: dict[Group, float]
     slopes: dict[str, float]
     ops: dict[int, list[CommOp]]
     comm_factor: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    proportional: dict[tuple[int, str], float] = field(default_factory=dict)
-    """Seconds per sample of a (stage, precision) whose precision has one measured micro-batch only: its
-    compute is taken as proportional to the micro-batch (no intercept can be told from a slope)."""
+    proportional: dict[Group, float] = field(default_factory=dict)
+    """Seconds per sample of a group whose precision has one measured micro-batch only: its compute is
+    taken as proportional to the micro-batch (no intercept can be told from a slope)."""
 
-    def compute_per_micro_s(self, stage: int, precision: str, micro_batch: int) -> float:
-        if precision not in self.slopes and not any(p == precision for _, p in self.proportional):
+    def compute_per_micro_s(
+        self, stage: int, precision: str, micro_batch: int, offload: str = "none"
+    ) -> float:
+        if precision not in self.slopes and not any(g[1] == precision for g in self.proportional):
             # A precision never measured borrows a measured one's figures (the same network and data).
             precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]
+        group = (stage, precision, offload)
         if precision in self.slopes:
-            intercept = self.intercepts.get((stage, precision))
-            if intercept is None:  # no trial of this pair: the mean of the others of this precision
-                intercept = float(np.mean([v for (_, p), v in self.intercepts.items() if p == precision]))
-            return max(intercept + self.slopes[precision] * micro_batch, 1e-9)
-        per_sample = self.proportional.get((stage, precision))
-        if per_sample is None:
-            per_sample = float(np.mean([v for (_, p), v in self.proportional.items() if p == precision]))
-        return max(per_sample * micro_batch, 1e-9)
+            fitted = {g: v for g, v in self.intercepts.items() if g[1] == precision}
+            return max(_closest(fitted, group) + self.slopes[precision] * micro_batch, 1e-9)
+        mine = {g: v for g, v in self.proportional.items() if g[1] == precision}
+        return max(_closest(mine, group) * micro_batch, 1e-9)
 
     def comm_seconds(
         self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
@@ -134,8 +150,8 @@ class TimeModel:
         return total
 
     def predict(self, stage: int, precision: str, micro_batch: int, grad_accum: int, nodes: int,
-                net: Network) -> StepPrediction:  # fmt: skip
-        compute = grad_accum * self.compute_per_micro_s(stage, precision, micro_batch)
+                net: Network, offload: str = "none") -> StepPrediction:  # fmt: skip
+        compute = grad_accum * self.compute_per_micro_s(stage, precision, micro_batch, offload)
         comm = self.comm_seconds(stage, grad_accum, net.gpus_per_node, nodes, net)
         exposed = comm * self.comm_factor.get(stage, 1.0)
         step = compute + exposed
@@ -172,25 +188,33 @@ def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
         for p in sorted(set(ok["precision"].astype(str)))
         if ok.loc[ok["precision"] == p, "micro_batch"].nunique() >= 2
     ]
-    proportional: dict[tuple[int, str], float] = {}
-    for (stage, precision), rows in ok.groupby(["zero_stage", "precision"]):
+    if "offload" not in ok:
+        ok["offload"] = "none"
+    ok["offload"] = ok["offload"].fillna("none").astype(str)
+    proportional: dict[Group, float] = {}
+    for (stage, precision, offload), rows in ok.groupby(["zero_stage", "precision", "offload"]):
         if str(precision) not in fitted:
-            proportional[(int(stage), str(precision))] = float(
+            proportional[(int(stage), str(precision), str(offload))] = float(
                 np.mean(compute[rows.index] / rows["micro_batch"])
             )
     if proportional:
         notes.append(
             "compute: one micro-batch measured for "
-            + ", ".join(sorted({p for _, p in proportional}))
+            + ", ".join(sorted({g[1] for g in proportional}))
             + ", so compute is taken as proportional to it"
         )
     fit = ok[ok["precision"].astype(str).isin(fitted)].reset_index(drop=True)
     y = measured_compute_s(fit).to_numpy(dtype=float)
-    groups = sorted({(int(s), str(p)) for s, p in zip(fit["zero_stage"], fit["precision"], strict=True)})
+    groups: list[Group] = sorted(
+        {
+            (int(s), str(p), str(o))
+            for s, p, o in zip(fit["zero_stage"], fit["precision"], fit["offload"], strict=True)
+        }
+    )
     columns = [f"a{g}" for g in groups] + [f"b{p}" for p in fitted]
     design = np.zeros((len(fit), len(columns)))
     for i, row in fit.iterrows():
-        design[i, groups.index((int(row["zero_stage"]), str(row["precision"])))] = 1.0
+        design[i, groups.index((int(row["zero_stage"]), str(row["precision"]), str(row["offload"])))] = 1.0
         design[i, len(groups) + fitted.index(str(row["precision"]))] = float(row["micro_batch"])
     coef = np.linalg.lstsq(design, y, rcond=None)[0] if len(fit) else np.zeros(0)
     intercepts = {g: float(coef[i]) for i, g in enumerate(groups)}

@@ -35,7 +35,7 @@ def trial_predictions(models: Models, row: pd.Series, measured_net: Network) -> 
     net = replace(measured_net, gpus_per_node=int(row["ranks_per_node"]))
     stage, precision, mb = int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"])
     step = models.timing.predict(
-        stage, precision, mb, int(row["grad_accum"]), int(row.get("nodes", 1) or 1), net
+        stage, precision, mb, int(row["grad_accum"]), int(row.get("nodes", 1) or 1), net, str(row["offload"])
     )
     mem = models.memory.per_rank_bytes(stage, precision, mb, str(row["offload"]), int(row["world_size"]))
     return {"step_time_s": step.step_time_s, "mem_per_rank_bytes": mem["total"],

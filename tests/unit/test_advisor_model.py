@@ -259,6 +259,23 @@ def test_one_micro_batch_per_stage_is_modelled_proportional_per_stage():
     assert any("proportional" in note for note in model.notes)
 
 
+def test_offload_trials_get_their_own_fixed_cost():
+    """CPU offload adds a fixed optimizer cost per step; it must not leak into the configs without it."""
+    plain = grid_trials(noise=False)
+    offloaded = []
+    for mb in (1, 4):
+        row = trial(2, mb)
+        extra = 0.3  # the CPU optimizer and the transfers, per step
+        row |= {"trial_id": f"z2-bf16-mb{mb}-off-optimizer-r2", "offload": "optimizer",
+                "step_time_s": row["step_time_s"] + extra}  # fmt: skip
+        offloaded.append(row)
+    trials = pd.concat([plain, pd.DataFrame(offloaded)], ignore_index=True)
+    models = fit_models(trials, NUMELS, ZERO, nets()[0])
+    for _, row in trials.iterrows():
+        predicted = trial_predictions(models, row, nets()[0])["step_time_s"]
+        assert predicted == pytest.approx(row["step_time_s"], rel=1e-9)
+
+
 def test_step_time_is_fitted_to_the_median_step():
     """One slow step (another process on the machine) moves a trial's mean, not the median modelled."""
     trials = grid_trials(noise=False)
