@@ -34,7 +34,8 @@ def bucket_sizes(resolution: int, granularity: int, max_aspect: float = MAX_ASPE
     """(height, width) pairs, sides multiples of `granularity`, each about `resolution`^2 pixels.
 
     For every height on the grid the width is the grid value closest to an equal pixel count; pairs too
-    far from it (coarse grids at small resolutions) or too elongated are left out. Sorted wide to tall.
+    far from it (coarse grids at small resolutions) or too elongated are left out. Each size comes with
+    its transpose, so portrait and landscape get the same choice. Sorted wide to tall.
     """
     if granularity < 1 or resolution % granularity:
         raise UserError(
@@ -47,7 +48,7 @@ def bucket_sizes(resolution: int, granularity: int, max_aspect: float = MAX_ASPE
         width = granularity * max(1, round(area / height / granularity))
         aspect = max(height, width) / min(height, width)
         if aspect <= max_aspect + 1e-9 and abs(height * width - area) <= PIXEL_TOLERANCE * area:
-            sizes.append((height, width))
+            sizes += [(height, width), (width, height)]  # both orientations: wide and tall sets mirror
     return sorted(set(sizes), key=lambda s: s[0] / s[1])
 
 
