@@ -108,20 +108,27 @@ def list_files(folder: Path) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Manifest:
-    """What a complete checkpoint holds and how it was trained; written last, by rank 0."""
+class RunIdentity:
+    """What the manifest records about the run, and what a resume must match."""
 
-    tag: str
-    step: int
-    serial: int
-    """Commit order within the folder: newest = highest serial (a run resumed from an older step writes
-    checkpoints with lower steps that are nevertheless newer)."""
     zero_stage: int
     dtype: str
     world_size: int
     seed: int
     model: str
     prediction_type: str
+
+
+@dataclass(frozen=True)
+class Manifest(RunIdentity):
+    """What a complete checkpoint holds, and the run that made it (the inherited fields); written last,
+    by rank 0."""
+
+    tag: str
+    step: int
+    serial: int
+    """Commit order within the folder: newest = highest serial (a run resumed from an older step writes
+    checkpoints with lower steps that are nevertheless newer)."""
     ema: bool
     files: dict[str, dict[str, Any]]
     created_unix_s: float = 0.0
@@ -315,18 +322,6 @@ class TrainState:
     epoch: int = 0
     batches_in_epoch: int = 0
     """Micro-batches this rank has taken from the current epoch (the same count on every rank)."""
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """What the manifest records about the run, and what a resume must match."""
-
-    zero_stage: int
-    dtype: str
-    world_size: int
-    seed: int
-    model: str
-    prediction_type: str
 
 
 @dataclass
