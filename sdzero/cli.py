@@ -171,6 +171,34 @@ def launch(
     os.execv(plan.command[0], plan.command)  # the launcher's exit code is this command's
 
 
+@command(
+    "slurm",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def slurm(
+    ctx: typer.Context,
+    nodes: Annotated[int, typer.Option(help="nodes to allocate")],
+    gpus_per_node: Annotated[int, typer.Option(help="ranks (GPUs) per node")],
+    time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit")] = "24:00:00",
+    partition: Annotated[str | None, typer.Option(help="Slurm partition")] = None,
+    account: Annotated[str | None, typer.Option(help="Slurm account")] = None,
+    job_name: Annotated[str, typer.Option(help="Slurm job name")] = "sdzero",
+    signal_lead_s: Annotated[
+        int, typer.Option(help="seconds before the limit that Slurm warns (USR1): one step + a save")
+    ] = 120,
+    master_port: Annotated[int, typer.Option(help="rendezvous port on the first node")] = 29500,
+    cpus_per_task: Annotated[int | None, typer.Option(help="CPU cores per rank")] = None,
+    gpus: Annotated[bool, typer.Option(help="request GPUs (--no-gpus for CPU-only partitions)")] = True,
+) -> None:
+    """Print a Slurm batch script that trains across the allocation, checkpoints on preemption, requeues."""
+    from sdzero.slurm import SlurmJob, render
+
+    job = SlurmJob(nodes=nodes, ranks_per_node=gpus_per_node, train_args=list(ctx.args), gpus=gpus,
+                   time_limit=time_limit, partition=partition, account=account, job_name=job_name,
+                   signal_lead_s=signal_lead_s, master_port=master_port, cpus_per_task=cpus_per_task)  # fmt: skip
+    typer.echo(render(job), nl=False)
+
+
 @command("demo")
 def demo(
     out: Annotated[Path, typer.Option(help="work folder for model, data and run")] = Path("demo"),

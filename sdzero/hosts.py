@@ -196,6 +196,20 @@ def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
     return EnvMerge(added, kept)
 
 
+def prepare_hosts(
+    hostfile: Path, master_addr: str | None = None, workdir: Path | None = None, runner: Runner = ssh_runner
+) -> tuple[list[HostEntry], str, str, Path, EnvMerge]:
+    """Check every host, then merge what remote ranks need into `workdir`/.deepspeed_env (the folder the
+    deepspeed launcher will run in). Returns (hosts, master address, interface, env file, what changed)."""
+    entries = parse_hostfile(hostfile)
+    addresses = {e.host: resolve(e.host) for e in entries}
+    master = master_addr or addresses[entries[0].host]
+    check_reachable(entries, runner)
+    interface = pick_interface(entries, master, runner)
+    env_file = (workdir or Path.cwd()) / ENV_FILE
+    return entries, master, interface, env_file, merge_env_file(env_file, remote_environment(interface))
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     entries: list[HostEntry]
@@ -218,13 +232,7 @@ def plan_launch(
     """Every check, then `.deepspeed_env` in `workdir`, then the deepspeed command (not yet run)."""
     if launcher not in LAUNCHERS:
         raise UserError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    entries = parse_hostfile(hostfile)
-    addresses = {e.host: resolve(e.host) for e in entries}
-    master = master_addr or addresses[entries[0].host]
-    check_reachable(entries, runner)
-    interface = pick_interface(entries, master, runner)
-    env_file = (workdir or Path.cwd()) / ENV_FILE
-    merge = merge_env_file(env_file, remote_environment(interface))
+    entries, master, interface, env_file, merge = prepare_hosts(hostfile, master_addr, workdir, runner)
     cmd = [deepspeed_executable(), "--hostfile", str(hostfile), "--master_addr", master,
            "--master_port", str(master_port or free_port())]  # fmt: skip
     if launcher == "openmpi":

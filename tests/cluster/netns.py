@@ -262,16 +262,14 @@ class Cluster:
         self._save()
 
     def rank_pids(self, h: Host, marker: str = "sdzero/train.py") -> list[int]:
-        """Training ranks running in host h: processes in its namespace whose parent is a launcher."""
-        pids = run(["ip", "netns", "pids", h.netns]).stdout.split()
-        found = []
-        for pid in pids:
-            cmdline = _cmdline(int(pid))
-            if marker in cmdline and "deepspeed.launcher" not in cmdline:
-                parent = _cmdline(_ppid(int(pid)))
-                if marker not in parent:  # not a DataLoader worker (its parent is the rank)
-                    found.append(int(pid))
-        return found
+        """Training ranks running in host h: processes in its namespace that run `marker` and whose parent
+        does not (that parent is a launcher or orted; a DataLoader worker's parent is its rank)."""
+
+        def is_rank(cmdline: str) -> bool:
+            return marker in cmdline and "deepspeed.launcher" not in cmdline
+
+        pids = [int(p) for p in run(["ip", "netns", "pids", h.netns]).stdout.split()]
+        return [p for p in pids if is_rank(_cmdline(p)) and not is_rank(_cmdline(_ppid(p)))]
 
     def _save(self) -> None:
         state = {

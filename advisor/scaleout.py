@@ -1,0 +1,118 @@
+"""Scale-out check: predict the multi-host step time from 1-host trials plus the measured inter-host link,
+then run the same config on the hosts and report the error.
+
+The 1-host trials run all ranks on this machine (`hosts x slots` ranks, the same world size as the
+multi-host run, so the work per rank is the same); the link between hosts is measured separately by
+`sdzero comm` with one rank per host. The time model fitted on the 1-host trials then predicts the
+configuration at `hosts` nodes x `slots` ranks over the measured inter-host link: only the link differs
+between what was measured and what is predicted, which is exactly what a scale-out prediction must get
+right. The measured multi-host run is the same trial launched through the hostfile.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from advisor.alphabeta import FIT_SCHEMA, write_json_atomic
+from advisor.grid import TrialSpec, write_trial_config
+from advisor.network import Network, build_network
+from advisor.time_model import fit_time_model, measured_step_s
+from advisor.trials import TrialSettings, run_trial
+
+MIB = 2**20
+
+
+def probe_links(out_dir: Path, hostfile: Path, local_ranks: int, budget_s: float,
+                log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
+    """`sdzero comm` twice: `local_ranks` on this machine (the intra-node link the 1-host trials used) and one
+    rank per host across the hostfile (the inter-host link); both fits merged into one comm_fit.json."""
+    from advisor.comm import run_comm
+
+    fits = []
+    for name, ranks, hosts in (("intra", local_ranks, None), ("inter", 1, hostfile)):
+        run_comm(out_dir / name, num_ranks=ranks, hostfile=hosts, backends=("torch",), max_bytes=16 * MIB,
+                 budget_s=budget_s, log=log)  # fmt: skip
+        fits += json.loads((out_dir / name / "comm_fit.json").read_text())["fits"]
+    merged = out_dir / "comm_fit.json"
+    write_json_atomic(merged, {"schema": FIT_SCHEMA, "fits": fits})
+    return merged
+
+
+@dataclass(frozen=True)
+class ScaleoutRow:
+    config: str
+    hosts: int
+    slots: int
+    predicted_step_s: float
+    measured_step_s: float
+    predicted_comm_s: float
+    one_host_step_s: float
+    inter_busbw_gbit_s: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_step_s / self.measured_step_s - 1
+
+
+def trial_table(spec: TrialSpec, settings: TrialSettings, base: dict[str, Any], trial_dir: Path,
+                nodes: int) -> pd.DataFrame:  # fmt: skip
+    """Run one trial and return it as a one-row table in advisor.profile's format."""
+    from advisor.profile import trial_row
+
+    config = write_trial_config(base, spec, trial_dir, spec.ranks_per_node * nodes)
+    outcome = run_trial(spec, settings, config, trial_dir)
+    row = trial_row(spec, outcome, "scaleout", replace(settings, hosts=nodes), trial_dir)
+    if outcome.status != "ok":
+        raise RuntimeError(
+            f"trial {trial_dir.name} ended {outcome.status}: {outcome.reason}\n{outcome.log_tail}"
+        )
+    return pd.DataFrame([row])
+
+
+def predict_from_one_host(
+    one_host: pd.DataFrame, fit_path: Path, hosts: int, slots: int
+) -> tuple[float, float, Network]:
+    """(predicted step s, predicted comm s, target network) for `hosts` x `slots` from 1-host trials."""
+    local_ranks = int(one_host["ranks_per_node"].iloc[0])
+    measured_net, _ = build_network(fit_path, local_ranks)
+    target_net, _ = build_network(fit_path, slots)
+    model = fit_time_model(one_host, measured_net)
+    row = one_host.iloc[0]
+    step = model.predict(int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"]),
+                         int(row["grad_accum"]), hosts, target_net, str(row["offload"]))  # fmt: skip
+    return step.step_time_s, step.exposed_comm_s, target_net
+
+
+def check_config(spec: TrialSpec, base: dict[str, Any], local: TrialSettings, remote: TrialSettings,
+                 fit_path: Path, hosts: int, slots: int, work_dir: Path,
+                 one_host: pd.DataFrame | None = None) -> tuple[ScaleoutRow, pd.DataFrame]:  # fmt: skip
+    """1-host trial (unless given), prediction, then the measured `hosts` x `slots` run of the same config."""
+    if one_host is None:
+        one_host = trial_table(replace(spec, ranks_per_node=hosts * slots), local, base,
+                               work_dir / f"{spec.trial_id}-1host", nodes=1)  # fmt: skip
+    predicted, comm, net = predict_from_one_host(one_host, fit_path, hosts, slots)
+    remote_spec = replace(spec, ranks_per_node=slots)
+    measured = trial_table(remote_spec, remote, base, work_dir / f"{spec.trial_id}-{hosts}hosts", nodes=hosts)
+    return (
+        ScaleoutRow(
+            config=f"ZeRO-{spec.zero_stage} {spec.precision} mb{spec.micro_batch}",
+            hosts=hosts,
+            slots=slots,
+            predicted_step_s=predicted,
+            measured_step_s=float(measured_step_s(measured).iloc[0]),
+            predicted_comm_s=comm,
+            one_host_step_s=float(measured_step_s(one_host).iloc[0]),
+            inter_busbw_gbit_s=net.inter.busbw_bytes_s * 8 / 1e9,
+        ),
+        one_host,
+    )
+
+
+def rows_table(rows: list[ScaleoutRow], **extra: Any) -> pd.DataFrame:
+    return pd.DataFrame([{**extra, **vars(r), "error": r.error} for r in rows])

@@ -1,0 +1,173 @@
+"""`sdzero launch`'s hostfile checks and .deepspeed_env merge, without a cluster (ssh is a stand-in)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sdzero import hosts
+from sdzero.cli import app
+from sdzero.errors import UserError
+
+
+def hostfile(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    return path
+
+
+def answers(**by_host: tuple[int, str, str]):
+    """A stand-in for ssh: (exit code, stdout, stderr) per host; commands are recorded."""
+    calls: list[tuple[str, str]] = []
+
+    def runner(host: str, command: str) -> subprocess.CompletedProcess[str]:
+        calls.append((host, command))
+        code, out, err = by_host[host]
+        return subprocess.CompletedProcess(["ssh", host], code, out, err)
+
+    runner.calls = calls  # type: ignore[attr-defined]
+    return runner
+
+
+def test_parses_comments_blank_lines_and_slots(tmp_path):
+    path = hostfile(tmp_path, "# the cluster\n\nnode-1 slots=8   # first\n10.0.0.2 slots=4\n")
+    assert [(e.host, e.slots, e.line) for e in hosts.parse_hostfile(path)] == [
+        ("node-1", 8, 3),
+        ("10.0.0.2", 4, 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("node1 slots=0\n", "slots='0' must be a whole number >= 1"),
+        ("node1 slots=two\n", "slots='two' must be a whole number"),
+        ("node1\n", "expected `node1 slots=N`"),
+        ("node1 slots=2 extra\n", "expected `node1 slots=N`"),
+        ("node1 slots=1\nnode2 slots=1\nnode1 slots=2\n", "host node1 is listed twice (first on line 1)"),
+        ("node1;reboot slots=1\n", "contains ';'"),
+        ("$(whoami) slots=1\n", "contains '$()'"),
+        ("# only a comment\n", "no hosts in it"),
+    ],
+)
+def test_bad_hostfiles_are_refused_with_the_line(tmp_path, text, expected):
+    with pytest.raises(UserError, match=None) as err:
+        hosts.parse_hostfile(hostfile(tmp_path, text))
+    assert expected in str(err.value)
+    if "no hosts" not in expected:
+        assert f"{tmp_path / 'hosts'}:" in str(err.value)  # names the file and line
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        hosts.parse_hostfile(tmp_path / "nope")
+
+
+def test_unresolvable_host():
+    with pytest.raises(UserError, match="does not resolve"):
+        hosts.resolve("no-such-host.invalid")
+
+
+def test_unreachable_hosts_are_all_named(tmp_path):
+    entries = hosts.parse_hostfile(hostfile(tmp_path, "a slots=1\nb slots=1\nc slots=1\n"))
+    runner = answers(a=(0, "", ""), b=(255, "", "ssh: connect to host b port 22: Connection refused\n"),
+                     c=(255, "", "Permission denied (publickey).\n"))  # fmt: skip
+    with pytest.raises(UserError) as err:
+        hosts.check_reachable(entries, runner)
+    message = str(err.value)
+    assert "b: ssh: connect to host b port 22: Connection refused" in message
+    assert "c: Permission denied (publickey)." in message and "a:" not in message
+    assert {command for _, command in runner.calls} == {"true"}
+
+
+def test_interface_is_the_one_that_routes_to_the_master(tmp_path):
+    entries = hosts.parse_hostfile(hostfile(tmp_path, "m slots=1\nw slots=1\n"))
+    master_side = ("local 10.1.0.1 dev lo src 10.1.0.1 uid 0 \\    cache <local>\n"
+                   "3: ib0    inet 10.1.0.1/16 brd 10.1.255.255 scope global ib0\n")  # fmt: skip
+    worker_side = "10.1.0.1 dev ib0 src 10.1.0.2 uid 0 \\    cache\n"
+    runner = answers(m=(0, master_side, ""), w=(0, worker_side, ""))
+    assert hosts.pick_interface(entries, "10.1.0.1", runner) == "ib0"
+
+
+def test_differently_named_interfaces_are_refused(tmp_path):
+    entries = hosts.parse_hostfile(hostfile(tmp_path, "m slots=1\nw slots=1\n"))
+    runner = answers(
+        m=(0, "10.1.0.1 dev eth0 src 10.1.0.1\n", ""), w=(0, "10.1.0.1 dev ens5 src 10.1.0.2\n", "")
+    )
+    with pytest.raises(UserError, match="m: eth0, w: ens5"):
+        hosts.pick_interface(entries, "10.1.0.1", runner)
+
+
+def test_env_file_keeps_the_users_keys_and_says_what_it_added(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("NCCL_SOCKET_IFNAME=ib0\nMY_FLAG=1")  # no final newline
+    merge = hosts.merge_env_file(path, {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"})
+    assert path.read_text() == "NCCL_SOCKET_IFNAME=ib0\nMY_FLAG=1\nGLOO_SOCKET_IFNAME=eth0\n"
+    assert merge.added == {"GLOO_SOCKET_IFNAME": "eth0"}
+    assert merge.kept == {"NCCL_SOCKET_IFNAME": ("ib0", "eth0")}
+    again = hosts.merge_env_file(path, {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert again.added == {} and path.read_text().count("GLOO_SOCKET_IFNAME") == 1
+
+
+def test_env_file_line_deepspeed_cannot_read(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("export FOO\n")
+    with pytest.raises(UserError, match="not KEY=VALUE"):
+        hosts.merge_env_file(path, {"A": "1"})
+    assert path.read_text() == "export FOO\n"
+
+
+def test_remote_environment_carries_paths_and_interface():
+    env = hosts.remote_environment("ib0", {"PYTHONPATH": "/opt/lib", "HF_HOME": "/shared/hf"})
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert env["PYTHONPATH"].split(":")[1:] == ["/opt/lib"] and env["HF_HOME"] == "/shared/hf"
+    assert env["TORCH_EXTENSIONS_DIR"]
+
+
+def test_plan_checks_before_anything_is_written(tmp_path, monkeypatch):
+    path = hostfile(tmp_path, "127.0.0.1 slots=2\n")
+    runner = answers(**{"127.0.0.1": (255, "", "Host key verification failed.\n")})
+    with pytest.raises(UserError, match="Host key verification failed"):
+        hosts.plan_launch(path, ["--max-steps", "2"], workdir=tmp_path, runner=runner)
+    assert not (tmp_path / ".deepspeed_env").exists()
+
+
+def test_plan_builds_the_openmpi_command(tmp_path):
+    path = hostfile(tmp_path, "127.0.0.1 slots=2\n")
+    runner = answers(
+        **{"127.0.0.1": (0, "local 127.0.0.1 dev lo\n1: lo    inet 127.0.0.1/8 scope host lo\n", "")}
+    )
+    plan = hosts.plan_launch(path, ["--max-steps", "2"], launcher="openmpi", master_port=29999,
+                             workdir=tmp_path, runner=runner)  # fmt: skip
+    cmd = plan.command
+    assert (
+        cmd[cmd.index("--launcher") + 1] == "openmpi"
+        and "btl_tcp_if_include lo" in cmd[cmd.index("--launcher_args") + 1]
+    )
+    assert cmd[cmd.index("--master_addr") + 1] == "127.0.0.1" and cmd[-2:] == ["--max-steps", "2"]
+    assert "GLOO_SOCKET_IFNAME=lo" in (tmp_path / ".deepspeed_env").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("n1 slots=1\nn1 slots=1\n", "listed twice"),
+        ("n1 slots=x\n", "whole number"),
+        ("a|b slots=1\n", "'|'"),
+    ],
+)
+def test_cli_exits_2_with_one_line(tmp_path, text, expected):
+    result = CliRunner().invoke(
+        app, ["launch", "--hostfile", str(hostfile(tmp_path, text)), "--", "--max-steps", "1"]
+    )
+    assert result.exit_code == 2
+    assert expected in result.output and "Traceback" not in result.output
+
+
+def test_cli_unknown_launcher(tmp_path):
+    path = hostfile(tmp_path, "localhost slots=1\n")
+    result = CliRunner().invoke(app, ["launch", "--hostfile", str(path), "--launcher", "srun"])
+    assert result.exit_code == 2 and "choose one of pdsh, openmpi" in result.output

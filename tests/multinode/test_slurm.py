@@ -1,0 +1,101 @@
+"""`sdzero slurm`: the batch script is rendered and parsed (bash -n) here, and run for real against the
+namespace cluster with stand-in `scontrol`/`srun` (tests/cluster/slurm_shims): Slurm's warning signal makes
+every rank checkpoint and the job requeue itself; the requeued start resumes and finishes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from cluster.launching import finish, start, wait_for_step
+from typer.testing import CliRunner
+
+from sdzero import checkpoint as ck
+from sdzero.cli import app
+from sdzero.metrics import read_metrics
+
+SHIMS = Path(__file__).resolve().parents[1] / "cluster" / "slurm_shims"
+TRAIN = ["--deepspeed_config", "ds.json", "--model", "m", "--data", "d", "--output-dir", "runs/a"]
+
+
+def render(*options: str, train: list[str] = TRAIN) -> subprocess.CompletedProcess | object:
+    return CliRunner().invoke(app, ["slurm", *options, "--", *train])
+
+
+def test_script_renders_and_parses(tmp_path):
+    result = render("--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--time", "2-00:00:00")
+    assert result.exit_code == 0, result.output
+    script = tmp_path / "job.sbatch"
+    script.write_text(result.output)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = result.output
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=2-00:00:00", "#SBATCH --signal=B:USR1@120",
+                 "#SBATCH --requeue"):  # fmt: skip
+        assert line in text
+    assert (
+        'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    )
+    assert "--output-dir runs/a --resume auto &" in text
+
+
+def test_users_resume_choice_is_kept_and_cpu_jobs_ask_no_gpus():
+    result = render("--nodes", "1", "--gpus-per-node", "2", "--no-gpus", train=[*TRAIN, "--resume", "none"])
+    assert result.exit_code == 0 and "--gpus-per-node" not in result.output.split("srun")[0]
+    assert "--resume none &" in result.output and "--resume auto &" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("options", "train", "expected"),
+    [
+        (("--nodes", "2", "--gpus-per-node", "8"), ["--max-steps", "3"], "pass the trainer's --output-dir"),
+        (("--nodes", "0", "--gpus-per-node", "8"), TRAIN, "--nodes 0: must be at least 1"),
+        (("--nodes", "2", "--gpus-per-node", "8", "--time", "1 day"), TRAIN, "use Slurm's format"),
+        (("--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu;rm"), TRAIN, "--partition 'gpu;rm'"),
+        (("--nodes", "2", "--gpus-per-node", "8", "--signal-lead-s", "1"), TRAIN, "between 10 and 3600"),
+    ],
+)
+def test_bad_options_exit_2(options, train, expected):
+    result = render(*options, train=train)
+    assert result.exit_code == 2 and expected in result.output
+
+
+@pytest.mark.multinode
+def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path):
+    config_args = args(tmp_path / "run", 30)  # absolute paths; the script adds --resume auto
+    rendered = render("--nodes", "2", "--gpus-per-node", "1", "--no-gpus", "--master-port", "29741",
+                      "--signal-lead-s", "60", train=config_args)  # fmt: skip
+    assert rendered.exit_code == 0, rendered.output
+    script = tmp_path / "job.sbatch"
+    script.write_text(rendered.output)
+    nodes = ",".join(h.address for h in cluster.members)
+    env = {"PATH": f"{SHIMS}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": nodes,
+           "SHIM_LOG": str(tmp_path / "shim.log")}  # fmt: skip
+    out = tmp_path / "run"
+
+    first = start(["bash", str(script)], tmp_path / "first.log", tmp_path, env)
+    try:
+        wait_for_step(out, 2, first)
+        os.kill(first.pid, signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@60` does: the batch shell only
+    except BaseException:
+        os.killpg(first.pid, signal.SIGKILL)
+        raise
+    code, output = finish(first, timeout=240)
+    assert code == 0, output[-4000:]
+    assert (tmp_path / "shim.log").read_text() == "requeue 4242\n", output[-3000:]
+    assert "got SIGUSR1" in output and "stopped with exit 143" in output
+    saved = [m.step for _, m in ck.complete_checkpoints(ck.checkpoint_root(out))]
+    assert len(saved) == 1 and 2 <= saved[0] < 30
+    assert (out / "hostfile.4242").read_text() == "".join(f"{h.address} slots=1\n" for h in cluster.members)
+
+    second = start(
+        ["bash", str(script)], tmp_path / "second.log", tmp_path, {**env, "SLURM_RESTART_COUNT": "1"}
+    )
+    code, output = finish(second, timeout=300)
+    assert code == 0, output[-4000:]
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == list(range(saved[0] + 1, 31))
+    assert (tmp_path / "shim.log").read_text() == "requeue 4242\n"  # no second requeue
