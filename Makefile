@@ -31,7 +31,7 @@ demo: venv
 	$(BIN)/sdzero demo --out demo
 
 test: venv
-	$(BIN)/pytest -q $(PYTEST_ARGS) tests
+	$(BIN)/pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 test-unit: venv
 	$(BIN)/pytest -q -m "not dist and not multinode" tests
