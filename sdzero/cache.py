@@ -462,7 +462,18 @@ def build_cache(
         ranks.barrier()  # every shard is committed
         if ranks.rank == 0:
             _write_index(
-                out, data, spec, rows, good, sizes, n_shards, shard_size, comps, sorted(bad), records
+                out,
+                data,
+                spec,
+                rows,
+                good,
+                sizes,
+                n_shards,
+                shard_size,
+                comps,
+                sorted(bad),
+                records,
+                time.perf_counter() - start,
             )
         ranks.barrier()
     finally:
@@ -472,7 +483,7 @@ def build_cache(
 
 
 def _write_index(out: Path, data: Path, spec: CacheSpec, rows, good: list[Record], sizes, n_shards: int, shard_size: int,
-                 comps: Any, bad: list[int], records: list[Record]) -> None:  # fmt: skip
+                 comps: Any, bad: list[int], records: list[Record], seconds: float) -> None:  # fmt: skip
     from safetensors import safe_open
 
     shards = []
@@ -508,6 +519,7 @@ def _write_index(out: Path, data: Path, spec: CacheSpec, rows, good: list[Record
         "shards": shards,
         "skipped_unreadable": [records[i].path.name for i in bad],
         "data_files": rows,
+        "build_seconds": seconds,  # rank 0's last build session, model loading included
     }
     _write_json_atomic(out / INDEX_NAME, index)
 
