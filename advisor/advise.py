@@ -192,7 +192,10 @@ def run_advise(
     ranks = default_ranks(device)
     steps, warmup = (5, 1) if on_cpu else (5, 2)
     train_args = ("--num-workers", "1") if on_cpu else ()
-    settings = trial_settings(model, data, steps, warmup, 900.0, 300.0, None, hostfile, train_args)
+    # With a hostfile the trials run on this host only; the hosts' link is measured by the benchmark, and
+    # the recommended config is then run across the hosts to check the scale-out prediction (below).
+    hosts = prepare_hostfile(hostfile, say)
+    settings = trial_settings(model, data, steps, warmup, 900.0, 300.0, None, None, train_args)
     plan = plan_for_device(grid or (CPU_GRID if on_cpu else GridRequest()), device)
     target_gpus = ranks if gpus_per_node is None else gpus_per_node
     check_reachable([s.micro_batch for ladder in plan.ladders for s in ladder], target_gpus, nodes, target)
@@ -274,6 +277,10 @@ def run_advise(
         "chosen_by_model": search.chosen_by_model, "search_log": search.log,
         "network": target_net.describe(), "runners_up": runners, "notes": notes,
     }  # fmt: skip
+    if len(hosts) >= 2:
+        recommendation["scaleout_check"] = scaleout_check(
+            best, base, settings, hostfile, hosts, fit_path, out_dir, say
+        )
     write_json_atomic(out_dir / "recommendation.json", recommendation)
     report = None
     try:
@@ -283,6 +290,48 @@ def run_advise(
     except UserError as exc:
         notes.append(f"report not written: {exc}")
     return AdviseResult(out_dir, recommendation, len(trials), search.full_grid, report, notes)
+
+
+def prepare_hostfile(hostfile: Path | None, say: Callable[[str], None]) -> list[Any]:
+    """Check the hosts (as `sdzero launch` does) and write the .deepspeed_env their ranks need."""
+    if hostfile is None:
+        return []
+    from sdzero.hosts import prepare_hosts
+
+    entries, master, interface, env_file, merge = prepare_hosts(Path(hostfile))
+    say(
+        f"{len(entries)} hosts; master {master} over {interface}; {env_file}: added {sorted(merge.added) or 'nothing'}"
+    )
+    return entries
+
+
+def scaleout_check(best: Any, base: dict[str, Any], settings: Any, hostfile: Path, hosts: list[Any],
+                   fit_path: Path, out_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """Predict the recommended config on the hostfile's hosts from a 1-host trial plus the measured link,
+    then run it there: the prediction's error, measured, in recommendation.json and scaleout.csv."""
+    from dataclasses import replace
+
+    from advisor.grid import TrialSpec
+    from advisor.scaleout import check_config, rows_table
+
+    slots = hosts[0].slots
+    if any(h.slots != slots for h in hosts):
+        return {"skipped": "hosts with different slots= counts; the check needs the same ranks on each"}
+    spec = TrialSpec(
+        int(best["zero_stage"]), str(best["dtype"]), int(best["micro_batch"]), str(best["offload"]), slots
+    )
+    remote = replace(settings, hostfile=Path(hostfile).resolve(), hosts=len(hosts))
+    say(
+        f"scale-out check: {spec.trial_id} on 1 host x {len(hosts) * slots} ranks, then {len(hosts)} hosts x {slots}"
+    )
+    try:
+        row, _ = check_config(spec, base, settings, remote, fit_path, len(hosts), slots, out_dir / "scaleout")
+    except RuntimeError as exc:
+        return {"failed": str(exc).splitlines()[0]}
+    rows_table([row]).to_csv(out_dir / "scaleout.csv", index=False)
+    say(f"scale-out check: predicted {row.predicted_step_s:.3f} s/step, measured {row.measured_step_s:.3f} s "
+        f"({row.error:+.1%})")  # fmt: skip
+    return {**vars(row), "error": row.error}
 
 
 def _environment(memory_bytes: float, source: str, headroom: float, target: Network, measured: Network,

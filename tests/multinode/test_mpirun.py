@@ -11,6 +11,7 @@ from cluster.launching import assert_same_losses, finish, losses, ok, start
 from conftest import LOSS_RTOL
 
 from sdzero.launch import TRAIN_SCRIPT, free_port
+from sdzero.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -22,5 +23,7 @@ def test_mpirun_trains_like_the_deepspeed_launcher(args, reference, tmp_path):
     command = ["mpirun", "--oversubscribe", "-np", "2", "-x", f"MASTER_PORT={free_port()}",
                "-x", "TORCH_EXTENSIONS_DIR", sys.executable, str(TRAIN_SCRIPT), *args(tmp_path / "run")]  # fmt: skip
     output = ok(finish(start(command, tmp_path / "mpirun.log", tmp_path)))
-    assert "Discovered MPI settings of world_rank=1" in output  # the ranks came from MPI, not a launcher
+    # No launcher set RANK/WORLD_SIZE: the two ranks found each other through mpi4py.
+    assert "deepspeed.launcher" not in output
+    assert {r["world_size"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")} == {2}
     assert_same_losses(losses(tmp_path / "run"), reference, LOSS_RTOL)

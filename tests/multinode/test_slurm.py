@@ -86,7 +86,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path)
     code, output = finish(first, timeout=240)
     assert code == 0, output[-4000:]
     assert (tmp_path / "shim.log").read_text() == "requeue 4242\n", output[-3000:]
-    assert "got SIGUSR1" in output and "stopped with exit 143" in output
+    assert "got SIGUSR1" in output and "after a preemption warning; requeueing job 4242" in output
+    assert "preempted: checkpoint of step" in output  # the ranks saved before stopping
     saved = [m.step for _, m in ck.complete_checkpoints(ck.checkpoint_root(out))]
     assert len(saved) == 1 and 2 <= saved[0] < 30
     assert (out / "hostfile.4242").read_text() == "".join(f"{h.address} slots=1\n" for h in cluster.members)

@@ -1,0 +1,56 @@
+"""The namespace cluster itself: teardown removes exactly what it made, a killed owner's cluster is reaped,
+and delay shaping (netem, absent from this kernel) is refused rather than faked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cluster import netns
+from cluster.netns import Cluster
+
+pytestmark = pytest.mark.multinode
+
+
+def existing() -> tuple[str, str]:
+    return (netns.run(["ip", "netns", "list"]).stdout, netns.run(["ip", "-o", "link"]).stdout)
+
+
+def test_teardown_removes_what_it_made(cluster):
+    small = Cluster(hosts=1).up()
+    host = small.members[0]
+    assert small.ssh(host, "hostname").stdout.strip() == host.hostname
+    assert small.bridge in existing()[1] and host.netns in existing()[0]
+    small.down()
+    namespaces, links = existing()
+    assert host.netns not in namespaces and small.bridge not in links and host.veth not in links
+    assert not os.path.exists(f"/proc/{host.sshd_pid}") or "sshd" not in netns._cmdline(host.sshd_pid)
+    assert small.known_hosts_mark not in (netns.KNOWN_HOSTS.read_text() if netns.KNOWN_HOSTS.exists() else "")
+    assert not small.state_dir.exists()
+    # the session's cluster is untouched
+    assert cluster.ssh(cluster.master, "hostname").stdout.strip() == cluster.master.hostname
+
+
+def test_cluster_of_a_killed_owner_is_reaped(cluster, tmp_path):
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from cluster import Cluster; "
+            "c = Cluster(hosts=1).up(); print(c.tag, flush=True); time.sleep(300)")  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parents[1])], stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    tag = owner.stdout.readline().strip()
+    owner.send_signal(signal.SIGKILL)  # no atexit, no handler: the cluster is left behind
+    owner.wait()
+    assert (netns.STATE_ROOT / tag / "state.json").exists()
+    with netns._lock():
+        reaped = netns.reap_stale()
+    assert tag in reaped and not (netns.STATE_ROOT / tag).exists()
+    assert f"sdz-{tag}-n1" not in existing()[0]
+    assert cluster.tag not in reaped  # a living owner's cluster stays
+
+
+def test_delay_is_refused_not_faked(cluster):
+    with pytest.raises(ValueError, match="netem"):
+        cluster.shape("1gbit", delay_ms=1)
