@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import TORCH_ADAMW
 from launch import check_ok, fp32_config, metrics, run_trainer, write_config
 from PIL import Image
 
@@ -95,21 +96,30 @@ def write_mixed_aspect_data(folder: Path, n: int = 40) -> Path:
     return folder
 
 
-def test_bucketed_two_rank_run(tiny_model, tmp_path):
+def test_bucketed_two_rank_run_and_exact_mid_epoch_resume(tiny_model, tmp_path):
     data = write_mixed_aspect_data(tmp_path / "data")
-    config = write_config(tmp_path / "ds.json", fp32_config(2, micro=2, accum=2))
-    out = tmp_path / "run"
-    proc = run_trainer(config, tiny_model, data, out, "--buckets", "--random-flip", steps=3)
+    stage = 2
+    ds = fp32_config(stage, micro=2, accum=2, optimizer=TORCH_ADAMW)  # bit-exact resume (see ckpt_helpers)
+    config = write_config(tmp_path / "ds.json", ds)
+    bucket_args = ("--buckets", "--random-flip", "--checkpoint-every", "2")
+    ref = tmp_path / "ref"
+    proc = run_trainer(config, tiny_model, data, ref, *bucket_args, steps=4)
     check_ok(proc)
-    rows = metrics(out)
-    assert len(rows) == 3 and all(r["loss"] > 0 for r in rows)
+    rows = metrics(ref)
+    assert len(rows) == 4 and all(r["loss"] > 0 for r in rows)
     # 21 wide, 13 square, 6 tall; global batch 8 -> 5 + 5 + 6 left out per epoch (3 steps per epoch).
     sizes = bucket_sizes(32, 4)
     bucket_of = assign_buckets(image_sizes(sorted(data.glob("*.png"))), sizes)
     expected = dropped_per_epoch(bucket_of, len(sizes), 8)
     assert expected == 16
-    run_config = json.loads((out / "run_config.json").read_text())
+    assert [r["epoch"] for r in rows] == [0, 0, 0, 1]
+    run_config = json.loads((ref / "run_config.json").read_text())
     assert run_config["samples_dropped_per_epoch"] == expected and run_config["buckets"] is True
     log = proc.stderr + proc.stdout
     assert f"{expected} samples per epoch left out by the batch shape" in log
     assert "aspect-ratio buckets (height x width: images): " in log
+    # Stopped after step 2 (mid-epoch: 4 of this rank's 6 micro-batches), resumed to 4: same losses.
+    out = tmp_path / "resumed"
+    check_ok(run_trainer(config, tiny_model, data, out, *bucket_args, steps=2))
+    check_ok(run_trainer(config, tiny_model, data, out, *bucket_args, "--resume", "auto", steps=4))
+    assert [(r["step"], r["loss"]) for r in metrics(out)] == [(r["step"], r["loss"]) for r in rows[2:]]
