@@ -72,7 +72,8 @@ def build_pipeline(comps: Any, trained: torch.nn.Module, scheduler: Any = None) 
 
     from sdzero.models import ensure_frozen, sampling_scheduler
 
-    ensure_frozen(comps, comps.vae.device if comps.vae is not None else "cpu")
+    # Beside the trained network: on the rank's device for validation, on the CPU for an export.
+    ensure_frozen(comps, next(trained.parameters()).device)
     scheduler = scheduler if scheduler is not None else sampling_scheduler(comps)
     clip = {"vae": comps.vae, "text_encoder": comps.text_encoder, "tokenizer": comps.tokenizer}
     if comps.family == "sdxl":

@@ -60,7 +60,12 @@ def test_frozen_false_skips_encoders_but_keeps_the_geometry(family, models, comp
     batch = {k: v[None] for k, v in tokenize(bare, PROMPT).items()}
     with pytest.raises(RuntimeError, match="frozen=False"):
         encode_prompts(bare, batch)
-    ensure_frozen(bare, "cpu")  # what validation/export do in a cache run
+    from sdzero.export import build_pipeline
+
+    pipe = build_pipeline(bare, bare.unet)  # validation and export in a cache run load them when due
+    assert bare.frozen_loaded and pipe.vae is bare.vae and pipe.text_encoder_2 is bare.text_encoder_2
+    ensure_frozen(bare, "cpu")  # loaded once: a second call keeps them
+    assert pipe.vae is bare.vae
     for key, value in encode_prompts(bare, batch).items():
         torch.testing.assert_close(value, encode_prompts(full, batch)[key])
 
