@@ -11,6 +11,10 @@ from pathlib import Path
 from sdzero.metrics import read_metrics
 
 SDZERO = str(Path(sys.executable).with_name("sdzero"))
+REFERENCE_STEPS = 6
+LOSS_RTOL = 1e-5
+"""Multi-host vs 1 host x 2 slots, fp32: the same samples, noise and (for 2 ranks) the same reduction
+order; only the transport differs. The margin covers a reordered sum in a reduction, nothing more."""
 ROOT_MPI = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 

@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import exact_config
 from cluster import Cluster, ClusterUnavailable, unavailable_reason
-from cluster.launching import losses, trainer_args
+from cluster.launching import REFERENCE_STEPS, losses, trainer_args
 from launch import check_ok, run_trainer, write_config
-
-REFERENCE_STEPS = 6
-LOSS_RTOL = 1e-5
-"""Multi-host vs 1 host x 2 slots, fp32: the same samples, noise and (for 2 ranks) the same reduction
-order; only the transport differs. The margin covers a reordered sum in a reduction, nothing more."""
 
 
 @pytest.fixture(scope="session")

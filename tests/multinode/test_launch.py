@@ -14,6 +14,8 @@ import signal
 
 import pytest
 from cluster.launching import (
+    LOSS_RTOL,
+    REFERENCE_STEPS,
     SDZERO,
     assert_same_losses,
     finish,
@@ -23,7 +25,6 @@ from cluster.launching import (
     start,
     wait_for_step,
 )
-from conftest import LOSS_RTOL, REFERENCE_STEPS
 
 from sdzero import checkpoint as ck
 from sdzero.metrics import read_metrics

@@ -7,8 +7,7 @@ import shutil
 import sys
 
 import pytest
-from cluster.launching import assert_same_losses, finish, losses, ok, start
-from conftest import LOSS_RTOL
+from cluster.launching import LOSS_RTOL, assert_same_losses, finish, losses, ok, start
 
 from sdzero.launch import TRAIN_SCRIPT, free_port
 from sdzero.metrics import read_metrics
