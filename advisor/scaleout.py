@@ -98,7 +98,9 @@ def check_config(spec: TrialSpec, base: dict[str, Any], local: TrialSettings, re
                                work_dir / f"{spec.trial_id}-1host", nodes=1)  # fmt: skip
     predicted, comm, net = predict_from_one_host(one_host, fit_path, hosts, slots)
     remote_spec = replace(spec, ranks_per_node=slots)
-    measured = trial_table(remote_spec, remote, base, work_dir / f"{spec.trial_id}-{hosts}hosts", nodes=hosts)
+    measured = trial_table(
+        remote_spec, remote, base, work_dir / f"{remote_spec.trial_id}-{hosts}hosts", nodes=hosts
+    )
     return (
         ScaleoutRow(
             config=f"ZeRO-{spec.zero_stage} {spec.precision} mb{spec.micro_batch}",

@@ -1,0 +1,57 @@
+"""The scale-out prediction (advisor.scaleout) without a cluster: only the link differs between the 1-host
+trial and the predicted multi-host run, so a link as fast as the measured one reproduces the trial, and a
+slower link costs exactly the extra communication time."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+
+from advisor.alphabeta import FIT_SCHEMA, AlphaBetaFit, write_json_atomic
+from advisor.scaleout import predict_from_one_host
+
+GRADS_BYTES = 4_000_000
+
+
+def fits(inter_slowdown: float) -> list[dict]:
+    made = []
+    for collective in ("all_reduce", "all_gather", "reduce_scatter"):
+        intra = AlphaBetaFit("torch", "gloo", collective, "intra", 2, 1, alpha_s=1e-4, beta_s_per_byte=1e-9,
+                             n_points=10, min_bytes=4096, max_bytes=2**24, rel_rmse=0.01)  # fmt: skip
+        inter = replace(intra, link_level="inter", nodes=2, beta_s_per_byte=1e-9 * inter_slowdown)
+        made += [intra.to_dict(), inter.to_dict()]
+    return made
+
+
+def one_host_trial() -> pd.DataFrame:
+    ops = {"all_reduce": {"count_per_step": 1, "bytes_per_step": GRADS_BYTES}}
+    row = {"trial_id": "z2", "status": "ok", "zero_stage": 2, "precision": "bf16", "micro_batch": 4,
+           "grad_accum": 1, "offload": "none", "ranks_per_node": 2, "world_size": 2, "nodes": 1,
+           "step_time_s": 0.30, "step_time_median_s": 0.30, "comm_s": 0.05, "comm_ops": json.dumps(ops)}  # fmt: skip
+    return pd.DataFrame([row])
+
+
+@pytest.fixture
+def fit_file(tmp_path):
+    def write(slowdown: float):
+        path = tmp_path / f"fit-{slowdown}.json"
+        write_json_atomic(path, {"schema": FIT_SCHEMA, "fits": fits(slowdown)})
+        return path
+
+    return write
+
+
+def test_same_link_reproduces_the_one_host_trial(fit_file):
+    step, _, net = predict_from_one_host(one_host_trial(), fit_file(1.0), hosts=2, slots=1)
+    assert step == pytest.approx(0.30, rel=1e-6)
+    assert net.gpus_per_node == 1 and "measured" in net.inter.source
+
+
+def test_slower_link_adds_its_communication_time(fit_file):
+    fast, fast_comm, _ = predict_from_one_host(one_host_trial(), fit_file(1.0), hosts=2, slots=1)
+    slow, slow_comm, net = predict_from_one_host(one_host_trial(), fit_file(10.0), hosts=2, slots=1)
+    assert slow > fast and slow - fast == pytest.approx(slow_comm - fast_comm, rel=1e-6)
+    assert net.inter.busbw_bytes_s < net.intra.busbw_bytes_s
