@@ -246,8 +246,9 @@ class BuildInterrupted(Exception):
 
 
 class _Ranks:
-    """This process's share of the build. Under a launcher (deepspeed, torchrun: RANK/WORLD_SIZE/MASTER_*
-    set) the ranks form a gloo group, only to agree on unreadable images and to wait for each other."""
+    """This process's share of the build. Under a launcher (deepspeed, torchrun, or mpirun, whose ranks
+    DeepSpeed discovers through mpi4py as the trainer's do) the ranks form a gloo group, only to agree on
+    unreadable images and to wait for each other: CPU objects, so gloo even on GPUs."""
 
     def __init__(self, timeout_s: float = 1800.0) -> None:
         from sdzero.config import rank_from_env, world_size_from_env
@@ -258,7 +259,19 @@ class _Ranks:
             import torch.distributed as dist
 
             if not dist.is_initialized():
-                dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+                import deepspeed
+
+                deepspeed.init_distributed(
+                    dist_backend="gloo",
+                    timeout=timedelta(seconds=timeout_s),
+                    auto_mpi_discovery=True,
+                    distributed_port=int(os.environ.get("MASTER_PORT", "29500")),
+                )
+                from sdzero.shm import release_shm_buffer
+
+                dist.barrier()  # every rank has mapped its peers' shared-memory buffers (CPU hosts)
+                release_shm_buffer(dist.get_rank())  # else DeepSpeed leaks 69 MB of /dev/shm per rank
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
             self.group = True
 
     def gather(self, obj: Any) -> list[Any]:
