@@ -90,7 +90,7 @@ def cache(
     hostfile: Annotated[Path | None, typer.Option(help="DeepSpeed hostfile: ranks on every host")] = None,
 ) -> None:
     """Encode latents and text embeddings once, into sharded safetensors files (see docs/caching.md)."""
-    from sdzero.cache import build_cache, launcher_command
+    from sdzero.cache_build import build_cache, launcher_command
     from sdzero.config import rank_from_env
 
     if num_gpus is not None or hostfile is not None:

@@ -12,15 +12,8 @@ from torch.utils.data import default_collate
 from typer.testing import CliRunner
 
 from sdzero.buckets import assign_buckets, bucket_sizes, image_sizes
-from sdzero.cache import (
-    INDEX_NAME,
-    BuildInterrupted,
-    CachedSamples,
-    build_cache,
-    net_geometry,
-    open_cache,
-    shard_name,
-)
+from sdzero.cache import INDEX_NAME, CachedSamples, net_geometry, open_cache, shard_name
+from sdzero.cache_build import BuildInterrupted, build_cache
 from sdzero.cli import app
 from sdzero.data import CaptionedImages, SampleSpec, read_metadata
 from sdzero.errors import UserError
@@ -207,3 +200,13 @@ def test_cached_training_path_needs_no_frozen_parts(tiny_model, synth_data, flip
         comps.unet, torch.float32, comps.noise_scheduler, latents, cond, batch, "epsilon", None
     )
     assert torch.isfinite(loss) and loss > 0
+
+
+def test_resume_with_another_shard_size_rebuilds_what_no_longer_fits(tiny_model, synth_data, tmp_path):
+    out = tmp_path / "cache"
+    with pytest.raises(BuildInterrupted):
+        build_cache(str(tiny_model), synth_data, out, dtype="fp32", shard_size=16, stop_after_shards=1)
+    result = build_cache(str(tiny_model), synth_data, out, dtype="fp32", shard_size=32)
+    assert (result.skipped_here, result.built_here) == (0, 2)  # shard 0 held 16 positions, not 32
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert [(s["first"], s["count"]) for s in index["shards"]] == [(0, 32), (32, 32)]
