@@ -13,6 +13,7 @@ from ckpt_helpers import TORCH_ADAMW
 from launch import check_ok, fp32_config, metrics, run_trainer, write_config
 from PIL import Image
 
+from sdzero import checkpoint as ck
 from sdzero.buckets import assign_buckets, bucket_sizes, dropped_per_epoch, image_sizes
 
 pytestmark = pytest.mark.dist
@@ -118,8 +119,9 @@ def test_bucketed_two_rank_run_and_exact_mid_epoch_resume(tiny_model, tmp_path):
     log = proc.stderr + proc.stdout
     assert f"{expected} samples per epoch left out by the batch shape" in log
     assert "aspect-ratio buckets (height x width: images): " in log
-    # Stopped after step 2 (mid-epoch: 4 of this rank's 6 micro-batches), resumed to 4: same losses.
+    # Resumed from the step-2 checkpoint (mid-epoch: 4 of this rank's 6 micro-batches) into a new folder,
+    # as a preempted run would be: steps 3 and 4 (across the epoch boundary) repeat the same losses.
     out = tmp_path / "resumed"
-    check_ok(run_trainer(config, tiny_model, data, out, *bucket_args, steps=2))
-    check_ok(run_trainer(config, tiny_model, data, out, *bucket_args, "--resume", "auto", steps=4))
+    step2 = ck.checkpoint_root(ref) / ck.step_tag(2)
+    check_ok(run_trainer(config, tiny_model, data, out, *bucket_args, "--resume", str(step2), steps=4))
     assert [(r["step"], r["loss"]) for r in metrics(out)] == [(r["step"], r["loss"]) for r in rows[2:]]
