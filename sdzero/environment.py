@@ -8,6 +8,9 @@ import platform
 from pathlib import Path
 from typing import Any
 
+LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+"""Ranks on this node as the deepspeed launcher, torchrun, Open MPI and MPICH announce it."""
+
 PACKAGES = ("torch", "deepspeed", "diffusers", "transformers", "accelerate", "numpy", "mpi4py", "sdzero")
 
 
@@ -60,3 +63,29 @@ def _accelerators() -> list[dict[str, Any]]:
         props = torch.cuda.get_device_properties(index)
         found.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory)})
     return found
+
+
+def local_ranks_from_env() -> int:
+    for var in LOCAL_SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            return max(1, int(os.environ[var]))
+    return 1
+
+
+def share_cpu_threads() -> int | None:
+    """Give torch's CPU thread pool this rank's share of the cores; the number set, or None if the user
+    chose one (OMP_NUM_THREADS).
+
+    torch sizes its pool to all cores of the machine in every process, and the deepspeed launcher leaves
+    it so (unlike torchrun): k ranks on a node then run k x cores threads that preempt each other, which
+    shows up as steps alternating between fast and several times slower, the noise an advisor trial must
+    not measure. CPU-side work on GPU nodes (the optimizer with offload, data preparation) suffers alike.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // local_ranks_from_env())
+    torch.set_num_threads(threads)
+    return threads

@@ -28,7 +28,7 @@ from sdzero.data import (
     find_unreadable,
     read_metadata,
 )
-from sdzero.environment import environment_snapshot
+from sdzero.environment import environment_snapshot, share_cpu_threads
 from sdzero.errors import UserError
 from sdzero.inputs import encode_batch
 from sdzero.metrics import MetricsWriter, PhaseTimer, peak_memory_bytes, rotate_previous
@@ -276,6 +276,7 @@ def run(cfg: TrainConfig) -> RunSummary:
                            cfg.random_flip, cfg.max_sequence_length)  # fmt: skip
     # Installed before the slow start-up, so that an early SIGTERM is honoured at the first step boundary.
     preemption = PreemptionFlag(cfg.preempt_timeout_s).install()
+    share_cpu_threads()  # before any torch work: k ranks x all cores threads each thrash a node's CPUs
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
