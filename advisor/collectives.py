@@ -490,6 +490,9 @@ def run_torch(settings: SweepSettings, csv_path: Path, backend: str) -> None:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    from sdzero.environment import share_cpu_threads
+
+    share_cpu_threads()  # as the trainer does: gloo's reductions run on these threads
     dist.init_process_group(backend=backend)
     try:
         world_rank = dist.get_rank()

@@ -116,6 +116,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from sdzero import loop
     from sdzero.config import TrainConfig, load_ds_config, world_size_from_env
+    from sdzero.environment import share_cpu_threads
     from sdzero.metrics import MetricsWriter
     from sdzero.models import load_components
     from sdzero.preemption import PreemptionFlag
@@ -123,6 +124,7 @@ def worker(args: argparse.Namespace) -> None:
     from sdzero.step_hooks import StepHooks
 
     ds = load_ds_config(args.config, world_size_from_env())
+    share_cpu_threads()  # as the trainer does, so both loops run on the same thread pool
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()  # every rank has mapped its peers' shared-memory buffers by now
