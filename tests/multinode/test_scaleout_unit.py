@@ -1,6 +1,8 @@
 """The scale-out prediction (advisor.scaleout) without a cluster: only the link differs between the 1-host
-trial and the predicted multi-host run, so a link as fast as the measured one reproduces the trial, and a
-slower link costs exactly the extra communication time."""
+trial and the predicted multi-host run, so a link as fast as the measured one reproduces a trial whose
+collectives ran at the benchmark's speed, a slower link costs exactly the extra communication time, and a
+1-host trial whose collectives beat the benchmark (shared memory) does not make the inter-host link look
+faster than measured."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import pandas as pd
 import pytest
 
 from advisor.alphabeta import FIT_SCHEMA, AlphaBetaFit, write_json_atomic
+from advisor.network import build_network
 from advisor.scaleout import predict_from_one_host
+from advisor.time_model import fit_time_model
 
 GRADS_BYTES = 4_000_000
 
@@ -26,12 +30,18 @@ def fits(inter_slowdown: float) -> list[dict]:
     return made
 
 
-def one_host_trial() -> pd.DataFrame:
+def one_host_trial(comm_s: float = 0.05) -> pd.DataFrame:
     ops = {"all_reduce": {"count_per_step": 1, "bytes_per_step": GRADS_BYTES}}
     row = {"trial_id": "z2", "status": "ok", "zero_stage": 2, "precision": "bf16", "micro_batch": 4,
            "grad_accum": 1, "offload": "none", "ranks_per_node": 2, "world_size": 2, "nodes": 1,
-           "step_time_s": 0.30, "step_time_median_s": 0.30, "comm_s": 0.05, "comm_ops": json.dumps(ops)}  # fmt: skip
+           "step_time_s": 0.30, "step_time_median_s": 0.30, "comm_s": comm_s, "comm_ops": json.dumps(ops)}  # fmt: skip
     return pd.DataFrame([row])
+
+
+def costed_intra_s(fit_path) -> float:
+    """What the alpha-beta fit says the trial's collectives cost on the 1-host link."""
+    net, _ = build_network(fit_path, 2)
+    return fit_time_model(one_host_trial(), net).comm_seconds(2, 1, 2, 1, net)[0]
 
 
 @pytest.fixture
@@ -45,9 +55,22 @@ def fit_file(tmp_path):
 
 
 def test_same_link_reproduces_the_one_host_trial(fit_file):
-    step, _, net = predict_from_one_host(one_host_trial(), fit_file(1.0), hosts=2, slots=1)
+    path = fit_file(1.0)
+    trial = one_host_trial(comm_s=costed_intra_s(path))  # its collectives ran as fast as the benchmark's
+    step, _, net = predict_from_one_host(trial, path, hosts=2, slots=1)
     assert step == pytest.approx(0.30, rel=1e-6)
     assert net.gpus_per_node == 1 and "measured" in net.inter.source
+
+
+def test_a_faster_local_transport_does_not_speed_up_the_inter_host_link(fit_file):
+    """1-host collectives 10x faster than the benchmark's (DeepSpeed's shared-memory ops on a CPU): the
+    2-host run still pays the measured inter-host cost in full."""
+    path = fit_file(1.0)
+    costed = costed_intra_s(path)
+    trial = one_host_trial(comm_s=costed / 10)
+    step, comm, _ = predict_from_one_host(trial, path, hosts=2, slots=1)
+    assert comm == pytest.approx(costed, rel=1e-6)  # same link, nothing assumed hidden
+    assert step == pytest.approx(0.30 - costed / 10 + costed, rel=1e-6)
 
 
 def test_slower_link_adds_its_communication_time(fit_file):
