@@ -30,12 +30,15 @@ PIXEL_TOLERANCE = 0.1
 """A bucket's pixel count may differ from the base resolution's square by at most this fraction."""
 
 
-def bucket_sizes(resolution: int, granularity: int, max_aspect: float = MAX_ASPECT) -> list[Size]:
+def bucket_sizes(
+    resolution: int, granularity: int, max_aspect: float = MAX_ASPECT, max_side: int | None = None
+) -> list[Size]:
     """(height, width) pairs, sides multiples of `granularity`, each about `resolution`^2 pixels.
 
     For every height on the grid the width is the grid value closest to an equal pixel count; pairs too
     far from it (coarse grids at small resolutions) or too elongated are left out. Each size comes with
-    its transpose, so portrait and landscape get the same choice. Sorted wide to tall.
+    its transpose, so portrait and landscape get the same choice. Sides above `max_side` (the largest
+    latent a transformer's position embedding covers) are left out. Sorted wide to tall.
     """
     if granularity < 1 or resolution % granularity:
         raise UserError(
@@ -49,7 +52,13 @@ def bucket_sizes(resolution: int, granularity: int, max_aspect: float = MAX_ASPE
         aspect = max(height, width) / min(height, width)
         if aspect <= max_aspect + 1e-9 and abs(height * width - area) <= PIXEL_TOLERANCE * area:
             sizes += [(height, width), (width, height)]  # both orientations: wide and tall sets mirror
-    return sorted(set(sizes), key=lambda s: s[0] / s[1])
+    fitting = {s for s in sizes if max_side is None or max(s) <= max_side}
+    if (resolution, resolution) not in fitting:
+        raise UserError(
+            f"--resolution {resolution} is above the {max_side} pixels this model's position embedding covers; "
+            "pick a smaller resolution"
+        )
+    return sorted(fitting, key=lambda s: s[0] / s[1])
 
 
 def nearest_bucket(image_hw: Size, sizes: Sequence[Size]) -> int:

@@ -80,6 +80,8 @@ class NetGeometry:
     granularity: int
     """Sides of a training image must be multiples of this: VAE downsampling x the net's own (UNet levels or
     transformer patch)."""
+    max_side: int | None = None
+    """Longest side in pixels the net accepts (SD3: its position-embedding grid), None: no limit."""
 
 
 def net_geometry(model: str) -> NetGeometry:
@@ -92,7 +94,11 @@ def net_geometry(model: str) -> NetGeometry:
         net_factor = int(net_cfg["patch_size"])
     else:
         net_factor = 2 ** (len(net_cfg.get("block_out_channels", [0])) - 1)
-    return NetGeometry(int(net_cfg["sample_size"]) * vae_factor, vae_factor, vae_factor * net_factor)
+    grid = net_cfg.get("pos_embed_max_size")  # in patches; SD3's transformer refuses larger latents
+    max_side = int(grid) * vae_factor * net_factor if grid else None
+    return NetGeometry(
+        int(net_cfg["sample_size"]) * vae_factor, vae_factor, vae_factor * net_factor, max_side
+    )
 
 
 def _sampled_digest(path: Path, samples: int = 16, chunk: int = 65536) -> str:
@@ -194,7 +200,11 @@ def run_spec(
     tokens = (max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH) if family == "sd3" else None
     geometry = net_geometry(model)
     res = resolution or geometry.native_resolution
-    sizes = [list(s) for s in bucket_sizes(res, geometry.granularity)] if buckets else None
+    sizes = (
+        [list(s) for s in bucket_sizes(res, geometry.granularity, max_side=geometry.max_side)]
+        if buckets
+        else None
+    )
     records = read_metadata(Path(data))
     rows = data_files(Path(data), records)
     spec = CacheSpec(

@@ -122,7 +122,8 @@ def build_data(
             bucket_list = [(h, w) for h, w in cache.spec.buckets or []]
             image_hw = cache.sizes
         else:
-            bucket_list = bucket_sizes(resolution, net_geometry(cfg.model).granularity)
+            geometry = net_geometry(cfg.model)
+            bucket_list = bucket_sizes(resolution, geometry.granularity, max_side=geometry.max_side)
             image_hw = image_sizes([r.path for r in good])
         bucket_of = assign_buckets(image_hw, bucket_list)
         sizes = [bucket_list[b] for b in bucket_of]

@@ -39,6 +39,13 @@ def test_sdxl_like_set_and_refused_grid():
     assert {(1024, 1024), (896, 1152), (1152, 896), (768, 1344)} <= set(bucket_sizes(1024, 64))
     with pytest.raises(UserError, match="multiple of 64"):
         bucket_sizes(1000, 64)
+    # SD3 at 1024: its position embedding covers 192 patches x 2 x 8 = 3072 px, so nothing is cut; a
+    # smaller grid cuts the elongated sizes and keeps the rest.
+    assert bucket_sizes(1024, 16, max_side=3072) == bucket_sizes(1024, 16)
+    capped = bucket_sizes(1024, 64, max_side=1280)
+    assert max(max(s) for s in capped) <= 1280 and (832, 1280) in capped and (768, 1344) not in capped
+    with pytest.raises(UserError, match="above the 512 pixels"):
+        bucket_sizes(1024, 64, max_side=512)
 
 
 def test_images_go_to_the_nearest_aspect_ratio():
