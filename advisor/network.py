@@ -44,6 +44,17 @@ class Link:
     busbw_bytes_s: float
     hop_latency_s: float
     source: str
+    per_collective: tuple[tuple[str, float, float], ...] = ()
+    """(collective, busbw bytes/s, hop latency s) where each was measured: libraries run the collectives
+    very differently (gloo's all-gather reaches two thirds of its all-reduce's bus bandwidth, and it runs
+    reduce-scatter as a whole all-reduce), so each op is costed with its own fit when there is one."""
+
+    def figures(self, collective: str) -> tuple[float, float]:
+        """(busbw bytes/s, hop latency s) for one collective: its own fit, else the link's."""
+        for name, busbw, latency in self.per_collective:
+            if name == collective:
+                return busbw, latency
+        return self.busbw_bytes_s, self.hop_latency_s
 
 
 @dataclass(frozen=True)
@@ -69,8 +80,9 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
     chosen.sort(key=lambda f: f.bandwidth_gbps)
     mid = chosen[len(chosen) // 2]
     latencies = sorted(f.hop_latency_us for f in chosen)
+    own = tuple((f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6) for f in chosen)
     return Link(mid.bandwidth_gbps * GB, latencies[len(latencies) // 2] * 1e-6,
-                f"measured, {mid.library}, comm_fit.json")  # fmt: skip
+                f"measured, {mid.library}, comm_fit.json", own)  # fmt: skip
 
 
 def build_network(

@@ -74,16 +74,18 @@ def ops_from_trial(comm_ops: str | dict | None, stage: int, world: int, grad_acc
 
 
 def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float) -> float:
-    """Ring cost of one level: count x latency steps + bus volume / busbw. Tree latency where shorter."""
+    """Ring cost of one level: count x latency steps + bus volume / busbw, with the figures measured for
+    this collective where there are some. Tree latency where shorter."""
     if ranks <= 1:
         return 0.0
+    busbw, hop_latency = link.figures(kind)
     if kind == "all_reduce":
         steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
         volume = 2 * (ranks - 1) / ranks * size
     else:
         steps = ranks - 1
         volume = (ranks - 1) / ranks * size
-    return count * steps * link.hop_latency_s + volume / link.busbw_bytes_s
+    return count * steps * hop_latency + volume / busbw
 
 
 def op_seconds(op: CommOp, ranks_per_node: int, nodes: int, net: Network) -> tuple[float, float]:

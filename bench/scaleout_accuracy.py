@@ -60,6 +60,12 @@ def main() -> int:
     with Cluster(hosts=2, slots=1) as cluster:
         cluster.write_hostfile(cluster.hostfile)
         _, master, interface, env_file, merge = prepare_hosts(cluster.hostfile, workdir=work)
+        # The "hosts" share this machine's cores. A rank alone on its namespace host would size torch's
+        # thread pool to all of them (as it should on a real host), and the two would thrash each other:
+        # give each rank its share, as the 1-host trial's two ranks get.
+        threads = max(1, len(os.sched_getaffinity(0)) // 2)
+        with env_file.open("a") as f:
+            f.write(f"OMP_NUM_THREADS={threads}\n")
         print(
             f"cluster {cluster.tag}: {master} + 1 host over {interface}; {env_file}: added {sorted(merge.added)}"
         )

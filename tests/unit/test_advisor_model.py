@@ -276,6 +276,18 @@ def test_offload_trials_get_their_own_fixed_cost():
         assert predicted == pytest.approx(row["step_time_s"], rel=1e-9)
 
 
+def test_each_collective_is_costed_with_its_own_measured_fit():
+    """gloo's all-gather is slower than its all-reduce: a link measured per collective costs each op with
+    its own figures, and falls back to the link's for one it did not measure."""
+    from advisor.network import Link
+    from advisor.time_model import _phase_s
+
+    link = Link(1e9, 1e-5, "test", per_collective=(("all_gather", 0.5e9, 2e-5),))
+    gather = _phase_s("all_gather", 1e8, 2, link, count=1)
+    assert gather == pytest.approx(1 * 2e-5 + 0.5e8 / 0.5e9)
+    assert _phase_s("all_reduce", 1e8, 2, link, count=1) == pytest.approx(2 * 1e-5 + 1e8 / 1e9)
+
+
 def test_step_time_is_fitted_to_the_median_step():
     """One slow step (another process on the machine) moves a trial's mean, not the median modelled."""
     trials = grid_trials(noise=False)
