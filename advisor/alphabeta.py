@@ -121,7 +121,9 @@ def _latency_intercept(x: np.ndarray, t: np.ndarray) -> float:
         return float(np.min(t[low]))
     design = np.column_stack([np.ones(int(low.sum())), x[low]]) / t[low, None]
     (alpha, _), *_ = np.linalg.lstsq(design, np.ones(int(low.sum())), rcond=None)
-    return float(alpha)
+    # No message is faster than the latency: a line through noisy small sizes that falls with size (a
+    # shaped link's bursts, a shared CPU) would put its intercept above every time measured there.
+    return float(min(alpha, np.min(t[low])))
 
 
 def fit_line(size_bytes: Sequence[float] | np.ndarray, time_s: Sequence[float] | np.ndarray) -> LineFit:

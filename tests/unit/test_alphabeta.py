@@ -182,3 +182,12 @@ def test_json_round_trip(tmp_path: Path) -> None:
 def test_from_dict_ignores_derived_fields() -> None:
     fit = AlphaBetaFit("torch", "gloo", "all_reduce", "intra", 2, 1, 1e-5, 1e-10, 5, 4096, 65536, 0.01)
     assert AlphaBetaFit.from_dict(fit.to_dict()) == fit
+
+
+def test_latency_never_exceeds_the_fastest_small_message() -> None:
+    """Small sizes whose times fall with size (noise on a shared machine) must not give a latency above
+    what the smallest messages actually took."""
+    sizes = np.array([2**15, 2**16, 2**17, 2**20, 2**22, 2**24], dtype=float)
+    times = np.array([1.27e-3, 0.89e-3, 0.71e-3, 9e-3, 35e-3, 140e-3])
+    fit = fit_line(sizes, times)
+    assert 0 < fit.alpha_s <= 0.71e-3
