@@ -13,10 +13,11 @@ model and synthetic data are written into <out>/ first, so `sdzero advise --max-
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -80,6 +81,25 @@ def device_memory_bytes(device: dict[str, Any], ranks_per_node: int) -> tuple[fl
             return float(out.stdout.strip()), f"{device['device']} device 0 total memory"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return float(total) / ranks_per_node, f"host memory / {ranks_per_node} ranks (no accelerator)"
+
+
+ADVISOR_OWNED = ("--deepspeed_config", "--model", "--data", "--output-dir", "--max-steps", "--profile-out",
+                 "--profile-warmup-steps", "--local_rank")  # fmt: skip
+"""Trainer options every trial sets itself: --train-args may not change them."""
+
+
+def check_train_args(train_args: Sequence[str] | str) -> tuple[str, ...]:
+    """The user's extra trainer options (--resolution, --cache-dir, --gradient-checkpointing, ...), which
+    change what a step costs and so must be measured; refused if they take over what the trials set."""
+    args = tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args)
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name.replace("_", "-") in {owned.replace("_", "-") for owned in ADVISOR_OWNED}:
+            raise UserError(
+                f"--train-args: {name} is set by the advisor for every trial (use --model, --data or "
+                "--deepspeed-config of `sdzero advise` instead, or leave it out)"
+            )
+    return args
 
 
 def default_inputs(out_dir: Path, model: str | None, data: Path | None) -> tuple[str, Path]:
@@ -170,6 +190,7 @@ def run_advise(
     grid: GridRequest | None = None,
     comm_budget_s: float | None = None,
     log: Callable[[str], None] | None = None,
+    train_args: Sequence[str] = (),
 ) -> AdviseResult:
     """The whole advise pipeline; bad input raises UserError before any trial starts."""
     from advisor.comm import CommRunError, run_comm
@@ -178,6 +199,7 @@ def run_advise(
 
     say = log or (lambda message: None)
     nodes = check_options(max_nodes, headroom, device_memory_gib, lr_scaling, budget_minutes)
+    user_args = check_train_args(train_args)
     # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
     build_network(
         None, 1 if gpus_per_node is None else gpus_per_node, preset, inter_node_gbps, inter_node_latency_us
@@ -191,7 +213,8 @@ def run_advise(
     on_cpu = device["device"] == "cpu"
     ranks = default_ranks(device)
     steps, warmup = (5, 1) if on_cpu else (5, 2)
-    train_args = ("--num-workers", "1") if on_cpu else ()
+    # The user's options last: they override the CPU default (argparse keeps the last value).
+    train_args = (*(("--num-workers", "1") if on_cpu else ()), *user_args)
     # With a hostfile the trials run on this host only; the hosts' link is measured by the benchmark, and
     # the recommended config is then run across the hosts to check the scale-out prediction (below).
     hosts = prepare_hostfile(hostfile, say)
@@ -271,7 +294,7 @@ def run_advise(
         "global_batch_target": target.describe() if target else None, "grad_accum": int(best["grad_accum"]),
         "lr": lr, "lr_scaling": lr_scaling, "lr_reference_batch": reference_batch(base, ranks),
         "launch_command": launch_command(config_path, model, data, int(best["node_count"]), target_gpus, hostfile,
-                                         out_dir / "run"),
+                                         out_dir / "run", user_args),
         "error": {k: v for k, v in errors.items() if v is not None},
         "trials_run": int(len(trials)), "full_grid": int(search.full_grid),
         "chosen_by_model": search.chosen_by_model, "search_log": search.log,
@@ -412,6 +435,13 @@ def advise_command(
     lr_scaling: Annotated[
         str, typer.Option(help="learning-rate scaling with the global batch: linear or sqrt.")
     ] = "linear",
+    train_args: Annotated[
+        str,
+        typer.Option(
+            help="trainer options for every trial and the recommended launch, e.g. '--resolution 1024 "
+            "--gradient-checkpointing' (what changes a step's time or memory must be measured with it)."
+        ),
+    ] = "",
 ) -> None:
     """Measure a few trials and the network, predict 1..--max-nodes nodes, recommend a runnable config."""
     from rich.console import Console
@@ -422,7 +452,7 @@ def advise_command(
         budget_minutes=budget_minutes, hostfile=hostfile, gpus_per_node=gpus_per_node,
         inter_node_gbps=inter_node_gbps, inter_node_latency_us=inter_node_latency_us, preset=preset,
         global_batch=global_batch, headroom=headroom, device_memory_gib=device_memory_gib, lr_scaling=lr_scaling,
-        log=lambda message: console.print(f"[dim]{message}[/dim]"),
+        log=lambda message: console.print(f"[dim]{message}[/dim]"), train_args=check_train_args(train_args),
     )  # fmt: skip
     rec = result.recommendation
     error = rec["error"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +51,14 @@ def recommended_ds_config(base: dict[str, Any], row: pd.Series, lr: float) -> di
 
 
 def launch_command(config_path: Path, model: str, data: Path, nodes: int, gpus_per_node: int,
-                   hostfile: Path | None, output_dir: Path) -> str:  # fmt: skip
+                   hostfile: Path | None, output_dir: Path, train_args: Sequence[str] = ()) -> str:  # fmt: skip
     from sdzero.launch import TRAIN_SCRIPT
 
     cmd = ["deepspeed"]
     if nodes > 1:
         cmd += ["--hostfile", str(hostfile or "hostfile"), "--num_nodes", str(nodes)]
     cmd += ["--num_gpus", str(gpus_per_node), str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path),
-            "--model", model, "--data", str(data), "--output-dir", str(output_dir)]  # fmt: skip
+            "--model", model, "--data", str(data), "--output-dir", str(output_dir), *train_args]  # fmt: skip
     return shlex.join(cmd)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -169,6 +170,31 @@ def test_scaling_is_monotone_where_the_formulas_say_so():
         comm = rows.sort_values("node_count")["exposed_comm_s"].to_numpy()
         assert (np.diff(comm) >= -1e-12).all()  # more nodes never communicate less per rank
         assert (rows["efficiency"] <= 1 + 1e-9).all()  # and never scale better than linear
+
+
+@pytest.mark.parametrize(
+    "args", ["--max-steps 3", "--output-dir=/tmp/x", "--deepspeed-config c.json", "--model m --resolution 64"]
+)
+def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
+    from typer.testing import CliRunner
+
+    from advisor.advise import check_train_args
+    from sdzero.cli import app
+
+    with pytest.raises(UserError, match="--train-args"):
+        check_train_args(args)
+    result = CliRunner().invoke(app, ["advise", "--out", str(tmp_path / "o"), "--train-args", args])
+    assert result.exit_code == 2 and "is set by the advisor" in result.output
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_train_args_reach_the_recommended_launch_command():
+    from advisor.advise import check_train_args
+    from advisor.recommend import launch_command
+
+    extra = check_train_args("--resolution 1024 --gradient-checkpointing")
+    cmd = launch_command(Path("c.json"), "m", Path("d"), 1, 8, None, Path("run"), extra)
+    assert cmd.endswith("--resolution 1024 --gradient-checkpointing")
 
 
 def test_node_counts_and_bad_values():
