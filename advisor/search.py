@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
@@ -106,7 +106,9 @@ def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], z
         return None, "every unmeasured grid point is measured, predicted not to fit, or above an OOM"
     scored.sort(key=lambda t: -t[0])
     top_rate, top = scored[0]
-    if top_rate <= (1 + DOMINATED_MARGIN) * best_measured:
+    # While a precision has a single micro-batch measured its compute is taken as proportional to the
+    # micro-batch, which cannot tell the micro-batches apart: measure the pick to learn the slope.
+    if not models.timing.proportional and top_rate <= (1 + DOMINATED_MARGIN) * best_measured:
         return None, (f"no unmeasured config is predicted faster than the best measured one at {target_nodes} "
                       f"nodes ({top.trial_id}: {top_rate:.1f} vs {best_measured:.1f} samples/s)")  # fmt: skip
     return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {target_nodes} nodes"
@@ -148,3 +150,29 @@ def run_search(
         trials = run_specs([spec])
     result.trials = trials
     return result
+
+
+CHECK_TRIALS = 2
+"""Configs measured after the search only to check the model: predicted before they run, never fitted."""
+
+
+def check_specs(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings,
+                measured_net: Network, usable_bytes: float, n: int = CHECK_TRIALS) -> list[TrialSpec]:  # fmt: skip
+    """The `n` unmeasured grid points the fitted model ranks fastest on the trials' own machine among
+    those it predicts to fit: the configs whose predicted figures matter most, and a fair test of them."""
+    if n <= 0 or (trials["status"] == "ok").sum() == 0:
+        return []
+    models = fit_models(trials, numels, zero, measured_net)
+    scored = []
+    for spec in (s for ladder in plan.ladders for s in ladder):
+        if _blocked(spec, trials):
+            continue
+        mem = models.memory.per_rank_bytes(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload,
+                                           spec.ranks_per_node)  # fmt: skip
+        if mem["total"] > usable_bytes:
+            continue
+        step = models.timing.predict(spec.zero_stage, spec.precision, spec.micro_batch, 1, 1,
+                                     replace(measured_net, gpus_per_node=spec.ranks_per_node), spec.offload)  # fmt: skip
+        scored.append((step.samples_per_s, spec))
+    scored.sort(key=lambda t: -t[0])
+    return [spec for _, spec in scored[:n]]

@@ -70,8 +70,25 @@ def validation_table(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSe
     return pd.DataFrame(rows)
 
 
+def check_rows(models: Models, checks: pd.DataFrame, measured_net: Network) -> pd.DataFrame:
+    """Validation rows of trials run after the fit to check it (`check` true): predicted by a model that
+    never saw them, the most honest error there is."""
+    rows = []
+    for _, row in checks[checks["status"] == "ok"].iterrows():
+        predicted, measured = trial_predictions(models, row, measured_net), measured_values(row)
+        for quantity in QUANTITIES:
+            rows.append({"config_id": row["trial_id"], "quantity": quantity, "predicted": predicted[quantity],
+                         "measured": measured[quantity], "held_out": True, "check": True,
+                         "node_count": int(row.get("nodes", 1) or 1), "micro_batch": int(row["micro_batch"]),
+                         "zero_stage": int(row["zero_stage"])})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def mape(validation: pd.DataFrame, quantity: str, held_out: bool = True) -> float | None:
-    """Mean absolute percentage error (a fraction) of one quantity; None without such rows."""
+    """Mean absolute percentage error (a fraction) of one quantity; None without such rows. Check trials
+    (measured after the fit), where there are any, are the held-out set; else leave-one-out."""
+    if held_out and "check" in validation and validation["check"].fillna(False).astype(bool).any():
+        validation = validation[validation["check"].fillna(False).astype(bool)]
     rows = validation[(validation["quantity"] == quantity) & (validation["held_out"] == held_out)]
     rows = rows[rows["measured"] > 0]
     if rows.empty:

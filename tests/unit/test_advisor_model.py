@@ -314,6 +314,27 @@ def test_each_collective_is_costed_with_its_own_measured_fit():
     assert _phase_s("all_reduce", 1e8, 2, link, count=1) == pytest.approx(2 * 1e-5 + 1e8 / 1e9)
 
 
+def test_check_trials_are_unmeasured_predicted_before_they_run_and_set_the_error():
+    from advisor.search import check_specs
+    from advisor.validate import check_rows
+
+    full = grid_trials(noise=False).set_index("trial_id")
+    plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
+                                 ranks_per_node=(2,)), {"bf16": True, "fp16": True})  # fmt: skip
+    fitted_ids = ["z1-bf16-mb1-off-none-r2", "z2-bf16-mb1-off-none-r2", "z3-bf16-mb1-off-none-r2",
+                  "z1-bf16-mb8-off-none-r2"]  # fmt: skip
+    trials = full.loc[fitted_ids].reset_index()
+    checks = check_specs(plan, trials, NUMELS, ZERO, nets()[0], 1e12)
+    assert len(checks) == 2 and not {c.trial_id for c in checks} & set(fitted_ids)
+    assert checks[0].trial_id == "z2-bf16-mb8-off-none-r2"  # the fastest unmeasured config
+    models = fit_models(trials, NUMELS, ZERO, nets()[0])
+    rows = check_rows(models, full.loc[[c.trial_id for c in checks]].reset_index(), nets()[0])
+    loo = validation_table(trials, NUMELS, ZERO, nets()[0])
+    both = pd.concat([loo, rows], ignore_index=True)
+    assert mape(both, "step_time_s") == pytest.approx(mape(rows, "step_time_s"))  # checks, not the LOO
+    assert mape(rows, "step_time_s") < 1e-9  # noise-free linear data: the fit predicts them exactly
+
+
 def test_step_time_is_fitted_to_the_median_step():
     """One slow step (another process on the machine) moves a trial's mean, not the median modelled."""
     trials = grid_trials(noise=False)
