@@ -97,12 +97,14 @@ def worker(args: argparse.Namespace) -> None:
     from sdzero import loop
     from sdzero.cache import open_cache
     from sdzero.config import TrainConfig, load_ds_config, world_size_from_env
+    from sdzero.environment import share_cpu_threads
     from sdzero.models import load_components, resolve_prediction_type
     from sdzero.preemption import PreemptionFlag
     from sdzero.shm import release_shm_buffer
     from sdzero.step_hooks import StepHooks
 
     ds = load_ds_config(args.config, world_size_from_env())
+    share_cpu_threads()  # as the trainer does
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
