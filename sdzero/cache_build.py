@@ -325,15 +325,8 @@ def _write_index(out: Path, data: Path, spec: CacheSpec, rows, good: list[Record
 
 def launcher_command(cache_args: list[str], num_gpus: int | None, hostfile: Path | None) -> list[str]:
     """`deepspeed ... --module sdzero.cli cache ARGS`: every rank (on every host) builds its share."""
-    from sdzero.launch import deepspeed_executable, free_port
+    from sdzero.launch import deepspeed_command
 
-    cmd = [deepspeed_executable()]
-    if hostfile is not None:
-        if not Path(hostfile).is_file():
-            raise UserError(f"--hostfile {hostfile}: no such file")
-        cmd += ["--hostfile", str(hostfile)]
-    if num_gpus is not None:
-        cmd += ["--num_gpus", str(num_gpus)]
     # --no_local_rank: the ranks read RANK/LOCAL_RANK from the environment, as the trainer does.
-    return [*cmd, "--master_port", str(free_port()), "--no_local_rank", "--module", "sdzero.cli", "cache",
-            *cache_args]  # fmt: skip
+    entry = ["--no_local_rank", "--module", "sdzero.cli", "cache"]
+    return deepspeed_command(cache_args, num_gpus=num_gpus, hostfile=hostfile, entry=entry)

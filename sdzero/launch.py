@@ -36,8 +36,10 @@ def deepspeed_command(
     num_gpus: int | None = None,
     hostfile: Path | None = None,
     master_port: int | None = None,
+    entry: list[str] | None = None,
 ) -> list[str]:
-    """`deepspeed [--num_gpus N | --hostfile H] --master_port P sdzero/train.py ARGS`."""
+    """`deepspeed [--num_gpus N | --hostfile H] --master_port P ENTRY ARGS`; ENTRY is sdzero/train.py unless
+    given (e.g. `--no_local_rank --module sdzero.cli cache` for the cache build)."""
     cmd = [deepspeed_executable()]
     if hostfile is not None:
         if not Path(hostfile).is_file():
@@ -47,7 +49,7 @@ def deepspeed_command(
         if num_gpus < 1:
             raise UserError(f"--num-gpus must be at least 1, got {num_gpus}")
         cmd += ["--num_gpus", str(num_gpus)]
-    cmd += ["--master_port", str(master_port or free_port()), str(TRAIN_SCRIPT), *train_args]
+    cmd += ["--master_port", str(master_port or free_port()), *(entry or [str(TRAIN_SCRIPT)]), *train_args]
     return cmd
 
 
