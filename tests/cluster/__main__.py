@@ -1,6 +1,6 @@
 """`python tests/cluster up|down|list`: a namespace cluster that outlives the command, for trying things by hand.
 
-python tests/cluster up --hosts 2 --slots 1 --rate 1gbit   # prints the tag and the hostfile
+python tests/cluster up --hosts 2 --slots 1 --rate 1gbit --delay-ms 1   # prints the tag and the hostfile
 python tests/cluster list
 python tests/cluster down TAG        # or: down --all (every cluster this tool made)
 """
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--hosts", type=int, default=2)
     up.add_argument("--slots", type=int, default=1)
     up.add_argument("--rate", default=None, help="tc tbf rate per host link, e.g. 1gbit or 200mbit")
+    up.add_argument("--delay-ms", type=float, default=None, help="one-way delay each host adds to what it sends")
     down = sub.add_parser("down", help="remove a cluster (or all) and end only the processes it started")
     down.add_argument("tag", nargs="?")
     down.add_argument("--all", action="store_true")
@@ -36,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         except ClusterUnavailable as exc:
             print(f"cluster: cannot start here: {exc}", file=sys.stderr)
             return 2
-        if args.rate:
-            cluster.shape(args.rate)
+        if args.rate or args.delay_ms:
+            cluster.shape(args.rate, delay_ms=args.delay_ms)
         print(f"tag {cluster.tag}; hostfile {cluster.hostfile}; master {cluster.master.address}")
         cluster.write_hostfile(cluster.hostfile)
         return 0

@@ -10,8 +10,9 @@ Everything a cluster creates carries its tag (netns, bridge, veths, the state fo
 `down()` ends exactly what was started, and a cluster left behind by a killed run is found and removed by
 the next `up()` (its owner process is gone) without touching anything else.
 
-Links can be rate-limited with `tc tbf`. Added delay needs `netem`, which this kernel does not have
-("Specified qdisc kind is unknown"); `shape(delay_ms=...)` says so instead of pretending.
+Links can be rate-limited with `tc tbf` and given a one-way delay. This kernel has no `netem` ("Specified
+qdisc kind is unknown"), so the delay is a TUN device in each host and a relay process that holds each
+packet for the delay (delayline.py says how); the rate limit then sits on that device, before the delay.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import os
 import secrets
 import shutil
 import signal
+import select
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +38,12 @@ SUBNET_PREFIX = "10.77"
 KNOWN_HOSTS = Path.home() / ".ssh" / "known_hosts"
 CLIENT_KEY = Path.home() / ".ssh" / "id_ed25519"
 """ssh, pdsh and Open MPI's ssh agent use the default identity, so the cluster authorizes that key."""
+DELAY_DEVICE = "sdzdelay"
+DELAY_TABLE = "177"
+"""Routing table (and rule priority) that sends a host's own packets to the cluster through DELAY_DEVICE."""
+DELAYED_MTU = 65000
+"""MTU of every link while a delay is on: big packets keep the user-space relay to a few thousand a second."""
+PLAIN_MTU = 1500
 
 
 class ClusterUnavailable(RuntimeError):
@@ -85,6 +94,8 @@ class Cluster:
     members: list[Host] = field(default_factory=list)
     subnet: str = ""
     shaped_rate: str | None = None
+    delay_ms: float | None = None
+    delay_pids: list[int] = field(default_factory=list)
 
     @property
     def state_dir(self) -> Path:
@@ -245,21 +256,79 @@ class Cluster:
                    check=check, timeout=timeout)  # fmt: skip
 
     def shape(self, rate: str | None, delay_ms: float | None = None) -> None:
-        """Rate-limit every host's link (egress of its eth0) with a token bucket; None removes it."""
-        if delay_ms:
-            raise ValueError(
-                "added delay needs the netem qdisc, which this kernel does not provide "
-                "('Specified qdisc kind is unknown'); only rate shaping (tbf) is available here"
-            )
+        """Rate-limit every host's outgoing link with a token bucket and/or delay it by delay_ms one way
+        (a round trip between two hosts then takes 2 x delay_ms); None removes either."""
+        if delay_ms is not None and not 0 < delay_ms <= 1000:
+            raise ValueError(f"delay_ms={delay_ms}: must be in (0, 1000] ms")
+        if delay_ms != self.delay_ms:
+            self._delay_off()
+            if delay_ms:
+                self._delay_on(delay_ms)
+        device = DELAY_DEVICE if delay_ms else "eth0"
         for h in self.members:
-            if rate is None:
-                self.exec(h, ["tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
-            else:
-                # burst must hold at least one timer tick of traffic at the rate; 256 kB does up to ~10 Gbit/s.
-                self.exec(h, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
+            self.exec(h, ["tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
+            if rate is not None:
+                # burst must hold at least one timer tick of traffic at the rate and one whole packet at the
+                # largest MTU; 256 kB does both up to ~10 Gbit/s.
+                self.exec(h, ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
                               "burst", "256kb", "latency", "50ms"])  # fmt: skip
+            elif delay_ms:
+                self.exec(h, ["tc", "qdisc", "del", "dev", device, "root"], check=False)
         self.shaped_rate = rate
         self._save()
+
+    def _delay_on(self, delay_ms: float) -> None:
+        """Start a relay in each host, then route the host's own packets for the cluster subnet through it."""
+        self._set_mtu(DELAYED_MTU)
+        relay = Path(__file__).with_name("delayline.py")
+        for h in self.members:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", h.netns, sys.executable, str(relay), DELAY_DEVICE, str(delay_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            self.delay_pids.append(proc.pid)
+            self.delay_ms = delay_ms
+            self._save()  # recorded at once: teardown also ends every process left in the namespace
+            ready, _, _ = select.select([proc.stdout], [], [], 20)
+            line = proc.stdout.readline().strip() if ready else ""
+            if line != "ready":
+                proc.kill()
+                raise RuntimeError(f"delay relay in {h.netns} did not start: {line or 'no answer in 20 s'}")
+            self.exec(h, ["ip", "link", "set", DELAY_DEVICE, "mtu", str(DELAYED_MTU), "up"])
+            for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
+                        f"net.ipv4.conf.{DELAY_DEVICE}.rp_filter=0",
+                        # the relay hands back packets whose source is this host's own address
+                        f"net.ipv4.conf.{DELAY_DEVICE}.accept_local=1"):  # fmt: skip
+                self.exec(h, ["sysctl", "-q", "-w", key])
+            self.exec(h, ["ip", "route", "add", f"{self.subnet}.0/24", "dev", DELAY_DEVICE, "src", h.address,
+                          "table", DELAY_TABLE])  # fmt: skip
+            # `iif lo` is what the host sends itself; what the relay writes back arrives on the TUN device
+            # and takes the main table out of eth0.
+            self.exec(h, ["ip", "rule", "add", "pref", DELAY_TABLE, "iif", "lo", "to", f"{self.subnet}.0/24",
+                          "lookup", DELAY_TABLE])  # fmt: skip
+
+    def _delay_off(self) -> None:
+        for h in self.members:
+            self.exec(h, ["ip", "rule", "del", "pref", DELAY_TABLE], check=False)
+        for pid in self.delay_pids:
+            if "delayline.py" in _cmdline(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        for pid in self.delay_pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        if self.delay_pids:
+            self._set_mtu(PLAIN_MTU)
+        self.delay_pids, self.delay_ms = [], None
+        self._save()
+
+    def _set_mtu(self, mtu: int) -> None:
+        # Host ends and bridge ports first: a bridge's MTU cannot exceed its ports'.
+        for h in self.members:
+            self.exec(h, ["ip", "link", "set", "eth0", "mtu", str(mtu)])
+            run(["ip", "link", "set", h.veth, "mtu", str(mtu)])
+        run(["ip", "link", "set", self.bridge, "mtu", str(mtu)])
 
     def rank_pids(self, h: Host, marker: str = "sdzero/train.py") -> list[int]:
         """Training ranks running in host h: processes in its namespace that run `marker` and whose parent
@@ -284,6 +353,8 @@ class Cluster:
             "known_hosts_mark": self.known_hosts_mark,
             "hosts": [{"address": h.address, "hostname": h.hostname, "netns": h.netns} for h in self.members],
             "shaped_rate": self.shaped_rate,
+            "delay_ms": self.delay_ms,
+            "delay_pids": self.delay_pids,
         }
         tmp = self.state_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))

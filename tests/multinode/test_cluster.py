@@ -1,5 +1,5 @@
 """The namespace cluster itself: teardown removes exactly what it made, a killed owner's cluster is reaped,
-and delay shaping (netem, absent from this kernel) is refused rather than faked."""
+and shaped links give the round trip and rate they promise."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from cluster import netns
+from cluster.linkcheck import round_trip_s, throughput_bit_s
 from cluster.netns import Cluster
 
 pytestmark = pytest.mark.multinode
@@ -51,6 +52,28 @@ def test_cluster_of_a_killed_owner_is_reaped(cluster, tmp_path):
     assert cluster.tag not in reaped  # a living owner's cluster stays
 
 
-def test_delay_is_refused_not_faked(cluster):
-    with pytest.raises(ValueError, match="netem"):
-        cluster.shape("1gbit", delay_ms=1)
+def test_delay_and_rate_shaping(cluster):
+    a, b = cluster.members[:2]
+    plain = round_trip_s(cluster, a, b)
+    try:
+        cluster.shape("200mbit", delay_ms=1)
+        delayed = round_trip_s(cluster, a, b)
+        rate = throughput_bit_s(cluster, a, b, mebibytes=12)
+        # Each host delays what it sends: a round trip is 2 ms plus the relay's and the stack's own cost,
+        # which stays well under a millisecond unless the machine is very busy.
+        assert 2e-3 <= delayed < 3.5e-3, f"round trip {delayed * 1e3:.2f} ms with 1 ms each way"
+        # One TCP stream through the bucket: never above the rate; TCP's ramp-up over the 2 ms round trip
+        # and a shared machine cost some of it.
+        assert 0.5 * 200e6 < rate <= 1.03 * 200e6, f"{rate / 1e6:.0f} Mbit/s through a 200 Mbit/s bucket"
+        state = netns.list_clusters()
+        assert [s["delay_ms"] for s in state if s["tag"] == cluster.tag] == [1]
+    finally:
+        cluster.shape(None)
+    restored = round_trip_s(cluster, a, b)
+    assert restored < 1e-3 and restored < 4 * plain + 2e-4, (plain, restored)
+    assert cluster.delay_pids == [] and "mtu 1500" in cluster.exec(a, ["ip", "link", "show", "eth0"]).stdout
+
+
+def test_bad_delay_is_refused(cluster):
+    with pytest.raises(ValueError, match="delay_ms"):
+        cluster.shape("1gbit", delay_ms=-1)
