@@ -23,9 +23,9 @@ import fcntl
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
-import select
 import subprocess
 import sys
 import time
