@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--hosts", type=int, default=2)
     up.add_argument("--slots", type=int, default=1)
     up.add_argument("--rate", default=None, help="tc tbf rate per host link, e.g. 1gbit or 200mbit")
-    up.add_argument("--delay-ms", type=float, default=None, help="one-way delay each host adds to what it sends")
+    up.add_argument(
+        "--delay-ms", type=float, default=None, help="one-way delay each host adds to what it sends"
+    )
     down = sub.add_parser("down", help="remove a cluster (or all) and end only the processes it started")
     down.add_argument("tag", nargs="?")
     down.add_argument("--all", action="store_true")

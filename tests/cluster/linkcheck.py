@@ -66,7 +66,9 @@ def round_trip_s(cluster: Cluster, src: Host, dst: Host, count: int = 30) -> flo
     """Median round trip of a 1-byte TCP message from src to dst and back."""
     server = _serve(cluster, dst, "echo")
     try:
-        return float(cluster.exec(src, [sys.executable, "-c", _PING, dst.address, str(PORT), str(count)]).stdout)
+        return float(
+            cluster.exec(src, [sys.executable, "-c", _PING, dst.address, str(PORT), str(count)]).stdout
+        )
     finally:
         server.kill()
         server.wait()
