@@ -345,7 +345,7 @@ def memory_phase(
     result = run_profile(
         model=model, data=data, out_dir=out,
         grid=GridRequest(stages=(2,), precisions=("bf16",), micro_batches=tuple(batches), ranks_per_node=(1,)),
-        base_config=base, steps=3, warmup_steps=2, trial_timeout_s=per_trial + 60, stall_timeout_s=60,
+        base_config=base, steps=3, warmup_steps=2, trial_timeout_s=per_trial + 30, stall_timeout_s=60,
         train_args=["--resolution", str(resolution), "--num-workers", "4"], log=say,
     )  # fmt: skip
     table = result.table
