@@ -188,6 +188,10 @@ class AlphaBetaFit:
     """True when the library does not run this collective natively (e.g. gloo's reduce-scatter)."""
     noisy_points_dropped: int = 0
     """Points left out because their repeats disagreed by more than NOISY_SPREAD (see fit_table)."""
+    burst_alpha_s: float | None = None
+    """Latency per call when many calls are in flight at once (the sweep's burst; all-gather only):
+    what each of ZeRO-3's back-to-back parameter gathers costs besides its bytes. None: not measured."""
+    burst_in_flight: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -198,6 +202,13 @@ class AlphaBetaFit:
     def hop_latency_us(self) -> float:
         """alpha divided by the ring's sequential steps: a per-hop latency comparable across n."""
         return self.latency_us / max(ring_latency_steps(self.collective, self.ranks), 1)
+
+    @property
+    def burst_hop_latency_s(self) -> float | None:
+        """burst_alpha_s per ring step, like hop_latency_us."""
+        if self.burst_alpha_s is None:
+            return None
+        return self.burst_alpha_s / max(ring_latency_steps(self.collective, self.ranks), 1)
 
     @property
     def algbw_gbps(self) -> float:
@@ -250,6 +261,8 @@ def fit_table(table: pd.DataFrame) -> list[AlphaBetaFit]:
     """
     fits: list[AlphaBetaFit] = []
     good = table[table["correct"].astype(bool)]
+    in_flight = good["in_flight"].fillna(1) if "in_flight" in good else pd.Series(1, index=good.index)
+    bursts, good = good[in_flight > 1], good[in_flight <= 1]
     for key, group in good.groupby(list(FIT_KEYS), sort=True):
         if group["size_bytes"].nunique() < 2:
             continue
@@ -274,9 +287,22 @@ def fit_table(table: pd.DataFrame) -> list[AlphaBetaFit]:
                 clamped=line.clamped,
                 emulated=bool(group["emulated"].astype(bool).any()),
                 noisy_points_dropped=len(group) - len(used),
+                **_burst_latency(bursts, values, line.beta_s_per_byte),
             )
         )
     return fits
+
+
+def _burst_latency(bursts: pd.DataFrame, key: dict[str, Any], beta: float) -> dict[str, Any]:
+    """burst_alpha_s for one fit: the time per call of its burst rows less their bytes' share (beta from
+    the blocking sweep), floored at zero; nothing when that group had no burst."""
+    mine = bursts
+    for name, value in key.items():
+        mine = mine[mine[name] == value]
+    if mine.empty:
+        return {}
+    per_call = float(np.median(mine["time_s"] - mine["size_bytes"] * beta))
+    return {"burst_alpha_s": max(per_call, 0.0), "burst_in_flight": int(mine["in_flight"].max())}
 
 
 def fits_payload(fits: Iterable[AlphaBetaFit], meta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -293,6 +319,7 @@ def fits_payload(fits: Iterable[AlphaBetaFit], meta: dict[str, Any] | None = Non
             "beta_s_per_byte": "seconds per byte",
             "latency_us": "alpha in microseconds",
             "hop_latency_us": "alpha / ring steps (2(n-1) all-reduce, n-1 otherwise), microseconds",
+            "burst_alpha_s": "latency per call with burst_in_flight calls started before waiting, seconds",
             "algbw_gbps": "1 / beta in GB/s, G = 1e9 bytes (nccl-tests unit, not gigabits)",
             "bandwidth_gbps": "asymptotic busbw = algbw_gbps * busbw_factor, GB/s (1e9 bytes/s)",
             "rel_rmse": "root mean square of (fit - measured) / measured over all sizes",

@@ -49,6 +49,15 @@ class Link:
     very differently (gloo's all-gather reaches two thirds of its all-reduce's bus bandwidth, and it runs
     reduce-scatter as a whole all-reduce), so each op is costed with its own fit when there is one."""
 
+    burst_latency: tuple[tuple[str, float], ...] = ()
+    """(collective, hop latency s) when many calls are in flight at once, where a burst was measured."""
+
+    def burst_hop_latency(self, collective: str) -> float | None:
+        for name, latency in self.burst_latency:
+            if name == collective:
+                return latency
+        return None
+
     def figures(self, collective: str) -> tuple[float, float]:
         """(busbw bytes/s, hop latency s) for one collective: its own fit, else the link's."""
         for name, busbw, latency in self.per_collective:
@@ -81,8 +90,9 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
     mid = chosen[len(chosen) // 2]
     latencies = sorted(f.hop_latency_us for f in chosen)
     own = tuple((f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6) for f in chosen)
+    bursts = tuple((f.collective, f.burst_hop_latency_s) for f in chosen if f.burst_hop_latency_s is not None)
     return Link(mid.bandwidth_gbps * GB, latencies[len(latencies) // 2] * 1e-6,
-                f"measured, {mid.library}, comm_fit.json", own)  # fmt: skip
+                f"measured, {mid.library}, comm_fit.json", own, bursts)  # fmt: skip
 
 
 def build_network(

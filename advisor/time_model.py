@@ -36,6 +36,10 @@ from advisor.network import Link, Network
 
 SMALL_OP_BYTES = 1024
 """Ops below this size (loss-scale checks, broadcasts of flags) cost latency only and run once per step."""
+BURST_CALLS = 16
+"""An op issued at least this often per step is issued in bursts, not waited for call by call (ZeRO-3's
+parameter gathers: prefetch, and the gather of persistent parameters after each step); each call then
+costs the link's burst latency where `sdzero comm` measured one (advisor.collectives.measure_burst)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float) -> fl
     if ranks <= 1:
         return 0.0
     busbw, hop_latency = link.figures(kind)
+    burst = link.burst_hop_latency(kind)
+    if count >= BURST_CALLS and burst is not None:
+        hop_latency = burst
     if kind == "all_reduce":
         steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
         volume = 2 * (ranks - 1) / ranks * size

@@ -113,6 +113,21 @@ def test_mpi_fit_is_positive_and_native(result: CommResult) -> None:
 
 
 @pytest.mark.dist
+def test_burst_of_all_gathers_is_measured_and_kept_out_of_the_line_fit(result: CommResult) -> None:
+    for backend, rows in result.table.groupby("backend"):
+        burst = rows[rows["in_flight"] > 1]
+        assert len(burst) == 1 and burst["collective"].tolist() == ["all_gather"], backend
+        assert burst["size_bytes"].iloc[0] == rows["size_bytes"].min() and burst["correct"].all()
+        assert (rows.loc[rows["in_flight"] == 1, "iters"] >= 1).all()
+        fits = {f.collective: f for f in result.fits if f.backend == backend}
+        gather = fits["all_gather"]
+        assert gather.burst_in_flight == 32 and gather.burst_alpha_s is not None and gather.burst_alpha_s >= 0
+        blocking = rows[(rows["in_flight"] == 1) & (rows["collective"] == "all_gather")]
+        assert gather.n_points == len(blocking) - gather.noisy_points_dropped  # the burst is not a line point
+        assert fits["all_reduce"].burst_alpha_s is None
+
+
+@pytest.mark.dist
 def test_fit_json_matches_and_logs_are_kept(result: CommResult) -> None:
     assert load_fits(result.fit_path) == result.fits
     for log in result.log_paths.values():
@@ -151,6 +166,10 @@ class LocalComm:
         buffers.recv.copy_(result)
         time.sleep(self.seconds_per_byte * count * 4)
 
+    def all_gather_burst(self, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> None:
+        for send, recv in zip(sends, recvs, strict=True):
+            self.run("all_gather", Buffers(send, recv, recv))
+
     def barrier(self) -> None:
         pass
 
@@ -177,6 +196,7 @@ def test_budget_stops_growing_sizes() -> None:
     start = time.perf_counter()
     points = sweep(LocalComm(seconds_per_byte=2e-9), settings, settings.budget_s, log=lambda _: None)
     assert 4096 <= max(p["size_bytes"] for p in points) < 256 * 2**20
+    assert [p["in_flight"] for p in points if "in_flight" in p] == [32]  # the burst, last
     assert time.perf_counter() - start < 3 * settings.budget_s
 
 

@@ -314,6 +314,45 @@ def test_each_collective_is_costed_with_its_own_measured_fit():
     assert _phase_s("all_reduce", 1e8, 2, link, count=1) == pytest.approx(2 * 1e-5 + 1e8 / 1e9)
 
 
+def test_ops_issued_in_bursts_pay_the_burst_latency():
+    """ZeRO-3's hundreds of parameter gathers per step go back to back: where `sdzero comm` measured a
+    burst, each call costs its latency; a rare op (one gather per step at ZeRO-1/2) pays the blocking one."""
+    from advisor.alphabeta import AlphaBetaFit
+    from advisor.network import Link, link_from_fits
+    from advisor.time_model import BURST_CALLS, _phase_s
+
+    link = Link(1e9, 2.5e-3, "test", burst_latency=(("all_gather", 1e-3),))
+    many = _phase_s("all_gather", 1e6, 2, link, count=BURST_CALLS * 13)
+    assert many == pytest.approx(BURST_CALLS * 13 * 1e-3 + 0.5e6 / 1e9)
+    assert _phase_s("all_gather", 1e6, 2, link, count=1) == pytest.approx(2.5e-3 + 0.5e6 / 1e9)
+    assert _phase_s("all_reduce", 1e6, 2, link, count=BURST_CALLS * 13) == pytest.approx(
+        BURST_CALLS * 13 * 2 * 2.5e-3 + 1e6 / 1e9
+    )  # no burst measured for it: blocking latency
+    # from a fit: the burst latency per call becomes a per-hop figure like the blocking one (4 ranks: 3 hops)
+    fit = AlphaBetaFit("torch", "gloo", "all_gather", "inter", 4, 4, 3e-3, 1e-9, 9, 4096, 2**20, 0.01,
+                       burst_alpha_s=1.5e-3, burst_in_flight=32)  # fmt: skip
+    measured = link_from_fits([fit], "inter")
+    assert measured.burst_hop_latency("all_gather") == pytest.approx(0.5e-3)
+    assert measured.figures("all_gather")[1] == pytest.approx(1e-3)
+    assert AlphaBetaFit.from_dict(fit.to_dict()) == fit
+
+
+def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
+    from advisor.alphabeta import fit_table
+
+    sizes = [4096 * 2**i for i in range(6)]
+    rows = [{"backend": "torch", "library": "gloo", "collective": "all_gather", "link_level": "inter",
+             "ranks": 2, "nodes": 2, "size_bytes": s, "time_s": 2e-3 + s * 1e-8, "correct": True,
+             "emulated": False, "time_spread": 0.0, "in_flight": 1} for s in sizes]  # fmt: skip
+    rows.append(rows[0] | {"time_s": 1e-3 + 4096 * 1e-8, "in_flight": 32})
+    (fit,) = fit_table(pd.DataFrame(rows))
+    assert fit.n_points == 6 and fit.alpha_s == pytest.approx(2e-3, rel=1e-6)
+    assert fit.burst_alpha_s == pytest.approx(1e-3, rel=1e-6) and fit.burst_in_flight == 32
+    old = pd.DataFrame(rows[:-1]).drop(columns="in_flight")  # a comm.csv from before the burst
+    (fit,) = fit_table(old)
+    assert fit.burst_alpha_s is None and fit.alpha_s == pytest.approx(2e-3, rel=1e-6)
+
+
 def test_check_trials_are_unmeasured_predicted_before_they_run_and_set_the_error():
     from advisor.search import check_specs
     from advisor.validate import check_rows
