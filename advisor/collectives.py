@@ -411,7 +411,7 @@ def measure_burst(comm: Communicator, size_bytes: int, settings: SweepSettings) 
         comm.synchronize()
         return comm.max_over_ranks((time.perf_counter() - start) / settings.burst)
 
-    times = sorted(timed() for _ in range(max(settings.repeats, 3)))
+    times = sorted(timed() for _ in range(max(settings.repeats, 5)))
     time_s = times[len(times) // 2]
     actual_bytes = count * ELEMENT_BYTES
     return {
@@ -421,7 +421,7 @@ def measure_burst(comm: Communicator, size_bytes: int, settings: SweepSettings) 
         "dtype": str(DTYPE).removeprefix("torch."),
         "warmup": 1,
         "iters": settings.burst,
-        "repeats": max(settings.repeats, 3),
+        "repeats": max(settings.repeats, 5),
         "time_s": time_s,
         "time_spread": (times[-1] - times[0]) / time_s,
         "algbw_gbps": algbw_gbps(actual_bytes, time_s),

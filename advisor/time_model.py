@@ -39,7 +39,13 @@ SMALL_OP_BYTES = 1024
 BURST_CALLS = 16
 """An op issued at least this often per step is issued in bursts, not waited for call by call (ZeRO-3's
 parameter gathers: prefetch, and the gather of persistent parameters after each step); each call then
-costs the link's burst latency where `sdzero comm` measured one (advisor.collectives.measure_burst)."""
+costs the link's burst latency where `sdzero comm` measured one (advisor.collectives.measure_burst), and
+the burst's bytes move while its calls wait out their latencies, so it takes the longer of the two.
+
+A burst's calls are started without waiting (async), and DeepSpeed's comms_logger times an async call up
+to its start only, unless the accelerator synchronizes (CUDA does; a CPU does not). A trial's logged
+communication then misses most of its bursts, which would pass for compute: the fit counts each burst at
+the larger of what was logged and what it costs on the trial's own network (see _unlogged_burst_s)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,12 @@ class CommOp:
     full_bytes: float
     """Bytes of the whole buffer per step (all calls together), independent of the world size."""
     per_micro_step: bool
+    logged_s: float = 0.0
+    """Seconds per step (per micro-step where per_micro_step) the trial's comms_logger timed for it."""
+
+    @property
+    def burst(self) -> bool:
+        return self.count >= BURST_CALLS
 
 
 def _kind(name: str) -> str:
@@ -69,11 +81,12 @@ def ops_from_trial(comm_ops: str | dict | None, stage: int, world: int, grad_acc
         kind = _kind(name)
         count = float(figures["count_per_step"])
         size = float(figures["bytes_per_step"]) * (world if kind == "all_gather" else 1)
+        logged = float(figures.get("seconds_per_step", 0.0))
         large = size / max(count, 1.0) >= SMALL_OP_BYTES
         repeats = large and ((stage == 3) or (stage == 2 and kind != "all_gather"))
         if repeats:  # the trial's figures cover grad_accum micro-steps
-            count, size = count / grad_accum, size / grad_accum
-        ops.append(CommOp(kind, count, size, repeats))
+            count, size, logged = count / grad_accum, size / grad_accum, logged / grad_accum
+        ops.append(CommOp(kind, count, size, repeats, logged))
     return ops
 
 
@@ -84,14 +97,14 @@ def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float) -> fl
         return 0.0
     busbw, hop_latency = link.figures(kind)
     burst = link.burst_hop_latency(kind)
-    if count >= BURST_CALLS and burst is not None:
-        hop_latency = burst
     if kind == "all_reduce":
         steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
         volume = 2 * (ranks - 1) / ranks * size
     else:
         steps = ranks - 1
         volume = (ranks - 1) / ranks * size
+    if count >= BURST_CALLS and burst is not None:
+        return max(count * steps * burst, volume / busbw)
     return count * steps * hop_latency + volume / busbw
 
 
@@ -193,11 +206,28 @@ def measured_compute_s(rows: pd.DataFrame) -> pd.Series:
     return (measured_step_s(rows) - comm) / rows["grad_accum"]
 
 
+def _unlogged_burst_s(row: pd.Series, net: Network) -> float:
+    """Seconds per step of the trial's bursts that its comms_logger did not time (see BURST_CALLS): what they
+    cost on the trial's network less what was logged, never below zero."""
+    if not isinstance(row.get("comm_ops"), str):
+        return 0.0
+    accum = int(row["grad_accum"])
+    ops = ops_from_trial(row["comm_ops"], int(row["zero_stage"]), int(row["world_size"]), accum)
+    missed = 0.0
+    for op in (o for o in ops if o.burst):
+        costed = sum(op_seconds(op, int(row["ranks_per_node"]), int(row.get("nodes", 1) or 1), net))
+        missed += max(costed - op.logged_s, 0.0) * (accum if op.per_micro_step else 1)
+    return missed
+
+
 def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
     """Fit on the ok trials given; `measured_net` is the network the trials ran on (for the overlap)."""
     ok = trials[trials["status"] == "ok"].reset_index(drop=True)
     if ok.empty:
         raise ValueError("no successful trial to fit the time model on")
+    # Bursts the logger missed are communication, not compute: moved over before anything is fitted.
+    unlogged = ok.apply(lambda r: _unlogged_burst_s(r, measured_net), axis=1) if len(ok) else 0.0
+    ok["comm_s"] = pd.to_numeric(ok["comm_s"], errors="coerce").fillna(0.0) + unlogged
     compute = measured_compute_s(ok)
     notes: list[str] = []
     # A slope per precision needs two micro-batch sizes of it; a precision measured at one size only is

@@ -323,7 +323,9 @@ def test_ops_issued_in_bursts_pay_the_burst_latency():
 
     link = Link(1e9, 2.5e-3, "test", burst_latency=(("all_gather", 1e-3),))
     many = _phase_s("all_gather", 1e6, 2, link, count=BURST_CALLS * 13)
-    assert many == pytest.approx(BURST_CALLS * 13 * 1e-3 + 0.5e6 / 1e9)
+    assert many == pytest.approx(BURST_CALLS * 13 * 1e-3)  # the bytes move while the calls wait
+    heavy = _phase_s("all_gather", 2e9, 2, link, count=BURST_CALLS * 13)
+    assert heavy == pytest.approx(1e9 / 1e9)  # ... unless they take longer than the latencies
     assert _phase_s("all_gather", 1e6, 2, link, count=1) == pytest.approx(2.5e-3 + 0.5e6 / 1e9)
     assert _phase_s("all_reduce", 1e6, 2, link, count=BURST_CALLS * 13) == pytest.approx(
         BURST_CALLS * 13 * 2 * 2.5e-3 + 1e6 / 1e9
@@ -335,6 +337,28 @@ def test_ops_issued_in_bursts_pay_the_burst_latency():
     assert measured.burst_hop_latency("all_gather") == pytest.approx(0.5e-3)
     assert measured.figures("all_gather")[1] == pytest.approx(1e-3)
     assert AlphaBetaFit.from_dict(fit.to_dict()) == fit
+
+
+def test_bursts_the_logger_missed_are_communication_not_compute():
+    """On a CPU, comms_logger times an async call up to its start: a ZeRO-3 trial's 208 parameter gathers
+    log 5 ms where they cost 208 x 0.2 ms on its link. The fit moves the difference from compute to
+    communication, still reproduces the trial, and so does not count the gathers twice at 2 nodes."""
+    from advisor.network import Link, Network
+    from advisor.time_model import fit_time_model
+
+    intra = Link(1e9, 1e-4, "intra", burst_latency=(("all_gather", 2e-4),))
+    inter = Link(1e8, 2.5e-3, "inter", burst_latency=(("all_gather", 1e-3),))
+    one_host, two_hosts = Network(2, intra, inter), Network(1, intra, inter)
+    ops = {"all_gather_into_tensor": {"count_per_step": 208, "bytes_per_step": 1e6, "seconds_per_step": 5e-3}}
+    trial = {"status": "ok", "zero_stage": 3, "precision": "bf16", "offload": "none", "micro_batch": 4,
+             "grad_accum": 1, "ranks_per_node": 2, "nodes": 1, "world_size": 2, "step_time_s": 0.3,
+             "step_time_median_s": 0.3, "comm_s": 5e-3, "comm_ops": json.dumps(ops)}  # fmt: skip
+    model = fit_time_model(pd.DataFrame([trial]), one_host)
+    gathers_intra = 208 * 2e-4
+    assert model.compute_per_micro_s(3, "bf16", 4) == pytest.approx(0.3 - gathers_intra)
+    assert model.predict(3, "bf16", 4, 1, 1, one_host).step_time_s == pytest.approx(0.3)
+    at_two = model.predict(3, "bf16", 4, 1, 2, two_hosts).step_time_s
+    assert at_two == pytest.approx(0.3 - gathers_intra + 208 * 1e-3)
 
 
 def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
