@@ -256,9 +256,14 @@ def gather_step_stats(
     loss_sum: torch.Tensor, micro_steps: int, world: int, stop: bool = False
 ) -> tuple[float, list[int], bool]:
     """Loss averaged over ranks and micro-steps, every rank's peak memory, and whether any rank was asked
-    to stop (SIGTERM/SIGUSR1), so that all stop at this step: one small collective."""
+    to stop (SIGTERM/SIGUSR1), so that all stop at this step: one small collective.
+
+    The tensor lives on the loss's device: NCCL has no CPU backend, so a CPU tensor fails on GPUs
+    ("No backend type associated with device type cpu"); gloo takes CPU tensors."""
     local = torch.tensor(
-        [float(loss_sum) / micro_steps, float(peak_memory_bytes()), float(stop)], dtype=torch.float64
+        [float(loss_sum) / micro_steps, float(peak_memory_bytes()), float(stop)],
+        dtype=torch.float64,
+        device=loss_sum.device,
     )
     parts = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(parts, local)

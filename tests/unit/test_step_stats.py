@@ -1,0 +1,32 @@
+"""The per-step stats collective runs on the loss's device: NCCL refuses CPU tensors (seen on an H200:
+"No backend type associated with device type cpu"), so a CPU tensor there stops every GPU run at step 1."""
+
+import torch
+
+from sdzero import loop
+
+
+class DeviceLoss:
+    """A loss sum that reports a device other than the CPU (meta), without needing a GPU."""
+
+    device = torch.device("meta")
+
+    def __float__(self) -> float:
+        return 6.0
+
+
+def test_step_stats_tensor_lives_on_the_loss_device(monkeypatch):
+    seen = {}
+
+    def fake_all_gather(parts, local):
+        seen["device"] = local.device
+        seen["dtype"] = local.dtype
+        # what two ranks would have sent: (mean loss, peak bytes, stop flag)
+        parts[:] = [torch.tensor([3.0, 100.0, 0.0], dtype=torch.float64),
+                    torch.tensor([1.0, 300.0, 1.0], dtype=torch.float64)]  # fmt: skip
+
+    monkeypatch.setattr(loop.dist, "all_gather", fake_all_gather)
+    monkeypatch.setattr(loop, "peak_memory_bytes", lambda: 100)
+    loss, peaks, stop = loop.gather_step_stats(DeviceLoss(), 2, 2)
+    assert seen == {"device": torch.device("meta"), "dtype": torch.float64}
+    assert (loss, peaks, stop) == (2.0, [100, 300], True)
