@@ -20,10 +20,28 @@ from sdzero.errors import UserError
 from sdzero.inputs import encode_batch
 from sdzero.models import load_components, tokenize
 
+# Where build_cache encodes: the GPU when there is one. Online encoding in these tests runs there too, so
+# cached and online latents come from the same kernels (a GPU-built cache against CPU encoding differed
+# by up to 8.7e-5 on an H200).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def strict_fp32():
+    """cuDNN convolutions default to TF32 (a 10-bit mantissa) on GPUs; the equality checks here need fp32."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
 
 @pytest.fixture(scope="module")
 def comps(tiny_model):
-    return load_components(str(tiny_model), "fp32", "cpu")
+    return load_components(str(tiny_model), "fp32", DEVICE)
+
+
+def on_device(batch: dict) -> dict:
+    return {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +91,8 @@ def test_cached_items_equal_online_encoding(comps, tiny_model, synth_data, flip_
     b = default_collate([cached[k] for k in keys])
     for name in ("noise", "latent_eps", "timestep", "index", "original_size", "crop_top_left", "target_size"):
         assert torch.equal(a[name], b[name]), name
-    latents_a, cond_a = encode_batch(comps, a)
-    latents_b, cond_b = encode_batch(comps, b)
+    latents_a, cond_a = encode_batch(comps, on_device(a))
+    latents_b, cond_b = encode_batch(comps, on_device(b))
     # Tolerance: the cache encoded 8 images per VAE call, this check 8 others; fp32 convolutions may
     # round differently with the batch composition, nothing more.
     torch.testing.assert_close(latents_b, latents_a, rtol=1e-5, atol=1e-6)
