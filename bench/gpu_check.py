@@ -407,7 +407,7 @@ def pytest_phase(a: argparse.Namespace, clock: Clock, results: dict[str, Any], o
         return
     say("pytest tests/unit")
     log = out / "pytest.txt"
-    cmd = [sys.executable, "-m", "pytest", "tests/unit", "-q", "-x", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider"]
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env=run_env(a.cpu_rehearsal, False), start_new_session=True)  # fmt: skip
