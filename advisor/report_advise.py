@@ -435,6 +435,8 @@ def comm_section(folder: Path) -> Section:
         )
     points = read_table(csv_path, COMM_COLUMNS, ("size_bytes", "busbw_gbps"))
     points = points[is_true(points["correct"]) & (points["busbw_gbps"] > 0)]
+    if "in_flight" in points:  # a burst's time per call is not a point of the size sweep's curve
+        points = points[pd.to_numeric(points["in_flight"], errors="coerce").fillna(1) <= 1]
     if points.empty:
         return absent("collectives", title, "bandwidth", f"{csv_path} holds no correct measurement to draw.")
     labels = {
