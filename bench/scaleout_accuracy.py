@@ -42,7 +42,7 @@ def main() -> int:
     p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay of each host link (0: none)")
     p.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6, help="measured steps per trial (after 1 warm-up step)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per trial (after 1 warm-up step)")
     p.add_argument("--comm-budget-s", type=float, default=10.0, help="per link probe")
     p.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
     args = p.parse_args()

@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         for state in list_clusters():
             hosts = ", ".join(f"{h['hostname']}={h['address']}" for h in state["hosts"])
             owner = state["owner_pid"] or "persistent"
-            print(f"{state['tag']}  owner {owner}  rate {state['shaped_rate'] or '-'}  {hosts}")
+            delay = f"{state['delay_ms']:g} ms" if state.get("delay_ms") else "-"
+            print(
+                f"{state['tag']}  owner {owner}  rate {state['shaped_rate'] or '-'}  delay {delay}  {hosts}"
+            )
         return 0
     tags = [s["tag"] for s in list_clusters()] if args.all else [args.tag] if args.tag else []
     if not tags:
