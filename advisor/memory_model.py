@@ -16,6 +16,14 @@ override is reported. Buckets come from the config (reduce_bucket_size x 2 bytes
 at ZeRO-1/2) plus any constant the trials show beyond it. Activations are fitted to the trials as
 a + b x micro_batch (one micro-batch's saved tensors; ZeRO does not change them). Frozen encoders are
 replicated per rank, as measured.
+
+The device peak is the larger of two moments (`MemoryModel.per_rank_bytes`): the end of backward (all of the
+above) and the optimizer step, where activations are gone but the step builds an fp32 copy of the rank's
+gradient partition and the optimizer may allocate temporaries. The step's bytes are read from DeepSpeed
+0.19.8 and torch 2.x, not fitted (see `MemoryModel.step_bytes`). A CPU trial cannot check them: sdzero's
+profile (sdzero/profiling.py) has no device allocator to read there, so its `device_peak_bytes` is the sum
+of the fwd/bwd parts above (model states, buckets, frozen, one micro-batch's activations), not a
+measurement of the step; only a GPU's `torch.cuda.max_memory_allocated` measures it (bench/gpu_check.py).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ DEFAULT_BYTES_PER_ELEMENT: dict[str, int] = {"params": 2, "grads": 2, "master": 
 """Mixed precision with Adam: the 2 + 2 + 12 bytes per parameter of the ZeRO paper."""
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
 DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's sub_group_size default (ZeRO-3)
 
 
 @dataclass(frozen=True)
@@ -42,11 +51,34 @@ class ZeroSettings:
     reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS
     overlap_comm: bool = False
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
+    contiguous_gradients: bool = True
+    """DeepSpeed's default. ZeRO-1/2 then free the reduce buckets at the end of backward
+    (`_release_ipg_buffers`), before the optimizer step."""
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    """ZeRO-3 steps the optimizer one sub-group of this many elements (or just over) at a time."""
+    torch_adam: bool = False
+    """`"torch_adam": true` in the optimizer params: torch's AdamW/Adam instead of DeepSpeed's FusedAdam
+    (on the device) or DeepSpeedCPUAdam (with optimizer offload)."""
+    torch_foreach: bool | None = None
+    """The optimizer params' `foreach`, passed to torch; None is torch's default (foreach on CUDA only)."""
+    adam_l2: bool = False
+    """torch's Adam with L2 weight decay ("type": "Adam", "adam_w_mode": false, weight_decay != 0), whose
+    update adds a copy of the gradient."""
+    device: str = "cuda"
+    """Where the step's tensors live without offload; decides torch's foreach default."""
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ZeroSettings:
+    def from_config(cls, config: dict[str, Any], device: str = "cuda") -> ZeroSettings:
         zero = config.get("zero_optimization", {}) or {}
         stage = int(zero.get("stage", 0))
+        optimizer = config.get("optimizer", {}) or {}
+        params = optimizer.get("params", {}) or {}
+        foreach = params.get("foreach")
+        adam_l2 = (
+            str(optimizer.get("type", "")).lower() == "adam"
+            and params.get("adam_w_mode", True) is False
+            and float(params.get("weight_decay", 0.0)) != 0.0
+        )
         return cls(
             reduce_bucket_size=int(zero.get("reduce_bucket_size", DEFAULT_BUCKET_ELEMENTS)),
             # DeepSpeed turns overlap_comm on by default at ZeRO-3 only
@@ -54,7 +86,50 @@ class ZeroSettings:
             persistence_threshold=int(
                 zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
             ),
+            contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+            sub_group_size=int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)),
+            torch_adam=bool(params.get("torch_adam", False)),
+            torch_foreach=None if foreach is None else bool(foreach),
+            adam_l2=adam_l2,
+            device=device,
         )
+
+    def optimizer_impl(self, offload: str) -> str:
+        """Which Adam DeepSpeed 0.19.8 builds (engine.get_optimizer_configuration): torch's when
+        torch_adam, else DeepSpeedCPUAdam with optimizer offload, else FusedAdam. torch's runs foreach when
+        asked or, by default, when every tensor is on CUDA (`_default_to_fused_or_foreach`): offloaded
+        fp32 partitions are CPU tensors, so a for-loop there."""
+        if not self.torch_adam:
+            return "cpu_adam" if offload != "none" else "fused"
+        if self.torch_foreach is not None:
+            return "torch_foreach" if self.torch_foreach else "torch_for_loop"
+        on_cuda = offload == "none" and self.device == "cuda"
+        return "torch_foreach" if on_cuda else "torch_for_loop"
+
+    def optimizer_temp_elements(self, offload: str, largest_tensor: int) -> int:
+        """Elements (of the fp32 optimizer dtype) the optimizer allocates at once on top of its states,
+        stepping a parameter list whose largest tensor has `largest_tensor` elements. DeepSpeed hands the
+        inner optimizer one flat fp32 tensor at a time (ZeRO-1/2: one param group with the rank's flat
+        partition, `_optimizer_step`; ZeRO-3: one sub-group's flat partition), so per tensor list and
+        per tensor are the same here.
+
+        - FusedAdam (multi_tensor_adam.cu through multi_tensor_applier) and DeepSpeedCPUAdam (cpu_adam_impl,
+          AVX tiles) update param, m and v in place: no temporary.
+        - torch `_multi_tensor_adam` (foreach): `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)` makes
+          one new tensor per tensor in the device/dtype list, all alive together until the final
+          `_foreach_addcdiv_`; the divisions and eps add run in place on it. AdamW's decoupled decay is an
+          in-place `_foreach_mul_` on the params. L2 Adam makes `_foreach_add(grads, params)` (one more
+          copy) but `del device_grads` frees it before the sqrt: still one tensor's worth at a time.
+        - torch `_single_tensor_adam` (for-loop): `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)
+          .add_(eps)` holds the sqrt and the quotient together for a moment: two of the tensor; L2 Adam's
+          `grad.add(param)` copy lives through the iteration: three.
+        """
+        impl = self.optimizer_impl(offload)
+        if impl == "torch_foreach":
+            return largest_tensor
+        if impl == "torch_for_loop":
+            return (3 if self.adam_l2 else 2) * largest_tensor
+        return 0
 
 
 def trained_numels(model: str | Path) -> tuple[int, ...]:
@@ -88,6 +163,19 @@ def state_elements(numels: tuple[int, ...] | np.ndarray, stage: int, world: int,
     full = stage == 1 and not overlap_comm
     grads = psi if full else _largest_boundary_overlap(sizes, part, world)
     return {"params": padded, "grads": grads, "master": part, "optimizer": part}
+
+
+def largest_sub_group(numels: tuple[int, ...] | np.ndarray, world: int, sub_group_size: int) -> int:
+    """ZeRO-3: elements of the largest optimizer sub-group on a rank. DeepSpeed (stage3.py
+    `_create_fp16_sub_groups`) adds parameters' partitions, in order, until the running sum reaches
+    sub_group_size, so a sub-group can pass it by up to one partition."""
+    shards = -(-np.asarray(numels, dtype=np.int64) // world)
+    largest = running = 0
+    for shard in shards.tolist():
+        running += shard
+        if running >= sub_group_size:
+            largest, running = max(largest, running), 0
+    return max(largest, running)
 
 
 def _largest_boundary_overlap(sizes: np.ndarray, part: int, world: int) -> int:
@@ -152,10 +240,80 @@ class MemoryModel:
         copies = 2 if stage in (1, 2) and self.zero.overlap_comm else 1
         return copies * 2 * self.zero.reduce_bucket_size + self.bucket_extra_bytes.get(stage, 0.0)
 
+    def step_bytes(self, stage: int, precision: str, offload: str, world: int) -> dict[str, float]:
+        """Bytes at the optimizer step (activations freed), read from DeepSpeed 0.19.8's step().
+
+        ZeRO-1/2 without offload (stage_1_and_2.py `step`), per param group (sdzero passes one):
+        `free_grad_in_param_list(params_not_in_partition)` first frees the gradients outside the rank's
+        slice (ZeRO-1 held them all until here), then `flat_grad_partition = flatten(averaged_gradients)`
+        copies the slice's 16-bit gradients into a new flat tensor (part elements) while
+        `averaged_gradients` still holds their views into `grads_in_partition` (the gradient state, whole
+        parameters overlapping the slice), and `.to(fp32)` makes the fp32 gradient (part elements) with
+        both alive: cast = G_overlap·2 + part·2 + part·4 bytes. Then the 16-bit copies are dropped
+        (`del flat_grad_partition`, `averaged_gradients[i] = None`) and the optimizer steps the fp32
+        master with that fp32 gradient: update = part·4 + optimizer temporaries. The reduce buckets were
+        already released at the end of backward when contiguous_gradients is on.
+        transient = max(cast, update); resident = 16-bit params + fp32 master + Adam + frozen.
+
+        ZeRO-3 without offload (stage3.py `step`): per sub-group s, `_prepare_fp32_grad_for_sub_group`
+        does `flatten(averaged_gradients[s]).to(fp32)` (2s + 4s bytes alive together), the flat 16-bit
+        copy is dropped, the optimizer steps (4s + temporaries) and `_release_sub_group` frees the fp32
+        gradient before the next sub-group. The 16-bit gradient partition buffer and the bucket stay
+        allocated: resident = all model states + buckets + frozen.
+
+        Optimizer offload: the fp32 gradients are made on the host during backward (ZeRO-1/2
+        `async_inplace_copy_grad_to_fp32_buffer_from_gpu`; ZeRO-3 skips the device fp32 gradient) and the
+        optimizer steps host tensors, so the device adds nothing at the step; its only transient is the
+        optimizer's, in host memory (`host_transient`).
+
+        fp16 and bf16 are the same here: fp32 master and fp32 gradient copies either way (fp16's unscale
+        and clip are in place on the fp32 copy). Not modelled: bf16 ZeRO-1 with `data_types.grad_accum_dtype`
+        fp32 (DeepSpeed's BF16_Optimizer instead) and more than one param group.
+        """
+        states = self.state_bytes(stage, precision, world)
+        elements = state_elements(
+            self.numels, stage, world, self.zero.persistence_threshold, self.zero.overlap_comm
+        )
+        half = self.element_bytes(stage, precision, "grads")
+        full = self.element_bytes(stage, precision, "master")
+        if stage == 3:
+            flat = largest_sub_group(self.numels, world, self.zero.sub_group_size)
+            resident_kinds = STATE_KINDS
+            resident_extra = self.bucket_bytes(stage)
+            kept_grads = 0.0  # already counted in the resident states
+        else:
+            flat = elements["master"]  # the rank's flat fp32 partition
+            resident_kinds = ("params", "master", "optimizer")
+            resident_extra = 0.0 if self.zero.contiguous_gradients else self.bucket_bytes(stage)
+            overlap = state_elements(self.numels, 2, world, self.zero.persistence_threshold, True)["grads"]
+            kept_grads = float(overlap * half)
+        offloaded = 0.0
+        if offload != "none":
+            offloaded += states["master"] + states["optimizer"]
+        if offload == "optimizer+params":
+            offloaded += states["params"]
+        resident = (
+            float(sum(states[k] for k in resident_kinds)) - offloaded + resident_extra + self.frozen_bytes
+        )
+        temp = float(self.zero.optimizer_temp_elements(offload, flat) * full)
+        if offload != "none":
+            return {"resident": resident, "transient": 0.0, "total": resident, "host_transient": temp}
+        cast = kept_grads + flat * half + flat * full
+        update = flat * full + temp
+        transient = max(cast, update)
+        return {
+            "resident": resident,
+            "transient": transient,
+            "total": resident + transient,
+            "host_transient": 0.0,
+        }
+
     def per_rank_bytes(
         self, stage: int, precision: str, micro_batch: int, offload: str, world: int
     ) -> dict[str, float]:
-        """Device bytes per rank by part; `total` is what must fit (offloaded states excluded)."""
+        """Device bytes per rank by part; `total` is what must fit (offloaded states excluded): the larger
+        of the end of backward (`fwd_bwd`: model states, buckets, frozen, activations) and the optimizer
+        step (`step`, see `step_bytes`). `step_host_transient` is host memory, not in `total`."""
         states = self.state_bytes(stage, precision, world)
         offloaded = 0
         if offload != "none":  # CPU offload moves fp32 master weights and Adam's moments off the device
@@ -168,7 +326,17 @@ class MemoryModel:
             "frozen": self.frozen_bytes,
             "activations": self.activations.predict(micro_batch),
         }
-        return {**parts, "total": sum(parts.values()), "offloaded": float(offloaded)}
+        fwd_bwd = sum(parts.values())
+        step = self.step_bytes(stage, precision, offload, world)
+        return {
+            **parts,
+            "fwd_bwd": fwd_bwd,
+            "step": step["total"],
+            "step_transient": step["transient"],
+            "step_host_transient": step["host_transient"],
+            "total": max(fwd_bwd, step["total"]),
+            "offloaded": float(offloaded),
+        }
 
 
 def fit_memory_model(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings) -> MemoryModel:

@@ -375,7 +375,16 @@ def memory_phase(
             "fitted_on_micro_batches": sorted(int(m) for m in fit_rows["micro_batch"]),
             "predicted_bytes": parts["total"],
             "predicted_parts_bytes": {
-                k: parts[k] for k in ("model_states", "buckets", "frozen", "activations")
+                k: parts[k]
+                for k in (
+                    "model_states",
+                    "buckets",
+                    "frozen",
+                    "activations",
+                    "fwd_bwd",
+                    "step",
+                    "step_transient",
+                )
             },
             "measured_cuda_peak_bytes": measured,
             "error_pct": 100.0 * (parts["total"] / measured - 1.0),
