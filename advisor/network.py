@@ -40,30 +40,32 @@ DEFAULT_PRESET = "ib-200"
 
 
 @dataclass(frozen=True)
+class CollectiveFigures:
+    """One collective's own figures on a link, where `sdzero comm` measured them."""
+
+    collective: str
+    busbw_bytes_s: float
+    hop_latency_s: float
+    burst_hop_latency_s: float | None = None
+    """Per call and hop when many calls are in flight at once (a measured burst), else None."""
+
+
+@dataclass(frozen=True)
 class Link:
     busbw_bytes_s: float
     hop_latency_s: float
     source: str
-    per_collective: tuple[tuple[str, float, float], ...] = ()
-    """(collective, busbw bytes/s, hop latency s) where each was measured: libraries run the collectives
-    very differently (gloo's all-gather reaches two thirds of its all-reduce's bus bandwidth, and it runs
-    reduce-scatter as a whole all-reduce), so each op is costed with its own fit when there is one."""
+    per_collective: tuple[CollectiveFigures, ...] = ()
+    """Each collective's own figures where it was measured: libraries run the collectives very differently
+    (gloo's all-gather reaches two thirds of its all-reduce's bus bandwidth, and it runs reduce-scatter as
+    a whole all-reduce), so each op is costed with its own fit when there is one."""
 
-    burst_latency: tuple[tuple[str, float], ...] = ()
-    """(collective, hop latency s) when many calls are in flight at once, where a burst was measured."""
-
-    def burst_hop_latency(self, collective: str) -> float | None:
-        for name, latency in self.burst_latency:
-            if name == collective:
-                return latency
-        return None
-
-    def figures(self, collective: str) -> tuple[float, float]:
-        """(busbw bytes/s, hop latency s) for one collective: its own fit, else the link's."""
-        for name, busbw, latency in self.per_collective:
-            if name == collective:
-                return busbw, latency
-        return self.busbw_bytes_s, self.hop_latency_s
+    def figures(self, collective: str) -> CollectiveFigures:
+        """One collective's figures: its own fit, else the link's (with no burst figure)."""
+        for own in self.per_collective:
+            if own.collective == collective:
+                return own
+        return CollectiveFigures(collective, self.busbw_bytes_s, self.hop_latency_s)
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,12 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
     chosen.sort(key=lambda f: f.bandwidth_gbps)
     mid = chosen[len(chosen) // 2]
     latencies = sorted(f.hop_latency_us for f in chosen)
-    own = tuple((f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6) for f in chosen)
-    bursts = tuple((f.collective, f.burst_hop_latency_s) for f in chosen if f.burst_hop_latency_s is not None)
+    own = tuple(
+        CollectiveFigures(f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6, f.burst_hop_latency_s)
+        for f in chosen
+    )
     return Link(mid.bandwidth_gbps * GB, latencies[len(latencies) // 2] * 1e-6,
-                f"measured, {mid.library}, comm_fit.json", own, bursts)  # fmt: skip
+                f"measured, {mid.library}, comm_fit.json", own)  # fmt: skip
 
 
 def build_network(

@@ -95,17 +95,17 @@ def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float) -> fl
     this collective where there are some. Tree latency where shorter."""
     if ranks <= 1:
         return 0.0
-    busbw, hop_latency = link.figures(kind)
-    burst = link.burst_hop_latency(kind)
+    figures = link.figures(kind)
     if kind == "all_reduce":
         steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
         volume = 2 * (ranks - 1) / ranks * size
     else:
         steps = ranks - 1
         volume = (ranks - 1) / ranks * size
-    if count >= BURST_CALLS and burst is not None:
-        return max(count * steps * burst, volume / busbw)
-    return count * steps * hop_latency + volume / busbw
+    bytes_s = volume / figures.busbw_bytes_s
+    if count >= BURST_CALLS and figures.burst_hop_latency_s is not None:
+        return max(count * steps * figures.burst_hop_latency_s, bytes_s)
+    return count * steps * figures.hop_latency_s + bytes_s
 
 
 def op_seconds(op: CommOp, ranks_per_node: int, nodes: int, net: Network) -> tuple[float, float]:
@@ -226,7 +226,7 @@ def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
     if ok.empty:
         raise ValueError("no successful trial to fit the time model on")
     # Bursts the logger missed are communication, not compute: moved over before anything is fitted.
-    unlogged = ok.apply(lambda r: _unlogged_burst_s(r, measured_net), axis=1) if len(ok) else 0.0
+    unlogged = ok.apply(lambda r: _unlogged_burst_s(r, measured_net), axis=1)
     ok["comm_s"] = pd.to_numeric(ok["comm_s"], errors="coerce").fillna(0.0) + unlogged
     compute = measured_compute_s(ok)
     notes: list[str] = []

@@ -17,16 +17,8 @@ import torch
 
 from advisor import comm as comm_module
 from advisor.alphabeta import COLLECTIVES, bus_factor, load_fits
-from advisor.collectives import (
-    CSV_COLUMNS,
-    Buffers,
-    SweepSettings,
-    Topology,
-    _check_once,
-    input_pattern,
-    make_buffers,
-    sweep,
-)
+from advisor.collectives import CSV_COLUMNS, SweepSettings, Topology, _check_once, sweep
+from advisor.communicators import Buffers, input_pattern, make_buffers
 from advisor.comm import CommResult, parse_bytes, run_comm
 from sdzero.errors import UserError
 

@@ -305,10 +305,10 @@ def test_offload_trials_get_their_own_fixed_cost():
 def test_each_collective_is_costed_with_its_own_measured_fit():
     """gloo's all-gather is slower than its all-reduce: a link measured per collective costs each op with
     its own figures, and falls back to the link's for one it did not measure."""
-    from advisor.network import Link
+    from advisor.network import CollectiveFigures, Link
     from advisor.time_model import _phase_s
 
-    link = Link(1e9, 1e-5, "test", per_collective=(("all_gather", 0.5e9, 2e-5),))
+    link = Link(1e9, 1e-5, "test", per_collective=(CollectiveFigures("all_gather", 0.5e9, 2e-5),))
     gather = _phase_s("all_gather", 1e8, 2, link, count=1)
     assert gather == pytest.approx(1 * 2e-5 + 0.5e8 / 0.5e9)
     assert _phase_s("all_reduce", 1e8, 2, link, count=1) == pytest.approx(2 * 1e-5 + 1e8 / 1e9)
@@ -318,10 +318,10 @@ def test_ops_issued_in_bursts_pay_the_burst_latency():
     """ZeRO-3's hundreds of parameter gathers per step go back to back: where `sdzero comm` measured a
     burst, each call costs its latency; a rare op (one gather per step at ZeRO-1/2) pays the blocking one."""
     from advisor.alphabeta import AlphaBetaFit
-    from advisor.network import Link, link_from_fits
+    from advisor.network import CollectiveFigures, Link, link_from_fits
     from advisor.time_model import BURST_CALLS, _phase_s
 
-    link = Link(1e9, 2.5e-3, "test", burst_latency=(("all_gather", 1e-3),))
+    link = Link(1e9, 2.5e-3, "test", per_collective=(CollectiveFigures("all_gather", 1e9, 2.5e-3, 1e-3),))
     many = _phase_s("all_gather", 1e6, 2, link, count=BURST_CALLS * 13)
     assert many == pytest.approx(BURST_CALLS * 13 * 1e-3)  # the bytes move while the calls wait
     heavy = _phase_s("all_gather", 2e9, 2, link, count=BURST_CALLS * 13)
@@ -334,8 +334,8 @@ def test_ops_issued_in_bursts_pay_the_burst_latency():
     fit = AlphaBetaFit("torch", "gloo", "all_gather", "inter", 4, 4, 3e-3, 1e-9, 9, 4096, 2**20, 0.01,
                        burst_alpha_s=1.5e-3, burst_in_flight=32)  # fmt: skip
     measured = link_from_fits([fit], "inter")
-    assert measured.burst_hop_latency("all_gather") == pytest.approx(0.5e-3)
-    assert measured.figures("all_gather")[1] == pytest.approx(1e-3)
+    assert measured.figures("all_gather").burst_hop_latency_s == pytest.approx(0.5e-3)
+    assert measured.figures("all_gather").hop_latency_s == pytest.approx(1e-3)
     assert AlphaBetaFit.from_dict(fit.to_dict()) == fit
 
 
@@ -343,11 +343,11 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
     """On a CPU, comms_logger times an async call up to its start: a ZeRO-3 trial's 208 parameter gathers
     log 5 ms where they cost 208 x 0.2 ms on its link. The fit moves the difference from compute to
     communication, still reproduces the trial, and so does not count the gathers twice at 2 nodes."""
-    from advisor.network import Link, Network
+    from advisor.network import CollectiveFigures, Link, Network
     from advisor.time_model import fit_time_model
 
-    intra = Link(1e9, 1e-4, "intra", burst_latency=(("all_gather", 2e-4),))
-    inter = Link(1e8, 2.5e-3, "inter", burst_latency=(("all_gather", 1e-3),))
+    intra = Link(1e9, 1e-4, "intra", per_collective=(CollectiveFigures("all_gather", 1e9, 1e-4, 2e-4),))
+    inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
     one_host, two_hosts = Network(2, intra, inter), Network(1, intra, inter)
     ops = {"all_gather_into_tensor": {"count_per_step": 208, "bytes_per_step": 1e6, "seconds_per_step": 5e-3}}
     trial = {"status": "ok", "zero_stage": 3, "precision": "bf16", "offload": "none", "micro_batch": 4,
