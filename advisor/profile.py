@@ -59,6 +59,10 @@ TRIAL_COLUMNS: tuple[str, ...] = (
 """trials.csv, one row per finished trial. Bytes are per rank (the largest rank's where ranks differ);
 `model_state_bytes_per_rank` holds every rank's bytes by kind as JSON. Times are per optimizer step."""
 
+TEXT_COLUMNS: tuple[str, ...] = ("trial_id", "setup_id", "status", "reason", "precision", "offload", "notes")
+"""Read back as text: a setup hash such as '5e1234567890' would otherwise come back as a float (here
+inf), match no setup, and make a resumed profile forget every finished trial."""
+
 
 @dataclass
 class ProfileResult:
@@ -128,7 +132,7 @@ def read_trials(path: Path) -> pd.DataFrame:
     """The rows so far; an empty table with the right columns when there is no file yet."""
     if not path.exists():
         return pd.DataFrame(columns=list(TRIAL_COLUMNS))
-    table = pd.read_csv(path)
+    table = pd.read_csv(path, dtype={c: str for c in TEXT_COLUMNS})
     if tuple(table.columns) != TRIAL_COLUMNS:
         raise UserError(
             f"{path}: its columns are not those this sdzero writes (another version made it); "

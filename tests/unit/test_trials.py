@@ -172,6 +172,17 @@ def test_a_changed_setup_runs_again(fake):
     assert len(fake(FakeRunner(), steps=7).ran) == 6
 
 
+@pytest.mark.parametrize("setup", ["5e1234567890", "123456789012", "00000000007a"])
+def test_a_number_like_setup_hash_still_resumes(fake, monkeypatch, setup):
+    # CI once drew a data path whose hash read as a float (5e...: inf): the resume then ran nothing
+    monkeypatch.setattr(profile_module, "setup_id", lambda parts: setup)
+    with pytest.raises(KeyboardInterrupt):
+        fake(FakeRunner(interrupt_at=2))
+    result = fake(FakeRunner())
+    assert len(result.skipped) == 2 and len(result.ran) == 4 and len(result.table) == 6
+    assert set(result.table["setup_id"]) == {setup}
+
+
 def test_trial_env_reaches_each_trial(fake):
     runner = FakeRunner()
     fake(runner, trial_env=lambda spec: {"X_STAGE": str(spec.zero_stage)})
