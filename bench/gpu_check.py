@@ -57,6 +57,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"), help="models, data, runs")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per tiny-model run")
     p.add_argument("--budget-s", type=float, default=380.0, help="stop starting new phases past this")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=list(MEMORY_MICRO_BATCHES),
+                   help="memory phase's micro-batches (at least 2; the largest is held out given 3 or more)")
     p.add_argument("--fused-adam", action="store_true", help="keep DeepSpeed's FusedAdam (JIT build)")
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -333,7 +335,7 @@ def memory_phase(
     base = write_config("zero2_bf16", work / "configs" / "zero2_bf16.json", a.fused_adam)
     out = work / "profile"
     per_trial = 60.0 if not a.cpu_rehearsal else 150.0
-    batches = [m for m in MEMORY_MICRO_BATCHES]
+    batches = sorted(set(a.micro_batches))
     while batches and clock.left() < per_trial * len(batches) + 10:
         batches.pop()  # the largest first; 1 and 2 are the fit, 4 the held-out check
     if len(batches) < 2:
