@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	@# DeepSpeed builds its ops just in time; build the ones the trainer uses once here, not inside a
 	@# timed (and possibly killed) job: Adam (fused and CPU) and, on CPUs, the shared-memory collectives.
+	@# A build killed midway leaves its `lock` file, and torch then waits for it forever: no build takes
+	@# 30 minutes, so an older lock is a dead one.
+	@find "$(TORCH_EXTENSIONS_DIR)" -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed stale build lock: /' || true
 	$(BIN)/python -c "import torch; from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam; \
 	  from deepspeed.accelerator import get_accelerator; \
 	  p = [torch.nn.Parameter(torch.zeros(1))]; FusedAdam(p); DeepSpeedCPUAdam(p); \

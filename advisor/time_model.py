@@ -4,7 +4,8 @@ Compute per micro-step is fitted to the trials as a + b x micro_batch, with an i
 precision and offload (the stage changes hooks, gathers and the optimizer's share; offload moves the
 optimizer to the CPU) and a slope per precision (the
 network's work per sample does not depend on the stage). A trial's compute is its step time minus the
-time its ranks spent inside collectives (DeepSpeed's comms_logger).
+time its ranks spent inside collectives (DeepSpeed's comms_logger, plus the time they then waited for
+async calls, which the trial times itself: sdzero.profiling.WaitMeter).
 
 Communication is the op mix each stage really issued in the trials (comms_logger: all-reduce of gradients
 at ZeRO-1/2 in this DeepSpeed, not the paper's reduce-scatter; per-parameter all-gathers at ZeRO-3, ...),
@@ -43,9 +44,11 @@ costs the link's burst latency where `sdzero comm` measured one (advisor.collect
 the burst's bytes move while its calls wait out their latencies, so it takes the longer of the two.
 
 A burst's calls are started without waiting (async), and DeepSpeed's comms_logger times an async call up
-to its start only, unless the accelerator synchronizes (CUDA does; a CPU does not). A trial's logged
-communication then misses most of its bursts, which would pass for compute: the fit counts each burst at
-the larger of what was logged and what it costs on the trial's own network (see _unlogged_burst_s)."""
+to its start only, unless the accelerator synchronizes (CUDA does; a CPU does not). Trials now also time
+the waits (sdzero.profiling.WaitMeter), so their communication includes the bursts as the ranks lived
+them. For older trials, whose logged communication misses most of each burst (which would pass for
+compute), the fit counts the burst at the larger of what was logged and what it costs on the trial's own
+network (see _unlogged_burst_s): a separate benchmark's figure, noisier where latency is CPU scheduling."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,11 @@ class CommOp:
     """Bytes of the whole buffer per step (all calls together), independent of the world size."""
     per_micro_step: bool
     logged_s: float = 0.0
-    """Seconds per step (per micro-step where per_micro_step) the trial's comms_logger timed for it."""
+    """Seconds per step (per micro-step where per_micro_step) the trial's ranks spent in it: comms_logger's
+    time, plus the time they blocked waiting for it where the trial measured that (`waits_measured`)."""
+    waits_measured: bool = False
+    """The trial timed its waits on async calls (sdzero.profiling.WaitMeter), so `logged_s` is the whole
+    time spent in the op; older trials logged the async calls' launch only (see BURST_CALLS)."""
 
     @property
     def burst(self) -> bool:
@@ -86,7 +93,7 @@ def ops_from_trial(comm_ops: str | dict | None, stage: int, world: int, grad_acc
         repeats = large and ((stage == 3) or (stage == 2 and kind != "all_gather"))
         if repeats:  # the trial's figures cover grad_accum micro-steps
             count, size, logged = count / grad_accum, size / grad_accum, logged / grad_accum
-        ops.append(CommOp(kind, count, size, repeats, logged))
+        ops.append(CommOp(kind, count, size, repeats, logged, "waited_seconds_per_step" in figures))
     return ops
 
 
@@ -214,7 +221,7 @@ def _unlogged_burst_s(row: pd.Series, net: Network) -> float:
     accum = int(row["grad_accum"])
     ops = ops_from_trial(row["comm_ops"], int(row["zero_stage"]), int(row["world_size"]), accum)
     missed = 0.0
-    for op in (o for o in ops if o.burst):
+    for op in (o for o in ops if o.burst and not o.waits_measured):
         costed = sum(op_seconds(op, int(row["ranks_per_node"]), int(row.get("nodes", 1) or 1), net))
         missed += max(costed - op.logged_s, 0.0) * (accum if op.per_micro_step else 1)
     return missed

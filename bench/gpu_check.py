@@ -57,8 +57,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"), help="models, data, runs")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per tiny-model run")
     p.add_argument("--budget-s", type=float, default=380.0, help="stop starting new phases past this")
-    p.add_argument("--micro-batches", type=int, nargs="+", default=list(MEMORY_MICRO_BATCHES),
-                   help="memory phase's micro-batches (at least 2; the largest is held out given 3 or more)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        nargs="+",
+        default=list(MEMORY_MICRO_BATCHES),
+        help="memory phase's micro-batches (at least 2; the largest is held out given 3 or more)",
+    )
     p.add_argument("--fused-adam", action="store_true", help="keep DeepSpeed's FusedAdam (JIT build)")
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-memory", action="store_true")

@@ -208,6 +208,10 @@ def test_communication_follows_the_stage(profiled, tiny_model):
         assert row["comm_s"] == pytest.approx(sum(o["seconds_per_step"] for o in ops.values()))
     z3_ops = json.loads(profiled["result"].table.iloc[2]["comm_ops"])
     assert "reduce_scatter_tensor" in z3_ops  # ZeRO-3 reduce-scatters gradients to their owners
+    # ZeRO-3 gathers parameters asynchronously: comms_logger times their launch, the trial their waits too
+    gathers = [o for k, o in z3_ops.items() if "all_gather" in k]
+    assert sum(o["waited_seconds_per_step"] for o in gathers) > 0, z3_ops
+    assert all(0 <= o["waited_seconds_per_step"] <= o["seconds_per_step"] for o in z3_ops.values())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -361,6 +361,28 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
     assert at_two == pytest.approx(0.3 - gathers_intra + 208 * 1e-3)
 
 
+def test_waits_the_trial_timed_replace_the_benchmark_figure():
+    """A trial that timed its waits (sdzero.profiling.WaitMeter) already counts its bursts whole: the fit
+    takes its communication as measured and costs nothing more, however the link benchmark came out."""
+    from advisor.network import CollectiveFigures, Link, Network
+    from advisor.time_model import fit_time_model, ops_from_trial
+
+    intra = Link(1e9, 1e-4, "intra", per_collective=(CollectiveFigures("all_gather", 1e9, 1e-4, 2e-4),))
+    inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
+    one_host, two_hosts = Network(2, intra, inter), Network(1, intra, inter)
+    gathers = {"count_per_step": 208, "bytes_per_step": 1e6, "seconds_per_step": 0.12,
+               "waited_seconds_per_step": 0.115}  # fmt: skip
+    trial = {"status": "ok", "zero_stage": 3, "precision": "bf16", "offload": "none", "micro_batch": 4,
+             "grad_accum": 1, "ranks_per_node": 2, "nodes": 1, "world_size": 2, "step_time_s": 0.3,
+             "step_time_median_s": 0.3, "comm_s": 0.12,
+             "comm_ops": json.dumps({"all_gather_into_tensor": gathers})}  # fmt: skip
+    (op,) = ops_from_trial(trial["comm_ops"], 3, 2)
+    assert op.waits_measured and op.logged_s == pytest.approx(0.12)
+    model = fit_time_model(pd.DataFrame([trial]), one_host)
+    assert model.compute_per_micro_s(3, "bf16", 4) == pytest.approx(0.3 - 0.12)
+    assert model.predict(3, "bf16", 4, 1, 2, two_hosts).step_time_s == pytest.approx(0.18 + 208 * 1e-3)
+
+
 def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
     from advisor.alphabeta import fit_table
 

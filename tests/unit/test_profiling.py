@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from sdzero.profiling import ActivationMeter, model_state_bytes, module_bytes, storage_bytes
+from sdzero.profiling import ActivationMeter, WaitMeter, model_state_bytes, module_bytes, storage_bytes
 
 
 def test_views_of_one_buffer_count_once_with_their_padding():
@@ -80,3 +81,42 @@ def test_model_state_bytes_by_kind_from_a_zero_like_engine():
 def test_module_bytes_counts_parameters_and_buffers():
     bn = nn.BatchNorm1d(4)  # weight, bias, running_mean, running_var (fp32), num_batches_tracked (int64)
     assert module_bytes(bn) == 4 * 4 * 4 + 8
+
+
+class _Work:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def wait(self) -> bool:
+        time.sleep(self.seconds)
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Backend:
+    """Stands in for DeepSpeed's TorchBackend: a handle for async calls only, as torch.distributed returns;
+    all_reduce takes async_op by position, as DeepSpeed calls it."""
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        return _Work(0.05) if async_op else None
+
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        return _Work(0.02) if async_op else None
+
+
+def test_wait_meter_times_the_waits_of_async_calls_only():
+    backend = _Backend()
+    meter = WaitMeter(backend)
+    meter.install()
+    handle = backend.all_reduce("t", None, None, True)  # async, by position
+    assert handle.is_completed() and handle.wait() is True  # the real handle's methods and result
+    assert backend.all_reduce("t") is None
+    assert backend.all_gather_into_tensor("o", "i", async_op=False) is None  # blocking: comms_logger timed it
+    backend.all_gather_into_tensor("o", "i", async_op=True).wait()
+    assert meter.seconds["all_reduce"] >= 0.05 and meter.seconds["all_gather_into_tensor"] >= 0.02
+    meter.reset()
+    assert meter.seconds == {}
+    meter.uninstall()
+    assert "all_reduce" not in vars(backend) and isinstance(backend.all_reduce("t", async_op=True), _Work)
