@@ -52,6 +52,17 @@ def test_noise_at_large_sizes_does_not_spoil_the_latency() -> None:
     assert fit.alpha_s == pytest.approx(alpha, rel=0.05)
 
 
+def test_one_slowed_large_size_does_not_set_the_bandwidth() -> None:
+    # measured on the shaped 200 Mbit/s link: the 2 MiB all-gather took 62.7 ms where the others say 42
+    sizes = np.array([2**k for k in range(12, 22)], dtype=float)
+    times = np.array([2.6, 2.6, 2.6, 2.7, 2.9, 3.5, 5.454, 10.506, 21.175, 62.723]) * 1e-3
+    busbw = 0.5 / fit_line(sizes, times).beta_s_per_byte * 8  # all-gather on 2 ranks
+    assert busbw == pytest.approx(200e6, rel=0.03)
+    # a link that really slows down at the largest size keeps its slowness when two sizes show it
+    times[-2:] = [30e-3, 62.723e-3]
+    assert 0.5 / fit_line(sizes, times).beta_s_per_byte * 8 < 150e6
+
+
 def test_regime_change_keeps_both_ends_right() -> None:
     # shared memory: 20 GB/s while in cache, 2 GB/s from 2 MiB up (as Open MPI showed on this project's box)
     alpha = 3e-6
