@@ -77,8 +77,10 @@ def flow_timesteps(scheduler: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch
     schedule (shift already applied by FlowMatchEulerDiscreteScheduler). The schedule must be the one the
     scheduler holds before any `set_timesteps` (validation samples with a copy)."""
     n = int(scheduler.config.num_train_timesteps)
-    index = (u.detach().float().cpu() * n).long().clamp(0, n - 1)  # u == 1.0 would index past the end
-    return scheduler.timesteps[index], scheduler.sigmas[index]
+    index = (u.detach().float() * n).long().clamp(0, n - 1)  # u == 1.0 would index past the end
+    # The schedule (1000 values) goes to u's device, not u to the CPU: reading a GPU tensor back would
+    # wait for every kernel queued before it, once per micro-step.
+    return scheduler.timesteps.to(index.device)[index], scheduler.sigmas.to(index.device)[index]
 
 
 def flow_matching_loss(
