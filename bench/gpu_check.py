@@ -342,7 +342,7 @@ def memory_phase(
     per_trial = 60.0 if not a.cpu_rehearsal else 150.0
     batches = sorted(set(a.micro_batches))
     while batches and clock.left() < per_trial * len(batches) + 10:
-        batches.pop()  # the largest first; 1 and 2 are the fit, 4 the held-out check
+        batches.pop()  # the largest first: the smaller ones are the fit, the largest (given 3+) the held-out check
     if len(batches) < 2:
         mem["skipped"] = f"budget: {clock.left():.0f} s left"
         return None
