@@ -1,12 +1,12 @@
 """`sdzero advise`: profile -> comm -> model -> prediction -> recommendation -> report, in one folder.
 
-    <out>/profile/trials.csv       every trial (advisor.profile's format; rerunning resumes it)
+    <out>/profile/trials.csv       every trial (advisor.measure.profile's format; rerunning resumes it)
     <out>/comm/comm.csv, comm_fit.json
     <out>/trials.csv               the trials for the report (with its `dtype` column)
     <out>/predictions.csv, validation.csv, recommendation.json, recommended_ds_config.json,
     <out>/environment.json, <out>/report.html
 
-The files follow the data contract in advisor.report's docstring. Without --model/--data the embedded tiny
+The files follow the data contract in advisor.report.build's docstring. Without --model/--data the embedded tiny
 model and synthetic data are written into <out>/ first, so `sdzero advise --max-nodes 32` runs anywhere.
 """
 
@@ -25,8 +25,7 @@ from typing import Annotated, Any
 import pandas as pd
 import typer
 
-from advisor.alphabeta import write_json_atomic
-from advisor.grid import (
+from advisor.measure.grid import (
     GridPlan,
     GridRequest,
     TrialSpec,
@@ -35,12 +34,13 @@ from advisor.grid import (
     setup_id,
     write_trial_config,
 )
-from advisor.memory_model import ZeroSettings, trained_numels
-from advisor.network import PRESETS, Network, build_network
-from advisor.predict import BatchTarget, Candidate, check_reachable, node_counts, predict_table
-from advisor.recommend import LR_SCALINGS, launch_command, recommend, what_would_fit
-from advisor.search import check_specs, run_search
-from advisor.validate import check_rows, fit_models, mape, validation_table
+from advisor.model.alphabeta import write_json_atomic
+from advisor.model.error import check_rows, fit_models, mape, validation_table
+from advisor.model.memory import ZeroSettings, trained_numels
+from advisor.model.network import PRESETS, Network, build_network
+from advisor.model.predict import BatchTarget, Candidate, check_reachable, node_counts, predict_table
+from advisor.model.recommend import LR_SCALINGS, launch_command, recommend, what_would_fit
+from advisor.model.search import check_specs, run_search
 from sdzero.errors import UserError
 
 GIB = 2**30
@@ -119,9 +119,9 @@ def default_inputs(out_dir: Path, model: str | None, data: Path | None) -> tuple
 
 def trial_runner(settings: Any, base: dict[str, Any], profile_dir: Path, setup: str,
                  say: Callable[[str], None]) -> Callable[[list[TrialSpec]], pd.DataFrame]:  # fmt: skip
-    """Run specs not yet in <profile_dir>/trials.csv with advisor.profile's own pieces; return the table."""
-    from advisor.profile import append_row, latest_rows, read_trials, trial_row
-    from advisor.trials import run_trial
+    """Run specs not yet in <profile_dir>/trials.csv with advisor.measure.profile's own pieces; return the table."""
+    from advisor.measure.profile import append_row, latest_rows, read_trials, trial_row
+    from advisor.measure.trials import run_trial
 
     csv_path = profile_dir / "trials.csv"
 
@@ -193,8 +193,8 @@ def run_advise(
     train_args: Sequence[str] = (),
 ) -> AdviseResult:
     """The whole advise pipeline; bad input raises UserError before any trial starts."""
-    from advisor.comm import CommRunError, run_comm
-    from advisor.profile import default_ranks, device_support, plan_for_device, trial_settings
+    from advisor.measure.collectives_launch import CommRunError, run_comm
+    from advisor.measure.profile import default_ranks, device_support, plan_for_device, trial_settings
     from sdzero.launch import shipped_config
 
     say = log or (lambda message: None)
@@ -327,7 +327,7 @@ def run_advise(
     write_json_atomic(out_dir / "recommendation.json", recommendation)
     report = None
     try:
-        from advisor.report import write_advise_report
+        from advisor.report.build import write_advise_report
 
         report = write_advise_report(out_dir, out_dir / "report.html")
     except UserError as exc:
@@ -354,8 +354,8 @@ def scaleout_check(best: Any, base: dict[str, Any], settings: Any, hostfile: Pat
     then run it there: the prediction's error, measured, in recommendation.json and scaleout.csv."""
     from dataclasses import replace
 
-    from advisor.grid import TrialSpec
-    from advisor.scaleout import check_config, rows_table
+    from advisor.measure.grid import TrialSpec
+    from advisor.model.scaleout import check_config, rows_table
 
     slots = hosts[0].slots
     if any(h.slots != slots for h in hosts):
@@ -440,7 +440,9 @@ def advise_command(
     ] = None,
     preset: Annotated[
         str | None,
-        typer.Option(help=f"named inter-node fabric: {', '.join(PRESETS)} (figures in advisor/network.py)."),
+        typer.Option(
+            help=f"named inter-node fabric: {', '.join(PRESETS)} (figures in advisor/model/network.py)."
+        ),
     ] = None,
     global_batch: Annotated[
         str | None,

@@ -35,16 +35,16 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="advisor_accuracy_"))
 
     from advisor.advise import CPU_GRID, default_inputs
-    from advisor.comm import run_comm
-    from advisor.grid import load_base_config, plan_grid
-    from advisor.memory_model import ZeroSettings, trained_numels
-    from advisor.network import build_network
-    from advisor.predict import Candidate, predict_table
-    from advisor.profile import run_profile
-    from advisor.recommend import recommend
-    from advisor.search import run_search
-    from advisor.time_model import measured_step_s
-    from advisor.validate import fit_models, trial_predictions
+    from advisor.measure.collectives_launch import run_comm
+    from advisor.measure.grid import load_base_config, plan_grid
+    from advisor.measure.profile import run_profile
+    from advisor.model.error import fit_models, trial_predictions
+    from advisor.model.memory import ZeroSettings, trained_numels
+    from advisor.model.network import build_network
+    from advisor.model.predict import Candidate, predict_table
+    from advisor.model.recommend import recommend
+    from advisor.model.search import run_search
+    from advisor.model.step_time import measured_step_s
     from sdzero.launch import shipped_config
 
     model, data = default_inputs(work, None, None)

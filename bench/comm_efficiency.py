@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster lives with the 
 
 from cluster import Cluster  # noqa: E402
 
-from advisor.comm import run_comm  # noqa: E402
+from advisor.measure.collectives_launch import run_comm  # noqa: E402
 from sdzero.hosts import prepare_hosts  # noqa: E402
 
 MIB = 2**20

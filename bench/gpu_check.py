@@ -9,7 +9,7 @@
 2. Memory: `sdzero profile`'s trial machinery on a UNet of Stable Diffusion 1.5's size (its published
    UNet/VAE config, random weights; a CLIP-L-sized text encoder over the tiny tokenizer's vocabulary)
    at 512 px (64x64 latents), ZeRO-2 bf16, micro-batch 1, 2 and 4. The advisor's memory model
-   (advisor.memory_model, as `sdzero advise` fits it) is fitted on the trials and its predicted per-rank
+   (advisor.model.memory, as `sdzero advise` fits it) is fitted on the trials and its predicted per-rank
    peak compared with the CUDA allocator's measured peak (torch.cuda.max_memory_allocated), both in
    sample (fitted on every trial) and held out (micro-batch 4 predicted from 1 and 2). Samples/s too.
 3. `pytest tests/unit` with CUDA visible, if time is left.
@@ -318,9 +318,9 @@ def memory_phase(
 ) -> Path | None:
     import pandas as pd
 
-    from advisor.grid import GridRequest
-    from advisor.memory_model import ZeroSettings, fit_memory_model, trained_numels
-    from advisor.profile import run_profile
+    from advisor.measure.grid import GridRequest
+    from advisor.measure.profile import run_profile
+    from advisor.model.memory import ZeroSettings, fit_memory_model, trained_numels
     from sdzero.tiny import write_synthetic_dataset
 
     work = a.work / "sd15"

@@ -28,9 +28,9 @@ sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster lives with the 
 
 from cluster import Cluster  # noqa: E402
 
-from advisor.grid import TrialSpec, load_base_config  # noqa: E402
-from advisor.profile import trial_settings  # noqa: E402
-from advisor.scaleout import check_config, probe_links, rows_table  # noqa: E402
+from advisor.measure.grid import TrialSpec, load_base_config  # noqa: E402
+from advisor.measure.profile import trial_settings  # noqa: E402
+from advisor.model.scaleout import check_config, probe_links, rows_table  # noqa: E402
 from sdzero.hosts import prepare_hosts  # noqa: E402
 from sdzero.launch import shipped_config  # noqa: E402
 from sdzero.tiny import write_synthetic_dataset, write_tiny_model  # noqa: E402

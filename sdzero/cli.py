@@ -254,9 +254,9 @@ def export(
 
 def _register_advisor_commands() -> None:
     from advisor.advise import advise_command
-    from advisor.comm import comm_command
-    from advisor.profile import profile_command
-    from advisor.report import report_command
+    from advisor.measure.collectives_launch import comm_command
+    from advisor.measure.profile import profile_command
+    from advisor.report.build import report_command
 
     command("advise")(advise_command)
     command("comm")(comm_command)

@@ -499,7 +499,7 @@ class Probe:
             # device, buckets, frozen modules and one micro-batch's activations. RSS would add the Python and
             # library runtime, which no accelerator holds. This is the sum of the memory model's own
             # forward/backward parts, not a measurement: it cannot check the model's optimizer-step term
-            # (advisor/memory_model.py `step_bytes`), and adding that term here would make the check
+            # (advisor/model/memory.py `step_bytes`), and adding that term here would make the check
             # circular. Only a device allocator's peak (cuda_peak) measures the step.
             "device_peak_bytes": cuda_peak if cuda_peak is not None else on_device + frozen + activation,
         }

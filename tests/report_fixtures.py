@@ -2,8 +2,8 @@
 
 Every number below is made up to exercise the report (shapes, edge cases, hostile strings). The files
 follow the formats the real writers use: metrics.jsonl as sdzero.loop writes it, checkpoint manifests
-through sdzero.checkpoint.Manifest, comm.csv with advisor.collectives' columns and comm_fit.json through
-advisor.alphabeta's own fit; predictions.csv, recommendation.json and validation.csv as advisor/report.py's
+through sdzero.checkpoint.Manifest, comm.csv with advisor.measure.collectives_rank' columns and comm_fit.json through
+advisor.model.alphabeta's own fit; predictions.csv, recommendation.json and validation.csv as advisor/report/build.py's
 docstring defines them for the performance model.
 """
 
@@ -129,9 +129,9 @@ def write_training_run(
 
 
 def write_comm(folder: Path) -> None:
-    """comm.csv in advisor.collectives' columns and comm_fit.json fitted by advisor.alphabeta itself."""
-    from advisor.alphabeta import busbw_gbps, fit_table, fits_payload, write_json_atomic
-    from advisor.collectives import CSV_COLUMNS
+    """comm.csv in advisor.measure.collectives_rank' columns and comm_fit.json fitted by advisor.model.alphabeta itself."""
+    from advisor.measure.collectives_rank import CSV_COLUMNS
+    from advisor.model.alphabeta import busbw_gbps, fit_table, fits_payload, write_json_atomic
 
     links = {"torch": ("gloo", 40e-6, 1 / 3e9), "mpi": ("Open MPI 4.1.4", 15e-6, 1 / 4e9)}
     rows = []

@@ -16,7 +16,7 @@ from chromium import CHROMIUM, Chromium
 from PIL import Image
 from report_fixtures import HOSTILE, HOSTILE_DIR, write_advise_folder, write_comm, write_training_run
 
-from advisor.report import write_advise_report, write_training_report
+from advisor.report.build import write_advise_report, write_training_report
 
 pytestmark = [
     pytest.mark.browser,

@@ -18,7 +18,7 @@ from launch import check_ok, metrics, run_trainer
 from typer.testing import CliRunner
 
 from advisor.advise import advise_command
-from advisor.memory_model import ZeroSettings, trained_numels
+from advisor.model.memory import ZeroSettings, trained_numels
 from sdzero.errors import EXIT_USER_ERROR, UserError
 from sdzero.launch import shipped_config
 
@@ -79,10 +79,10 @@ def test_memory_model_matches_the_real_trials(advised):
     trials = pd.read_csv(out / "profile" / "trials.csv")
     ok = trials[trials["status"] == "ok"]
     assert len(ok) >= 3  # the seeds at least
-    from advisor.grid import load_base_config
+    from advisor.measure.grid import load_base_config
 
     zero = ZeroSettings.from_config(load_base_config(shipped_config("zero2_bf16.json")))
-    from advisor.memory_model import fit_memory_model
+    from advisor.model.memory import fit_memory_model
 
     model = fit_memory_model(ok, trained_numels(out / "model"), zero)
     for _, row in ok.iterrows():

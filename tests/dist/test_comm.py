@@ -15,11 +15,11 @@ import pandas as pd
 import pytest
 import torch
 
-from advisor import comm as comm_module
-from advisor.alphabeta import COLLECTIVES, bus_factor, load_fits
-from advisor.collectives import CSV_COLUMNS, SweepSettings, Topology, _check_once, sweep
-from advisor.communicators import Buffers, input_pattern, make_buffers
-from advisor.comm import CommResult, parse_bytes, run_comm
+from advisor.measure import collectives_launch as comm_module
+from advisor.model.alphabeta import COLLECTIVES, bus_factor, load_fits
+from advisor.measure.collectives_rank import CSV_COLUMNS, SweepSettings, Topology, _check_once, sweep
+from advisor.measure.communicators import Buffers, input_pattern, make_buffers
+from advisor.measure.collectives_launch import CommResult, parse_bytes, run_comm
 from sdzero.errors import UserError
 
 HAVE_MPIRUN = shutil.which("mpirun") is not None

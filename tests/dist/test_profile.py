@@ -21,8 +21,8 @@ import pandas as pd
 import psutil
 import pytest
 
-from advisor.grid import GridRequest, TrialSpec
-from advisor.profile import TRIAL_COLUMNS, ProfileResult, run_profile
+from advisor.measure.grid import GridRequest, TrialSpec
+from advisor.measure.profile import TRIAL_COLUMNS, ProfileResult, run_profile
 from sdzero.launch import REPO_ROOT
 
 pytestmark = pytest.mark.dist
@@ -68,7 +68,7 @@ def profiled(tiny_model, synth_data, tmp_path_factory) -> dict:
     kwargs = profile_kwargs(tiny_model, synth_data, out)
     # First attempt, in its own process, stopped by SIGTERM once the first trial is recorded.
     script = (
-        "import pickle, sys; from advisor.profile import run_profile; "
+        "import pickle, sys; from advisor.measure.profile import run_profile; "
         "run_profile(**pickle.loads(bytes.fromhex(sys.argv[1])))"
     )
     import pickle
@@ -273,7 +273,7 @@ def test_fp16_support_is_asked_of_the_ranks_environment(monkeypatch):
     started like the ranks: the test-only fp16 patch (tests/support/sitecustomize.py) turns it on."""
     from deepspeed.accelerator import get_accelerator
 
-    from advisor.profile import device_support
+    from advisor.measure.profile import device_support
 
     assert device_support()["fp16"] == bool(get_accelerator().is_fp16_supported())
     monkeypatch.setenv("SDZERO_TEST_FP16_ON_CPU", "1")

@@ -1,4 +1,4 @@
-"""The scale-out prediction (advisor.scaleout) without a cluster: only the link differs between the 1-host
+"""The scale-out prediction (advisor.model.scaleout) without a cluster: only the link differs between the 1-host
 trial and the predicted multi-host run, so a link as fast as the measured one reproduces a trial whose
 collectives ran at the benchmark's speed, a slower link costs exactly the extra communication time, and a
 1-host trial whose collectives beat the benchmark (shared memory) does not make the inter-host link look
@@ -12,10 +12,10 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from advisor.alphabeta import FIT_SCHEMA, AlphaBetaFit, write_json_atomic
-from advisor.network import build_network
-from advisor.scaleout import predict_from_one_host
-from advisor.time_model import fit_time_model
+from advisor.model.alphabeta import FIT_SCHEMA, AlphaBetaFit, write_json_atomic
+from advisor.model.network import build_network
+from advisor.model.scaleout import predict_from_one_host
+from advisor.model.step_time import fit_time_model
 
 GRADS_BYTES = 4_000_000
 

@@ -11,10 +11,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from advisor.grid import GridRequest, plan_grid
-from advisor.memory_model import ZeroSettings, fit_memory_model, state_elements
-from advisor.network import PRESETS, build_network
-from advisor.predict import (
+from advisor.measure.grid import GridRequest, plan_grid
+from advisor.model.error import fit_models, mape, trial_predictions, validation_table
+from advisor.model.memory import ZeroSettings, fit_memory_model, state_elements
+from advisor.model.network import PRESETS, build_network
+from advisor.model.predict import (
     BatchTarget,
     Candidate,
     check_reachable,
@@ -22,9 +23,8 @@ from advisor.predict import (
     node_counts,
     predict_table,
 )
-from advisor.recommend import recommend, what_would_fit
-from advisor.search import run_search
-from advisor.validate import fit_models, mape, trial_predictions, validation_table
+from advisor.model.recommend import recommend, what_would_fit
+from advisor.model.search import run_search
 from sdzero.errors import UserError
 
 RNG = np.random.default_rng(0)
@@ -190,7 +190,7 @@ def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
 
 def test_train_args_reach_the_recommended_launch_command():
     from advisor.advise import check_train_args
-    from advisor.recommend import launch_command
+    from advisor.model.recommend import launch_command
 
     extra = check_train_args("--resolution 1024 --gradient-checkpointing")
     cmd = launch_command(Path("c.json"), "m", Path("d"), 1, 8, None, Path("run"), extra)
@@ -305,8 +305,8 @@ def test_offload_trials_get_their_own_fixed_cost():
 def test_each_collective_is_costed_with_its_own_measured_fit():
     """gloo's all-gather is slower than its all-reduce: a link measured per collective costs each op with
     its own figures, and falls back to the link's for one it did not measure."""
-    from advisor.network import CollectiveFigures, Link
-    from advisor.time_model import _phase_s
+    from advisor.model.network import CollectiveFigures, Link
+    from advisor.model.step_time import _phase_s
 
     link = Link(1e9, 1e-5, "test", per_collective=(CollectiveFigures("all_gather", 0.5e9, 2e-5),))
     gather = _phase_s("all_gather", 1e8, 2, link, count=1)
@@ -317,9 +317,9 @@ def test_each_collective_is_costed_with_its_own_measured_fit():
 def test_ops_issued_in_bursts_pay_the_burst_latency():
     """ZeRO-3's hundreds of parameter gathers per step go back to back: where `sdzero comm` measured a
     burst, each call costs its latency; a rare op (one gather per step at ZeRO-1/2) pays the blocking one."""
-    from advisor.alphabeta import AlphaBetaFit
-    from advisor.network import CollectiveFigures, Link, link_from_fits
-    from advisor.time_model import BURST_CALLS, _phase_s
+    from advisor.model.alphabeta import AlphaBetaFit
+    from advisor.model.network import CollectiveFigures, Link, link_from_fits
+    from advisor.model.step_time import BURST_CALLS, _phase_s
 
     link = Link(1e9, 2.5e-3, "test", per_collective=(CollectiveFigures("all_gather", 1e9, 2.5e-3, 1e-3),))
     many = _phase_s("all_gather", 1e6, 2, link, count=BURST_CALLS * 13)
@@ -343,8 +343,8 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
     """On a CPU, comms_logger times an async call up to its start: a ZeRO-3 trial's 208 parameter gathers
     log 5 ms where they cost 208 x 0.2 ms on its link. The fit moves the difference from compute to
     communication, still reproduces the trial, and so does not count the gathers twice at 2 nodes."""
-    from advisor.network import CollectiveFigures, Link, Network
-    from advisor.time_model import fit_time_model
+    from advisor.model.network import CollectiveFigures, Link, Network
+    from advisor.model.step_time import fit_time_model
 
     intra = Link(1e9, 1e-4, "intra", per_collective=(CollectiveFigures("all_gather", 1e9, 1e-4, 2e-4),))
     inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
@@ -364,8 +364,8 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
 def test_waits_the_trial_timed_replace_the_benchmark_figure():
     """A trial that timed its waits (sdzero.profiling.WaitMeter) already counts its bursts whole: the fit
     takes its communication as measured and costs nothing more, however the link benchmark came out."""
-    from advisor.network import CollectiveFigures, Link, Network
-    from advisor.time_model import fit_time_model, ops_from_trial
+    from advisor.model.network import CollectiveFigures, Link, Network
+    from advisor.model.step_time import fit_time_model, ops_from_trial
 
     intra = Link(1e9, 1e-4, "intra", per_collective=(CollectiveFigures("all_gather", 1e9, 1e-4, 2e-4),))
     inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
@@ -384,7 +384,7 @@ def test_waits_the_trial_timed_replace_the_benchmark_figure():
 
 
 def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
-    from advisor.alphabeta import fit_table
+    from advisor.model.alphabeta import fit_table
 
     sizes = [4096 * 2**i for i in range(6)]
     rows = [{"backend": "torch", "library": "gloo", "collective": "all_gather", "link_level": "inter",
@@ -400,8 +400,8 @@ def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
 
 
 def test_check_trials_are_unmeasured_predicted_before_they_run_and_set_the_error():
-    from advisor.search import check_specs
-    from advisor.validate import check_rows
+    from advisor.model.error import check_rows
+    from advisor.model.search import check_specs
 
     full = grid_trials(noise=False).set_index("trial_id")
     plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
@@ -457,10 +457,10 @@ def test_search_measures_a_fraction_of_the_grid_and_finds_the_best():
 def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_path, tiny_model, synth_data):
     """run_advise with trials answered from synthetic rows and no benchmark: the files the report reads."""
     import advisor.advise as advise
-    import advisor.comm
-    import advisor.profile
-    from advisor.report_advise import build_advise_report
-    from advisor.report_page import NoteItem
+    import advisor.measure.collectives_launch
+    import advisor.measure.profile
+    from advisor.report.advise_page import build_advise_report
+    from advisor.report.page import NoteItem
 
     full = grid_trials().set_index("trial_id")
 
@@ -474,13 +474,15 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
         return run
 
     def no_comm(*_args, **_kwargs):
-        raise advisor.comm.CommRunError("skipped in this test")
+        raise advisor.measure.collectives_launch.CommRunError("skipped in this test")
 
     monkeypatch.setattr(advise, "trial_runner", fake_runner)
     monkeypatch.setattr(advise, "trained_numels", lambda model: NUMELS)
-    monkeypatch.setattr(advisor.comm, "run_comm", no_comm)
+    monkeypatch.setattr(advisor.measure.collectives_launch, "run_comm", no_comm)
     monkeypatch.setattr(
-        advisor.profile, "device_support", lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False}
+        advisor.measure.profile,
+        "device_support",
+        lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False},
     )
     base = {
         **BASE,

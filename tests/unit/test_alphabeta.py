@@ -1,4 +1,4 @@
-"""Alpha-beta fits and nccl-tests bandwidth definitions (advisor.alphabeta)."""
+"""Alpha-beta fits and nccl-tests bandwidth definitions (advisor.model.alphabeta)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from advisor.alphabeta import (
+from advisor.model.alphabeta import (
     AlphaBetaFit,
     algbw_gbps,
     bus_factor,

@@ -291,7 +291,7 @@ def test_tiny_model_command_families(tmp_path):
 
 
 def test_advisor_counts_the_sd3_transformer(models, comps):
-    from advisor.memory_model import trained_numels
+    from advisor.model.memory import trained_numels
 
     numels = trained_numels(models["sd3"])
     assert sum(numels) == sum(p.numel() for p in comps["sd3"].unet.parameters())

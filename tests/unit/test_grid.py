@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from advisor.grid import (
+from advisor.measure.grid import (
     DEFAULT_FP16,
     GridRequest,
     TrialSpec,

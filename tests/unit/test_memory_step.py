@@ -1,4 +1,4 @@
-"""The memory model's optimizer-step peak (advisor/memory_model.py `MemoryModel.step_bytes`).
+"""The memory model's optimizer-step peak (advisor/model/memory.py `MemoryModel.step_bytes`).
 
 The first test checks the formula against a recorded GPU measurement: the README's "On a GPU (H200)" table
 (bench/gpu_check.py, one H200, an SD 1.5-sized UNet, 1 rank, ZeRO-2 bf16, torch's AdamW via
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.memory_model import ActivationFit, MemoryModel, ZeroSettings, largest_sub_group
+from advisor.model.memory import ActivationFit, MemoryModel, ZeroSettings, largest_sub_group
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[2]

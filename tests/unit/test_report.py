@@ -30,9 +30,9 @@ from report_fixtures import (
 )
 from typer.testing import CliRunner
 
-from advisor import figures
-from advisor.report import default_output, report_command, write_advise_report, write_training_report
-from advisor.report_train import ema, load_run
+from advisor.report import figures
+from advisor.report.build import default_output, report_command, write_advise_report, write_training_report
+from advisor.report.train_page import ema, load_run
 from sdzero.errors import UserError
 
 TRAINING_FIGURES = {"loss", "throughput", "loss-scale", "memory"}
@@ -237,7 +237,7 @@ def test_a_failed_render_leaves_the_old_report_and_no_temp_file(tmp_path, monkey
 
 
 def test_a_failed_write_leaves_the_old_report_and_no_temp_file(tmp_path, monkeypatch):
-    import advisor.report_page as page_module
+    import advisor.report.page as page_module
 
     run = write_training_run(tmp_path / "run")
     out = write_training_report(run, tmp_path / "out" / "report.html")

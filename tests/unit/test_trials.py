@@ -14,10 +14,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import advisor.profile as profile_module
-from advisor.grid import GridRequest, TrialSpec
-from advisor.profile import TRIAL_COLUMNS, profile_command, read_trials, run_profile
-from advisor.trials import GIB, TrialOutcome, TrialSettings, classify_trial, error_line, trainer_args
+import advisor.measure.profile as profile_module
+from advisor.measure.grid import GridRequest, TrialSpec
+from advisor.measure.profile import TRIAL_COLUMNS, profile_command, read_trials, run_profile
+from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, classify_trial, error_line, trainer_args
 from sdzero.errors import UserError
 
 SETTINGS = TrialSettings(model="/m", data=Path("/d"), steps=3, warmup_steps=1, trial_timeout_s=60,
@@ -114,7 +114,7 @@ def test_trainer_args_profile_the_requested_steps(tmp_path):
 
 
 class FakeRunner:
-    """Stands in for advisor.trials.run_trial: OOM from `oom_from` upwards; may interrupt."""
+    """Stands in for advisor.measure.trials.run_trial: OOM from `oom_from` upwards; may interrupt."""
 
     def __init__(self, oom_from: int = 4, interrupt_at: int | None = None) -> None:
         self.oom_from, self.interrupt_at = oom_from, interrupt_at

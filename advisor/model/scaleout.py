@@ -19,11 +19,11 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.alphabeta import FIT_SCHEMA, write_json_atomic
-from advisor.grid import TrialSpec, write_trial_config
-from advisor.network import Network, build_network
-from advisor.time_model import fit_time_model, measured_step_s
-from advisor.trials import TrialSettings, run_trial
+from advisor.measure.grid import TrialSpec, write_trial_config
+from advisor.measure.trials import TrialSettings, run_trial
+from advisor.model.alphabeta import FIT_SCHEMA, write_json_atomic
+from advisor.model.network import Network, build_network
+from advisor.model.step_time import fit_time_model, measured_step_s
 
 MIB = 2**20
 
@@ -32,7 +32,7 @@ def probe_links(out_dir: Path, hostfile: Path, local_ranks: int, budget_s: float
                 log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
     """`sdzero comm` twice: `local_ranks` on this machine (the intra-node link the 1-host trials used) and one
     rank per host across the hostfile (the inter-host link); both fits merged into one comm_fit.json."""
-    from advisor.comm import run_comm
+    from advisor.measure.collectives_launch import run_comm
 
     fits = []
     for name, ranks, hosts in (("intra", local_ranks, None), ("inter", 1, hostfile)):
@@ -62,8 +62,8 @@ class ScaleoutRow:
 
 def trial_table(spec: TrialSpec, settings: TrialSettings, base: dict[str, Any], trial_dir: Path,
                 nodes: int) -> pd.DataFrame:  # fmt: skip
-    """Run one trial and return it as a one-row table in advisor.profile's format."""
-    from advisor.profile import trial_row
+    """Run one trial and return it as a one-row table in advisor.measure.profile's format."""
+    from advisor.measure.profile import trial_row
 
     config = write_trial_config(base, spec, trial_dir, spec.ranks_per_node * nodes)
     outcome = run_trial(spec, settings, config, trial_dir)

@@ -1,6 +1,6 @@
 """Predictions for node counts 1, 2, 4, ... --max-nodes: samples/s, step split, memory, efficiency.
 
-One row per (node count, config) in predictions.csv (the contract in advisor.report). A config is ZeRO stage
+One row per (node count, config) in predictions.csv (the contract in advisor.report.build). A config is ZeRO stage
 x precision x micro-batch x offload; its gradient accumulation is chosen per node count to reach the
 --global-batch target (the largest accumulation inside a range: more micro-steps per optimizer step
 amortise the once-per-step communication). A config that cannot reach the target at a node count has no
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from advisor.memory_model import MemoryModel
-from advisor.network import Network
-from advisor.time_model import TimeModel
+from advisor.model.memory import MemoryModel
+from advisor.model.network import Network
+from advisor.model.step_time import TimeModel
 from sdzero.errors import UserError
 
 MAX_NODES_LIMIT = 1 << 20

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
-from advisor.grid import GridPlan, TrialSpec
-from advisor.memory_model import ZeroSettings
-from advisor.network import Network
-from advisor.predict import BatchTarget, Candidate, grad_accum_for
-from advisor.validate import fit_models
+from advisor.measure.grid import GridPlan, TrialSpec
+from advisor.model.error import fit_models
+from advisor.model.memory import ZeroSettings
+from advisor.model.network import Network
+from advisor.model.predict import BatchTarget, Candidate, grad_accum_for
 
 DOMINATED_MARGIN = 0.0
 """A config is measured only if the model predicts it beats every measured one by more than this fraction

@@ -1,6 +1,6 @@
 """The advise report: read an advise/profile/comm output folder and lay out its page.
 
-What each file must hold is the data contract in `advisor.report`'s docstring; this module checks it (a
+What each file must hold is the data contract in `advisor.report.build`'s docstring; this module checks it (a
 missing column or a non-numeric value is one UserError naming the file and the column) and turns each file
 into its sections. A section whose file is absent becomes one line saying which file, from which command,
 would fill it: never an empty plot.
@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor import figures
-from advisor.alphabeta import AlphaBetaFit, bus_factor, load_fits
-from advisor.report_page import (
+from advisor.model.alphabeta import AlphaBetaFit, bus_factor, load_fits
+from advisor.report import figures
+from advisor.report.page import (
     CodeItem,
     FigureItem,
     Item,
@@ -93,7 +93,7 @@ def read_table(path: Path, required: tuple[str, ...], numeric: tuple[str, ...] =
     missing = [c for c in required if c not in frame.columns]
     if missing:
         raise UserError(
-            f"{path}: missing column(s) {', '.join(missing)} (the contract is in advisor/report.py)"
+            f"{path}: missing column(s) {', '.join(missing)} (the contract is in advisor/report/build.py)"
         )
     for column in numeric:
         if column in frame:

@@ -1,4 +1,4 @@
-"""The communicators the collectives benchmark (advisor.collectives) times, and the buffers they move.
+"""The communicators the collectives benchmark (advisor.measure.collectives_rank) times, and the buffers they move.
 
 `TorchCommunicator` runs torch.distributed over one process group (nccl on GPUs, gloo on CPUs);
 `MpiCommunicator` runs mpi4py on host buffers shared with torch CPU tensors. Both offer what the sweep

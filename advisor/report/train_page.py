@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor import figures
-from advisor.report_page import (
+from advisor.report import figures
+from advisor.report.page import (
     CodeItem,
     FigureItem,
     Item,

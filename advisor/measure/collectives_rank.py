@@ -1,6 +1,6 @@
 """Rank-side collectives benchmark in the manner of nccl-tests; runs inside every rank.
 
-Started by `advisor.comm.run_comm`, either under the `deepspeed` launcher (torch.distributed: nccl on GPUs,
+Started by `advisor.measure.collectives_launch.run_comm`, either under the `deepspeed` launcher (torch.distributed: nccl on GPUs,
 gloo on CPUs) or under `mpirun` (mpi4py). Both paths share the sweep, the timing, the correctness check
 and the CSV format; only the communicator differs.
 
@@ -40,8 +40,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from advisor.alphabeta import COLLECTIVES, algbw_gbps, busbw_gbps
-from advisor.communicators import (
+from advisor.measure.communicators import (
     DTYPE,
     ELEMENT_BYTES,
     Buffers,
@@ -51,6 +50,7 @@ from advisor.communicators import (
     element_count,
     make_buffers,
 )
+from advisor.model.alphabeta import COLLECTIVES, algbw_gbps, busbw_gbps
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The recommendation: the fastest predicted config that fits, its DeepSpeed JSON, launch command, runners-up.
 
 The JSON is the user's base JSON with the winner's knobs written in by the same code that writes each
-trial's JSON (advisor.grid.trial_ds_config), minus the trial-only instruments, with the accumulation for the
+trial's JSON (advisor.measure.grid.trial_ds_config), minus the trial-only instruments, with the accumulation for the
 global batch and the learning rate scaled for it: the trainer runs it unchanged. Its global batch is not
 written (train_batch_size): DeepSpeed derives it from micro-batch x accumulation x world size, so the same
 file also runs on fewer ranks for a smoke test.
@@ -18,9 +18,9 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.grid import TrialSpec, trial_ds_config
-from advisor.memory_model import MemoryModel
-from advisor.predict import Candidate
+from advisor.measure.grid import TrialSpec, trial_ds_config
+from advisor.model.memory import MemoryModel
+from advisor.model.predict import Candidate
 from sdzero.errors import UserError
 
 GIB = 2**30

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from advisor.grid import TrialSpec
+from advisor.measure.grid import TrialSpec
 from sdzero.launch import deepspeed_command
 
 GIB = 2**30

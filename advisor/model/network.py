@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from advisor.alphabeta import AlphaBetaFit, load_fits
+from advisor.model.alphabeta import AlphaBetaFit, load_fits
 from sdzero.errors import UserError
 
 GB = 1e9

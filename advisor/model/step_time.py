@@ -10,7 +10,7 @@ async calls, which the trial times itself: sdzero.profiling.WaitMeter).
 Communication is the op mix each stage really issued in the trials (comms_logger: all-reduce of gradients
 at ZeRO-1/2 in this DeepSpeed, not the paper's reduce-scatter; per-parameter all-gathers at ZeRO-3, ...),
 each op's size converted to its full buffer and costed at the target world size with the alpha-beta
-figures of advisor.network, hierarchically: inside the node first, then across nodes, where the node's
+figures of advisor.model.network, hierarchically: inside the node first, then across nodes, where the node's
 ranks share its link. Which ops repeat per accumulation micro-step follows the stage: gradient reductions
 at ZeRO-2/3 run inside every backward, ZeRO-3's parameter gathers in every forward and backward; ZeRO-1
 reduces once at the boundary and stages 1/2 gather updated partitions once per step.
@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from advisor.network import Link, Network
+from advisor.model.network import Link, Network
 
 SMALL_OP_BYTES = 1024
 """Ops below this size (loss-scale checks, broadcasts of flags) cost latency only and run once per step."""
 BURST_CALLS = 16
 """An op issued at least this often per step is issued in bursts, not waited for call by call (ZeRO-3's
 parameter gathers: prefetch, and the gather of persistent parameters after each step); each call then
-costs the link's burst latency where `sdzero comm` measured one (advisor.collectives.measure_burst), and
+costs the link's burst latency where `sdzero comm` measured one (advisor.measure.collectives_rank.measure_burst), and
 the burst's bytes move while its calls wait out their latencies, so it takes the longer of the two.
 
 A burst's calls are started without waiting (async), and DeepSpeed's comms_logger times an async call up

@@ -5,8 +5,8 @@
 
 The page embeds everything (figures as SVG data URIs, CSS inline), fetches nothing and runs no script, so
 it reads the same offline and when mailed around. It is written atomically: a failure at any point leaves
-the previous report untouched. Layout and safety: advisor.report_page; training input: advisor.report_train;
-advise input: advisor.report_advise; figures: advisor.figures.
+the previous report untouched. Layout and safety: advisor.report.page; training input: advisor.report.train_page;
+advise input: advisor.report.advise_page; figures: advisor.report.figures.
 
 Data contract of an advise output folder
 ----------------------------------------
@@ -22,8 +22,8 @@ contract below, which its writer must keep. Extra columns and keys are ignored.
     of ``mem_per_rank_bytes``, ``device_peak_bytes``, ``peak_mem_bytes``, ``peak_rss_bytes``; device
     capacity from ``device_capacity_bytes`` or ``mem_cap_bytes`` (the `--mem-cap-gib` cap, in bytes).
 
-``comm.csv`` and ``comm_fit.json`` (`sdzero comm`, advisor.comm; in the folder or its ``comm/``)
-    As advisor.collectives.Row and advisor.alphabeta.fits_payload write them.
+``comm.csv`` and ``comm_fit.json`` (`sdzero comm`, advisor.measure.collectives_launch; in the folder or its ``comm/``)
+    As advisor.measure.collectives_rank.Row and advisor.model.alphabeta.fits_payload write them.
 
 ``predictions.csv`` (performance model: one row per node count and config)
     ``node_count`` (int >= 1), ``config_id`` (str, unique per config), ``zero_stage`` (int),
@@ -63,7 +63,7 @@ from typing import Annotated
 
 import typer
 
-from advisor.report_page import Report, render_html, write_atomic
+from advisor.report.page import Report, render_html, write_atomic
 from sdzero.errors import UserError
 
 REPORTS_DIR = Path("reports")
@@ -88,14 +88,14 @@ def write_report(report: Report, out: Path) -> Path:
 
 def write_training_report(run_dir: Path, out: Path | None = None) -> Path:
     """The training report of a run's output folder; returns the file written."""
-    from advisor.report_train import build_training_report
+    from advisor.report.train_page import build_training_report
 
     return write_report(build_training_report(Path(run_dir)), default_output(run_dir, out))
 
 
 def write_advise_report(advise_dir: Path, out: Path | None = None) -> Path:
     """The advise report of an advise/profile/comm output folder (what `sdzero advise` calls at its end)."""
-    from advisor.report_advise import build_advise_report
+    from advisor.report.advise_page import build_advise_report
 
     return write_report(build_advise_report(Path(advise_dir)), default_output(advise_dir, out))
 

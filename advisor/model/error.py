@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from advisor.memory_model import MemoryModel, ZeroSettings, fit_memory_model
-from advisor.network import Network
-from advisor.time_model import TimeModel, fit_time_model, measured_step_s
+from advisor.model.memory import MemoryModel, ZeroSettings, fit_memory_model
+from advisor.model.network import Network
+from advisor.model.step_time import TimeModel, fit_time_model, measured_step_s
 
 QUANTITIES = ("step_time_s", "mem_per_rank_bytes", "activation_bytes", "model_state_bytes")
 

@@ -1,8 +1,8 @@
 """`sdzero profile`: run the trial grid and append each trial's result to `<out>/trials.csv` as it ends.
 
-Every trial is a short real run of sdzero/train.py through the `deepspeed` launcher (advisor.trials), so
+Every trial is a short real run of sdzero/train.py through the `deepspeed` launcher (advisor.measure.trials), so
 local ranks, hostfiles and the launcher environment are exactly the user's. Rerunning with the same
-`--out` skips the trials already in trials.csv for the same setup (advisor.grid.setup_id), so an
+`--out` skips the trials already in trials.csv for the same setup (advisor.measure.grid.setup_id), so an
 interrupted profile resumes where it stopped.
 """
 
@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import pandas as pd
 import typer
 
-from advisor.grid import (
+from advisor.measure.grid import (
     OFFLOADS,
     GridPlan,
     GridRequest,
@@ -38,7 +38,7 @@ from advisor.grid import (
     setup_id,
     write_trial_config,
 )
-from advisor.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
+from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
 from sdzero.errors import UserError
 from sdzero.launch import shipped_config
 
@@ -251,7 +251,7 @@ def trial_settings(model: str | Path, data: Path, steps: int, warmup_steps: int,
     _check_inputs(str(model), data, steps, warmup_steps, trial_timeout_s, stall_timeout_s, mem_cap_gib)
     hosts = 1
     if hostfile is not None:
-        from advisor.comm import read_hostfile
+        from advisor.measure.collectives_launch import read_hostfile
 
         hosts = len(read_hostfile(Path(hostfile)))
     return TrialSettings(

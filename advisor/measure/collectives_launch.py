@@ -1,9 +1,9 @@
 """`sdzero comm`: run the collectives benchmark under real launchers and fit alpha-beta models.
 
 The torch.distributed ranks start through the `deepspeed` launcher (the same launcher the trainer uses),
-the MPI ranks through `mpirun`; each runs `python -m advisor.collectives`. Rank 0 of each writes a CSV;
+the MPI ranks through `mpirun`; each runs `python -m advisor.measure.collectives_rank`. Rank 0 of each writes a CSV;
 this driver joins them into `<out>/comm.csv`, fits t = alpha + size_bytes * beta per backend, collective
-and link level (advisor.alphabeta), and writes `<out>/comm_fit.json`.
+and link level (advisor.model.alphabeta), and writes `<out>/comm_fit.json`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pandas as pd
 import typer
 
 import advisor
-from advisor.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload, write_json_atomic
+from advisor.model.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload, write_json_atomic
 from sdzero.errors import UserError
 
 BACKENDS: tuple[str, ...] = ("torch", "mpi")
@@ -185,7 +185,7 @@ def torch_command(plan: LaunchPlan, args: list[str], torch_backend: str, no_host
         str(free_port()),
         "--no_local_rank",
         "--module",
-        "advisor.collectives",
+        "advisor.measure.collectives_rank",
         *args,
         "--torch-backend",
         torch_backend,
@@ -197,7 +197,16 @@ def mpi_command(plan: LaunchPlan, args: list[str], extra: Sequence[str]) -> list
     if plan.hostfile:
         command += ["--hostfile", str(plan.hostfile), "--npernode", str(plan.ranks_per_node)]
     # -x forwards PYTHONPATH to remote ranks so they import this checkout's advisor package
-    command += ["-x", "PYTHONPATH", *extra, sys.executable, "-u", "-m", "advisor.collectives", *args]
+    command += [
+        "-x",
+        "PYTHONPATH",
+        *extra,
+        sys.executable,
+        "-u",
+        "-m",
+        "advisor.measure.collectives_rank",
+        *args,
+    ]
     return command
 
 

@@ -1,0 +1,1 @@
+"""Models fitted to measurements: alpha-beta links, memory, step time, prediction, search, recommendation, error."""

@@ -1,0 +1,1 @@
+"""The self-contained HTML reports: page model, figures, the advise and training pages."""
