@@ -10,13 +10,14 @@ import argparse
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sdzero.errors import UserError
+from sdzero.lr import DEFAULT_LR_SCALING, LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
 
-LR_SCALINGS = ("none", "linear", "sqrt")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")
 """SD3 timestep densities / loss weights, as diffusers.training_utils names them."""
@@ -185,16 +186,6 @@ def _resolve_batch_triple(
     return total // (accum * world), accum
 
 
-def scaled_lr(base_lr: float, scaling: str, global_batch: int, reference_batch: int) -> float:
-    """The LR practitioners use when the global batch grows: linear (Goyal et al.) or square-root."""
-    ratio = global_batch / reference_batch
-    if scaling == "linear":
-        return base_lr * ratio
-    if scaling == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    return base_lr
-
-
 @dataclass
 class TrainConfig:
     """Run options: what the DeepSpeed JSON does not say."""
@@ -212,9 +203,10 @@ class TrainConfig:
     """Square training resolution in pixels; default: the model's native size."""
     lr: float | None = None
     """Base learning rate; default: the JSON's optimizer.params.lr, else 1e-4."""
-    lr_scaling: str = "none"
+    lr_scaling: str = DEFAULT_LR_SCALING
+    """How the LR follows the global batch (sdzero.lr): applied only when it differs from the reference."""
     lr_reference_batch: int | None = None
-    """The global batch at which `lr` is right; default: one rank's batch (micro x accumulation)."""
+    """The global batch at which `lr` is right; default: the JSON's own, so a JSON run as written keeps its LR."""
     lr_warmup_steps: int = 0
     prediction_type: str | None = None
     """Training target; default: the scheduler's own prediction_type."""
@@ -423,13 +415,18 @@ class TrainConfig:
         )
 
     def base_lr(self, ds: DsSettings) -> float:
-        if self.lr is not None:
-            return self.lr
-        return float(ds.raw.get("optimizer", {}).get("params", {}).get("lr", 1e-4))
+        return self.lr if self.lr is not None else base_lr_of(ds.raw)
+
+    def lr_choice(self, ds: DsSettings) -> LrChoice:
+        """The one rule (sdzero.lr); its cap warning is issued once per process."""
+        reference = self.lr_reference_batch or reference_batch(ds.raw, ds.world_size)
+        choice = choose_lr(self.base_lr(ds), ds.global_batch, reference, self.lr_scaling)
+        if choice.warning:
+            warnings.warn(choice.warning, UserWarning, stacklevel=2)
+        return choice
 
     def effective_lr(self, ds: DsSettings) -> float:
-        reference = self.lr_reference_batch or ds.micro_batch * ds.grad_accum
-        return scaled_lr(self.base_lr(ds), self.lr_scaling, ds.global_batch, reference)
+        return self.lr_choice(ds).lr
 
 
 def check_keep_last(keep_last: int) -> None:
@@ -508,14 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scaling",
         choices=LR_SCALINGS,
-        default="none",
-        help="scale the LR by global batch / reference batch",
+        default=DEFAULT_LR_SCALING,
+        help="LR rule when the global batch differs from --lr-reference-batch (sdzero/lr.py; capped)",
     )
     p.add_argument(
         "--lr-reference-batch",
         type=int,
         default=None,
-        help="global batch the base LR was tuned for; default: one rank's batch",
+        help="global batch the base LR was tuned for; default: the JSON's own (LR unchanged)",
     )
     p.add_argument("--lr-warmup-steps", type=int, default=0)
     p.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None)
@@ -542,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write <output-dir>/final as a diffusers pipeline (safetensors) at the end",
     )
+    p.add_argument("--export-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="dtype of every component of <output-dir>/final")  # fmt: skip
     p.add_argument(
         "--profile-out",
         default=None,

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from launch import CONFIGS
 
-from sdzero.config import TrainConfig, load_ds_config, parse_train_args, scaled_lr
+from sdzero.config import TrainConfig, load_ds_config, parse_train_args
 from sdzero.errors import UserError
+from sdzero.lr import choose_lr
 
 
 def write(tmp_path: Path, config: dict) -> Path:
@@ -84,12 +85,12 @@ def test_missing_and_broken_config_files(tmp_path):
 
 
 def test_lr_scaling_rules():
-    assert scaled_lr(1e-4, "none", 64, 8) == 1e-4
-    assert scaled_lr(1e-4, "linear", 64, 8) == pytest.approx(8e-4)
-    assert scaled_lr(1e-4, "sqrt", 64, 8) == pytest.approx(1e-4 * math.sqrt(8))
+    assert choose_lr(1e-4, 64, 8, "none").lr == 1e-4
+    assert choose_lr(1e-4, 32, 8, "linear").lr == pytest.approx(4e-4)
+    assert choose_lr(1e-4, 64, 8, "sqrt").lr == pytest.approx(1e-4 * math.sqrt(8))
 
 
-def test_effective_lr_uses_json_lr_and_one_rank_reference(tmp_path):
+def test_effective_lr_uses_json_lr_and_its_own_batch_as_reference(tmp_path):
     cfg_path = write(tmp_path, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
                                 "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}}})  # fmt: skip
     ds = load_ds_config(cfg_path, world_size=4)
@@ -97,7 +98,10 @@ def test_effective_lr_uses_json_lr_and_one_rank_reference(tmp_path):
     data.mkdir()
     base = dict(deepspeed_config=cfg_path, model="hub/id", data=data, output_dir=tmp_path / "o")
     assert TrainConfig(**base).effective_lr(ds) == pytest.approx(2e-4)
-    assert TrainConfig(**base, lr_scaling="linear").effective_lr(ds) == pytest.approx(8e-4)  # 4 ranks
+    # the JSON's own batch is the reference: run as written, its LR is kept whatever the rule
+    assert TrainConfig(**base, lr_scaling="linear").effective_lr(ds) == pytest.approx(2e-4)
+    halved = TrainConfig(**base, lr_scaling="linear", lr_reference_batch=16)
+    assert halved.effective_lr(ds) == pytest.approx(4e-4)
     assert TrainConfig(**base, lr=1e-4, lr_scaling="sqrt", lr_reference_batch=32).effective_lr(ds) == (
         pytest.approx(1e-4)
     )
