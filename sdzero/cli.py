@@ -240,7 +240,7 @@ def export(
         str | None, typer.Option(help="pipeline for the frozen parts; default: the one the run trained from")
     ] = None,
     dtype: Annotated[
-        str | None, typer.Option(help="bf16, fp16 or fp32; default: the run's precision")
+        str | None, typer.Option(help="bf16, fp16 or fp32 for every component; default fp32 (loads as-is)")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
 ) -> None:

@@ -255,6 +255,8 @@ class TrainConfig:
     """SD3 only: T5 tokens per caption (default 77, at most 512 as in diffusers' SD3 pipeline)."""
     export_final: bool = False
     """Write `<output-dir>/final`, a complete diffusers pipeline with the trained UNet, at the end."""
+    export_dtype: str = "fp32"
+    """Every component of `final` in this dtype (fp32 loads with a bare `from_pretrained(final)`)."""
     profile_out: Path | None = None
     """Write steady-state throughput, memory by kind and DeepSpeed's breakdown here (see sdzero.profiling)."""
     profile_warmup_steps: int = 1

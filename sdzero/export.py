@@ -10,6 +10,7 @@ the live engine (`--export-final`), or from a checkpoint's shards with DeepSpeed
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -93,15 +94,34 @@ def build_pipeline(comps: Any, trained: torch.nn.Module, scheduler: Any = None) 
     )  # fmt: skip
 
 
+def frozen_parts_for_export(comps: Any) -> Any:
+    """A view of `comps` whose VAE and text encoders are fresh fp32 CPU copies from `comps.model`.
+
+    The loaded ones are in the training precision (bf16 weights rounded from the fp32 originals) and may
+    sit on a GPU; an export casts from the originals instead, so an fp32 export holds them unchanged.
+    """
+    from sdzero.models import TEXT_ENCODERS, ensure_frozen
+
+    fresh = dataclasses.replace(
+        comps, compute="fp32", vae=None, **{name: None for name in TEXT_ENCODERS[comps.family]}
+    )
+    return ensure_frozen(fresh, "cpu")
+
+
 def write_pipeline(
     out: Path,
     unet_state: dict[str, torch.Tensor],
     comps: Any,
-    dtype: torch.dtype,
+    dtype: torch.dtype = torch.float32,
     extra_unets: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """A complete pipeline folder of the model's family: the trained network from `unet_state` (the UNet,
-    or SD3's transformer) plus the frozen parts as loaded.
+    or SD3's transformer) plus the frozen parts, every component in `dtype`.
+
+    One dtype for all: diffusers loads its models as fp32 and transformers loads text encoders in the dtype
+    they were saved in, so a bf16 UNet beside fp32 encoders (or the reverse) fails at the first matmul of
+    `from_pretrained(out)`. An fp32 export loads and generates with no arguments; a bf16/fp16 one wants
+    `torch_dtype=` at load time.
 
     `extra_unets` (e.g. {"unet_ema": state}) are written as further folders beside it, "unet" in the name
     becoming the family's folder ("transformer_ema" for SD3); the pipeline's model_index.json does not list
@@ -109,7 +129,8 @@ def write_pipeline(
     """
     cls = type(comps.unet)
     trained = unet_from_state(comps.unet.config, unet_state, dtype, cls)
-    pipe = build_pipeline(comps, trained)
+    pipe = build_pipeline(frozen_parts_for_export(comps), trained)
+    pipe.to(dtype=dtype)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -172,9 +193,9 @@ def export_checkpoint(
         raise UserError(f"{source}: every checkpoint there is damaged (see the warnings above)")
     path, manifest = chosen
     model = model or manifest.model
-    compute = dtype or manifest.dtype
     try:
-        comps = load_components(model, compute, "cpu")
+        # The frozen parts are loaded by write_pipeline, in fp32, then cast with the rest to `dtype`.
+        comps = load_components(model, "fp32", "cpu", frozen=False)
     except UserError as exc:
         raise UserError(f"{exc}; pass --model with the pipeline the run trained from") from exc
     resolve_prediction_type(comps, manifest.prediction_type)  # a no-op for SD3 (flow matching)
@@ -183,5 +204,5 @@ def export_checkpoint(
     if manifest.ema:
         ema_state, _ = assemble(path / EMA_DIR)
         extra = {"unet_ema": ema_state}
-    write_pipeline(out, weights, comps, DTYPES[compute], extra_unets=extra)
+    write_pipeline(out, weights, comps, DTYPES[dtype or "fp32"], extra_unets=extra)
     return ExportResult(out=out, checkpoint=path, step=manifest.step, with_ema=extra is not None)

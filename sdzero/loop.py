@@ -334,12 +334,13 @@ def run(cfg: TrainConfig) -> RunSummary:
 
 def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=None) -> None:
     from sdzero.export import gathered_state_dict, write_pipeline
+    from sdzero.models import DTYPES
 
     state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
     ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0
     if rank == 0 and state is not None:
-        dtype = next(iter(state.values())).dtype
         extra = {"unet_ema": ema_state} if ema_state is not None else None
+        dtype = DTYPES[cfg.export_dtype]  # one dtype for every component (see write_pipeline)
         out = write_pipeline(cfg.output_dir / "final", state, comps, dtype, extra_unets=extra)
         log.info("exported the trained pipeline to %s", out)
     dist.barrier()
