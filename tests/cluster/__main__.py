@@ -1,6 +1,7 @@
 """`python tests/cluster up|down|list`: a namespace cluster that outlives the command, for trying things by hand.
 
 python tests/cluster up --hosts 2 --slots 1 --rate 1gbit --delay-ms 1   # prints the tag and the hostfile
+python tests/cluster up --hosts 4 --cpus-per-host 0.4     # every host limited to 0.4 of a core (cgroup)
 python tests/cluster list
 python tests/cluster down TAG        # or: down --all (every cluster this tool made)
 """
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--delay-ms", type=float, default=None, help="one-way delay each host adds to what it sends"
     )
+    up.add_argument("--cpus-per-host", type=float, default=None,
+                    help="CPU quota of each host in cores (cgroup), e.g. 0.4: equal compute per host")  # fmt: skip
     down = sub.add_parser("down", help="remove a cluster (or all) and end only the processes it started")
     down.add_argument("tag", nargs="?")
     down.add_argument("--all", action="store_true")
@@ -35,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.action == "up":
         try:
-            cluster = Cluster(hosts=args.hosts, slots=args.slots, persistent=True).up()
-        except ClusterUnavailable as exc:
+            cluster = Cluster(
+                hosts=args.hosts, slots=args.slots, persistent=True, cpus_per_host=args.cpus_per_host
+            ).up()
+        except (ClusterUnavailable, ValueError) as exc:
             print(f"cluster: cannot start here: {exc}", file=sys.stderr)
             return 2
         if args.rate or args.delay_ms:
@@ -49,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             hosts = ", ".join(f"{h['hostname']}={h['address']}" for h in state["hosts"])
             owner = state["owner_pid"] or "persistent"
             delay = f"{state['delay_ms']:g} ms" if state.get("delay_ms") else "-"
-            print(
-                f"{state['tag']}  owner {owner}  rate {state['shaped_rate'] or '-'}  delay {delay}  {hosts}"
-            )
+            cpus = f"{state['cpus_per_host']:g}" if state.get("cpus_per_host") else "-"
+            print(f"{state['tag']}  owner {owner}  rate {state['shaped_rate'] or '-'}  delay {delay}  "
+                  f"cpus/host {cpus}  {hosts}")  # fmt: skip
         return 0
     tags = [s["tag"] for s in list_clusters()] if args.all else [args.tag] if args.tag else []
     if not tags:

@@ -13,6 +13,10 @@ the next `up()` (its owner process is gone) without touching anything else.
 Links can be rate-limited with `tc tbf` and given a one-way delay. This kernel has no `netem` ("Specified
 qdisc kind is unknown"), so the delay is a TUN device in each host and a relay process that holds each
 packet for the delay (delayline.py says how); the rate limit then sits on that device, before the delay.
+
+With `cpus_per_host`, every host gets the same CPU quota (a cgroup its sshd, and so every process started
+over ssh, belongs to; cpushare.py says how), so a host computes as fast alone as next to three others.
+The delay relays stay outside the quota: they stand for the NIC, not for the host's cores.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cluster import cpushare
 
 STATE_ROOT = Path("/run/sdzero-cluster")
 SUBNET_PREFIX = "10.77"
@@ -96,6 +102,16 @@ class Cluster:
     shaped_rate: str | None = None
     delay_ms: float | None = None
     delay_pids: list[int] = field(default_factory=list)
+    cpus_per_host: float | None = None
+    """CPU quota of each host in cores (e.g. 0.4); None: no quota, the hosts share the cores freely."""
+    cgroups: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.cpus_per_host is not None:
+            cores = len(os.sched_getaffinity(0))
+            if not 0 < self.cpus_per_host * self.hosts <= cores:
+                raise ValueError(f"cpus_per_host={self.cpus_per_host} x {self.hosts} hosts: the quotas must "
+                                 f"be positive and add up to at most this machine's {cores} cores")  # fmt: skip
 
     @property
     def state_dir(self) -> Path:
@@ -150,6 +166,7 @@ class Cluster:
                 _register_teardown(self)
             try:
                 self._make_network()
+                self._make_cpu_shares()
             except BaseException:
                 self.down()
                 raise
@@ -173,6 +190,39 @@ class Cluster:
             self.exec(h, ["ip", "link", "set", "lo", "up"])
             # Traffic to the launching machine goes through the bridge's address.
             self.exec(h, ["ip", "route", "add", "default", "via", self.gateway])
+
+    def _make_cpu_shares(self) -> None:
+        if self.cpus_per_host is None:
+            return
+        try:
+            fs = cpushare.detect()
+            for h in self.members:
+                path = fs.root / f"sdz-{self.tag}-n{h.index}"
+                self.cgroups.append(str(path))
+                self._save()  # recorded before it exists, as everything else
+                cpushare.create(fs, path.name, self.cpus_per_host)
+        except (cpushare.CpuShareUnavailable, OSError) as exc:
+            raise ClusterUnavailable(f"cannot give each host a CPU quota: {exc}") from exc
+
+    def cpu_group(self, h: Host) -> Path | None:
+        """Host h's cgroup (None without a quota): its sshd and everything started over ssh belong to it."""
+        return Path(self.cgroups[h.index - 1]) if self.cpus_per_host is not None else None
+
+    @contextlib.contextmanager
+    def local_share(self, cpus: float):
+        """This process, and what it starts meanwhile, under a `cpus`-core quota: the 1-host reference trial
+        gets the same share per rank as a host's ranks. Recorded in the state, so a killed run's group goes
+        with the cluster."""
+        fs = cpushare.detect()
+        path = fs.root / f"sdz-{self.tag}-local{len(self.cgroups)}"
+        self.cgroups.append(str(path))
+        self._save()
+        try:
+            with cpushare.joined(path.name, cpus, fs) as group:
+                yield group
+        finally:
+            self.cgroups.remove(str(path))
+            self._save()
 
     def _start_sshd(self) -> None:
         d = self.state_dir
@@ -216,6 +266,9 @@ class Cluster:
             )
             h.sshd_pid = proc.pid  # `exec` keeps the pid: this is sshd itself
             self._save()
+            group = self.cpu_group(h)
+            if group is not None:  # before the first login: every session, and its ranks, inherits it
+                cpushare.join(group, proc.pid)
         for h in self.members:
             self._wait_for_ssh(h)
 
@@ -358,6 +411,8 @@ class Cluster:
             "shaped_rate": self.shaped_rate,
             "delay_ms": self.delay_ms,
             "delay_pids": self.delay_pids,
+            "cpus_per_host": self.cpus_per_host,
+            "cgroups": self.cgroups,
         }
         tmp = self.state_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
@@ -387,6 +442,10 @@ def teardown(state_dir: Path) -> None:
         run(["ip", "link", "del", veth], check=False)
     if state.get("bridge"):
         run(["ip", "link", "del", state["bridge"]], check=False)
+    for group in state.get("cgroups", []):
+        # Its processes (sshd, ranks) were ended above; a straggler is moved to the parent, not killed.
+        with contextlib.suppress(OSError):
+            cpushare.remove(Path(group))
     _drop_known_hosts(state.get("known_hosts_mark", ""))
     shutil.rmtree(state_dir, ignore_errors=True)
 

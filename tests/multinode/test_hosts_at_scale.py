@@ -1,0 +1,97 @@
+"""Up to 4 namespace hosts with equal compute: each host's CPU quota (cgroup) holds whether it runs alone or
+with three others, what starts over ssh is inside its host's quota, and a real `deepspeed --hostfile`
+training run (via `sdzero launch`) of the tiny model spans 3 hosts.
+
+The session's 2-host cluster (conftest.py) is for the launch tests; this module makes its own 4 hosts."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from statistics import median
+
+import pytest
+from cluster import Cluster, ClusterUnavailable, cpushare, unavailable_reason
+from cluster.launching import launch, ok
+
+from sdzero.metrics import read_metrics
+
+pytestmark = pytest.mark.multinode
+
+HOSTS = 4
+CPUS_PER_HOST = 0.45
+"""4 x 0.45 = 1.8 of the 2 cores: below the total, so a host alone and a host among four get the same."""
+SHARE_RTOL = 0.25
+"""A host's time for the same work with all 4 hosts busy vs alone. Without quotas it is ~2x on 2 cores
+(4 hosts); with them it stays within this, the rest being the machine's other load (shared cores)."""
+WORK = (
+    "import time\nt = time.perf_counter()\nx = 0\n"
+    "for i in range(1_200_000): x += i * i\n"  # ~0.1 CPU-s: ~0.25 s at 0.45 of a core
+    "print(time.perf_counter() - t)"
+)
+
+
+@pytest.fixture(scope="module")
+def cluster4():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no namespace cluster on this machine: {reason}")
+    try:
+        with Cluster(hosts=HOSTS, slots=1, cpus_per_host=CPUS_PER_HOST) as made:
+            yield made
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no namespace cluster with CPU quotas on this machine: {exc}")
+
+
+def timed_work(cluster: Cluster, hosts: list) -> list[float]:
+    """Wall seconds of the same CPU-bound work started over ssh on each host at once."""
+    procs = [subprocess.Popen(["ssh", "-o", "BatchMode=yes", h.address, f"{sys.executable} -c '{WORK}'"],
+                              stdout=subprocess.PIPE, text=True) for h in hosts]  # fmt: skip
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    return [float(o.split()[-1]) for o in outputs]
+
+
+def test_one_host_computes_as_fast_alone_as_among_four(cluster4):
+    first = cluster4.members[0]
+    alone = median(timed_work(cluster4, [first])[0] for _ in range(3))
+    together = median(timed_work(cluster4, cluster4.members)[0] for _ in range(3))
+    assert together / alone < 1 + SHARE_RTOL, f"host 1: {alone:.3f} s alone, {together:.3f} s among {HOSTS}"
+    # The quota really acts: host 1 alone is throttled to its share, not given both cores.
+    assert cpushare.throttled_periods(cluster4.cpu_group(first)) > 0
+
+
+def test_what_starts_over_ssh_is_in_its_hosts_quota(cluster4):
+    for h in cluster4.members:
+        groups = cluster4.ssh(h, "cat /proc/self/cgroup").stdout
+        assert f"/{cluster4.cpu_group(h).name}\n" in groups, (h.hostname, groups)
+
+
+def test_teardown_removes_the_quota_groups():
+    small = Cluster(hosts=1, cpus_per_host=0.5).up()
+    group = small.cpu_group(small.members[0])
+    assert group.is_dir()
+    small.down()
+    assert not group.exists()
+
+
+def test_three_host_training_run(cluster4, tiny_model, synth_data, exact_zero2, tmp_path):
+    """`sdzero launch` = `deepspeed --hostfile` over pdsh/ssh: 3 ranks on 3 hosts, each under its quota."""
+    if shutil.which("pdsh") is None:
+        pytest.skip("pdsh is not installed (apt-get install -y pdsh); DeepSpeed starts remote ranks with it")
+    hostfile = cluster4.write_hostfile(tmp_path / "hosts3", hosts=3)
+    # A rank may use its host's share only: one torch thread each, as on the scale-out bench.
+    (tmp_path / ".deepspeed_env").write_text("OMP_NUM_THREADS=1\n")
+    out = tmp_path / "run"
+    args = ["--deepspeed_config", str(exact_zero2), "--model", str(tiny_model), "--data", str(synth_data),
+            "--output-dir", str(out), "--max-steps", "2", "--num-workers", "0"]  # fmt: skip
+    output = ok(launch(hostfile, args, tmp_path / "launch.log", tmp_path))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and {r["world_size"] for r in rows} == {3}
+    for h in cluster4.members[:3]:  # pdsh prefixes every line with the host that printed it
+        assert f"{h.address}: " in output
+    assert cluster4.members[3].address + ": " not in output
+    assert output.count("exits successfully") == 3
+    assert all(math.isfinite(r["loss"]) for r in rows)
