@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from sdzero.errors import UserError
-from sdzero.launch import REPO_ROOT, TRAIN_SCRIPT, deepspeed_executable, free_port
+from sdzero.launch import REPO_ROOT, TRAIN_SCRIPT, deepspeed_executable, free_port, shell_proof_args
 
-HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$", re.ASCII)
 """Host names, IPv4 and IPv6 addresses; nothing a remote shell would interpret."""
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$", re.ASCII)
+"""What DeepSpeed puts after `export ` in every remote command line: a shell variable name."""
 ENV_FILE = ".deepspeed_env"
 LAUNCHERS = ("pdsh", "openmpi")
 SSH_TIMEOUT_S = 5
@@ -73,7 +78,8 @@ def parse_hostfile(path: Path) -> list[HostEntry]:
         if len(rest) != 1 or not rest[0].startswith("slots="):
             raise UserError(f"{where}: expected `{host} slots=N`, got {raw.strip()!r}")
         value = rest[0][len("slots=") :]
-        if not value.isdigit() or int(value) < 1:
+        # ASCII digits only: str.isdigit() accepts '²', which int() then refuses with a traceback.
+        if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
             raise UserError(f"{where}: slots={value!r} must be a whole number >= 1 (ranks on that host)")
         if host in seen:
             raise UserError(
@@ -171,29 +177,78 @@ class EnvMerge:
     """key -> (the user's value, the value sdzero would have written), where they differ."""
 
 
+def read_env_file(path: Path) -> dict[str, str]:
+    """The KEY=VALUE lines of a `.deepspeed_env`, every line that DeepSpeed would misread refused by number.
+
+    DeepSpeed splits each line at its first '=' and writes `export KEY=VALUE; ` into every remote command
+    line: a blank line crashes it, and `# X=1` becomes `export # X=1; ...`, commenting out the rest of the
+    remote command. So: no blank lines, no comments, a shell variable name before the '='.
+    """
+    existing: dict[str, str] = {}
+    bad: list[str] = []
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        key, sep, value = raw.partition("=")
+        if not raw.strip():
+            bad.append(f"line {number} is blank")
+        elif not sep:
+            bad.append(f"line {number} {raw.strip()!r} is not KEY=VALUE")
+        elif not ENV_KEY.match(key.strip()):
+            bad.append(f"line {number} {raw.strip()!r}: {key.strip()!r} is not a variable name")
+        else:
+            existing[key.strip()] = value.strip()
+    if bad:
+        raise UserError(
+            f"{path}: {'; '.join(bad)}. DeepSpeed turns every line into `export LINE;` on each node, so "
+            "comments and blank lines break the remote command: remove those lines"
+        )
+    return existing
+
+
+def replace_keeping_mode(path: Path, body: str) -> None:
+    """Write `body` to `path` through a unique temp file beside it; a symlink stays a symlink (its target
+    is replaced) and the file keeps its permission bits (a 0600 file of tokens stays 0600)."""
+    target = Path(os.path.realpath(path))
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)  # never a half-written file where the user's stood
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
     """Add the missing keys to `path`; the user's own keys and lines are never changed."""
     text = path.read_text() if path.exists() else ""
-    existing: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        if "=" not in raw:
-            # DeepSpeed splits every line at '=' and crashes on one without it.
-            raise UserError(
-                f"{path}:{number}: {raw.strip()!r} is not KEY=VALUE; DeepSpeed cannot read this file"
-            )
-        key, value = raw.split("=", 1)
-        existing[key.strip()] = value.strip()
+    existing = read_env_file(path) if path.exists() else {}
     added = {k: v for k, v in wanted.items() if k not in existing}
-    kept = {k: (existing[k], v) for k, v in wanted.items() if k in existing and existing[k] != v}
+    # The value lands in a remote shell command line: quoted, so a path with a space stays one word.
+    kept = {
+        k: (existing[k], v)
+        for k, v in wanted.items()
+        if k in existing and existing[k] not in (v, shlex.quote(v))
+    }
     if added:
         body = text if not text or text.endswith("\n") else text + "\n"
-        body += "".join(f"{k}={v}\n" for k, v in added.items())
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(body)
-        tmp.replace(path)  # never a half-written file where the user's stood
+        body += "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
+        replace_keeping_mode(path, body)
     return EnvMerge(added, kept)
+
+
+def check_master_addr(master_addr: str) -> str:
+    """--master-addr goes into every rank's environment and into remote shell commands: a host name or an
+    address, nothing else, and one that resolves here."""
+    if not HOST_NAME.match(master_addr):
+        raise UserError(
+            f"--master-addr {master_addr!r}: a host name or IP address only (letters, digits, '.', '-', "
+            "'_' and ':')"
+        )
+    return resolve(master_addr)
 
 
 def prepare_hosts(
@@ -203,7 +258,7 @@ def prepare_hosts(
     deepspeed launcher will run in). Returns (hosts, master address, interface, env file, what changed)."""
     entries = parse_hostfile(hostfile)
     addresses = {e.host: resolve(e.host) for e in entries}
-    master = master_addr or addresses[entries[0].host]
+    master = check_master_addr(master_addr) if master_addr else addresses[entries[0].host]
     check_reachable(entries, runner)
     interface = pick_interface(entries, master, runner)
     env_file = (workdir or Path.cwd()) / ENV_FILE
@@ -228,6 +283,7 @@ def plan_launch(
     master_port: int | None = None,
     workdir: Path | None = None,
     runner: Runner = ssh_runner,
+    entry: Path = TRAIN_SCRIPT,
 ) -> LaunchPlan:
     """Every check, then `.deepspeed_env` in `workdir`, then the deepspeed command (not yet run)."""
     if launcher not in LAUNCHERS:
@@ -242,7 +298,8 @@ def plan_launch(
         if os.geteuid() == 0:
             mca += " --allow-run-as-root"
         cmd += ["--launcher", "openmpi", "--launcher_args", mca]
-    cmd += [str(TRAIN_SCRIPT), *train_args]
+    # Both launchers put the options into a remote command line; `entry` decodes them (sdzero.launch).
+    cmd += [str(entry), *shell_proof_args(train_args)]
     return LaunchPlan(entries, master, interface, cmd, env_file, merge)
 
 

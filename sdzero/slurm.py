@@ -57,8 +57,11 @@ echo "sdzero: job $SLURM_JOB_ID start ${SLURM_RESTART_COUNT:-0}: $(wc -l < "$HOS
 # one holding its address), unless the environment names one already.
 read -r -d '' RANK_WRAPPER <<'WRAPPER'
 export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
-dev=$(ip -o -4 route get "$MASTER_ADDR" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p')
-if [ "$dev" = lo ]; then dev=$(ip -o -4 addr show to "$MASTER_ADDR" | awk '{print $2; exit}'); fi
+# MASTER_ADDR is a node name from `scontrol show hostnames`; `ip route get` takes only addresses.
+addr=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}')
+if [ -z "$addr" ]; then echo "sdzero: master node $MASTER_ADDR does not resolve on $(hostname)" >&2; exit 2; fi
+dev=$(ip -o -4 route get "$addr" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p')
+if [ "$dev" = lo ]; then dev=$(ip -o -4 addr show to "$addr" | awk '{print $2; exit}'); fi
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$dev} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$dev}
 exec "$@"
 WRAPPER

@@ -17,6 +17,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 from sdzero.config import parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from sdzero.launch import decode_argv  # noqa: E402
 
 
 def crash_exit() -> NoReturn:
@@ -34,7 +35,7 @@ def crash_exit() -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = parse_train_args(argv)
+        cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
         from sdzero.loop import run
 
         summary = run(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -157,6 +158,7 @@ def test_plan_builds_the_openmpi_command(tmp_path):
         ("n1 slots=1\nn1 slots=1\n", "listed twice"),
         ("n1 slots=x\n", "whole number"),
         ("a|b slots=1\n", "'|'"),
+        ("n1 slots=\u00b2\n", "slots='\u00b2' must be a whole number"),  # str.isdigit() says yes to '²'
     ],
 )
 def test_cli_exits_2_with_one_line(tmp_path, text, expected):
@@ -165,9 +167,98 @@ def test_cli_exits_2_with_one_line(tmp_path, text, expected):
     )
     assert result.exit_code == 2
     assert expected in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_cli_unknown_launcher(tmp_path):
     path = hostfile(tmp_path, "localhost slots=1\n")
     result = CliRunner().invoke(app, ["launch", "--hostfile", str(path), "--launcher", "srun"])
     assert result.exit_code == 2 and "choose one of pdsh, openmpi" in result.output
+
+
+def test_env_file_keeps_its_mode_and_its_symlink(tmp_path):
+    real = tmp_path / "secrets" / "ds_env"
+    real.parent.mkdir()
+    real.write_text("HF_TOKEN=hf_secret\n")
+    real.chmod(0o600)
+    link = tmp_path / ".deepspeed_env"
+    link.symlink_to(real)
+    hosts.merge_env_file(link, {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert link.is_symlink() and link.resolve() == real
+    assert real.read_text() == "HF_TOKEN=hf_secret\nGLOO_SOCKET_IFNAME=eth0\n"
+    assert real.stat().st_mode & 0o777 == 0o600  # tokens stay private
+    assert sorted(p.name for p in real.parent.iterdir()) == ["ds_env"]  # no temp file left
+
+
+def test_env_file_temp_name_is_unique_not_a_planted_path(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("untouched\n")
+    (tmp_path / ".deepspeed_env.tmp").symlink_to(victim)  # a fixed temp name could be pre-planted
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("A=1\n")
+    hosts.merge_env_file(path, {"B": "2"})
+    assert victim.read_text() == "untouched\n" and path.read_text() == "A=1\nB=2\n"
+
+
+def test_env_file_bad_lines_are_each_refused_by_number(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    text = "A=1\n\n# X=1\nexport B=2\nC=3\n"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        hosts.merge_env_file(path, {"D": "4"})
+    message = str(err.value)
+    assert "line 2 is blank" in message and "line 3 '# X=1'" in message and "line 4 'export B=2'" in message
+    assert "line 1" not in message and "line 5" not in message and "\n" not in message
+    assert path.read_text() == text
+
+
+def test_env_values_are_quoted_for_the_remote_shell(tmp_path):
+    path = tmp_path / ".deepspeed_env"
+    hosts.merge_env_file(path, {"PYTHONPATH": "/my code/lib", "HF_HOME": "/plain"})
+    assert path.read_text() == "PYTHONPATH='/my code/lib'\nHF_HOME=/plain\n"
+    again = hosts.merge_env_file(path, {"PYTHONPATH": "/my code/lib"})
+    assert again.added == {} and again.kept == {}
+
+
+@pytest.mark.parametrize(
+    ("addr", "expected"),
+    [("10.0.0.1;reboot", "a host name or IP address only"), ("$(id)", "a host name or IP address only"),
+     ("no-such-host.invalid", "does not resolve")],
+)  # fmt: skip
+def test_master_addr_is_validated_before_any_ssh(tmp_path, addr, expected):
+    path = hostfile(tmp_path, "127.0.0.1 slots=1\n")
+    runner = answers(**{"127.0.0.1": (0, "local 127.0.0.1 dev lo\n", "")})
+    with pytest.raises(UserError, match=None) as err:
+        hosts.plan_launch(path, [], master_addr=addr, workdir=tmp_path, runner=runner)
+    assert expected in str(err.value) and runner.calls == []
+
+
+def test_master_addr_name_is_resolved_for_the_route_query(tmp_path):
+    path = hostfile(tmp_path, "127.0.0.1 slots=1\n")
+    runner = answers(
+        **{"127.0.0.1": (0, "local 127.0.0.1 dev lo\n1: lo    inet 127.0.0.1/8 scope host lo\n", "")}
+    )
+    plan = hosts.plan_launch(path, [], master_addr="localhost", workdir=tmp_path, runner=runner)
+    assert plan.master_addr == "127.0.0.1"
+    assert any("route get 127.0.0.1" in command for _, command in runner.calls)
+
+
+HOSTILE = ["--validation-prompts", "a $100 bill", "it's", "`id`", "a;b", 'say "hi"', "\u00fcber \u00e9t\u00e9 \u2603",
+           "", "  two  spaces ", "$(touch /tmp/pwned)", "back\\slash", "--max-steps", "3"]  # fmt: skip
+
+
+def test_trainer_options_survive_a_remote_shell(tmp_path):
+    """What pdsh does with DeepSpeed's command: one string, run by the remote shell (sh here)."""
+    from sdzero.launch import decode_argv, shell_proof_args
+
+    args = shell_proof_args(HOSTILE)
+    assert all(" " not in a and "'" not in a and "$" not in a for a in args)  # nothing for DeepSpeed to wrap
+    line = " ".join(
+        ["python3", "-c", "'import json,sys; print(json.dumps(sys.argv[1:]))'", "--local_rank=0", *args]
+    )
+    echoed = json.loads(subprocess.run(["sh", "-c", line], capture_output=True, text=True, check=True).stdout)
+    assert decode_argv(echoed) == ["--local_rank=0", *HOSTILE]
+    assert shell_proof_args(["--max-steps", "3", "--output-dir", "/runs/a_b-1"]) == [
+        "--max-steps", "3", "--output-dir", "/runs/a_b-1"]  # fmt: skip
+    with pytest.raises(UserError, match="--sdzero-argv-b64"):
+        decode_argv(["--sdzero-argv-b64", "not base64!"])

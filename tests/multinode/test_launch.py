@@ -8,6 +8,7 @@ must end with a non-zero code on its own; `--resume auto` then continues from st
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -114,3 +115,29 @@ def test_openmpi_launcher_across_hosts(cluster, args, reference, tmp_path):
                        "--launcher", "openmpi"))  # fmt: skip
     assert "mpirun" in output
     assert_same_losses(losses(tmp_path / "run"), reference, LOSS_RTOL)
+
+
+HOSTILE = ["--validation-prompts", "a $100 bill", "it's", "`id`", "a;b", 'say "hi"', "\u00fcber \u00e9t\u00e9 \u2603",
+           "", "$(touch /tmp/sdzero-pwned)", "back\\slash", "--max-steps", "3"]  # fmt: skip
+ECHO_RANK = """import json, os, sys
+from pathlib import Path
+from sdzero.launch import decode_argv
+Path({out!r}, "argv." + os.environ["RANK"] + ".json").write_text(json.dumps(decode_argv(sys.argv[1:])))
+"""
+
+
+def test_every_option_reaches_each_remote_rank_byte_for_byte(cluster, tmp_path):
+    """pdsh joins DeepSpeed's command into one line for each node's shell: a rank echoes what it got."""
+    import subprocess
+
+    from sdzero.hosts import plan_launch
+
+    script = tmp_path / "echo_rank.py"
+    script.write_text(ECHO_RANK.format(out=str(tmp_path)))
+    plan = plan_launch(cluster.hostfile, HOSTILE, workdir=tmp_path, entry=script)
+    done = subprocess.run(plan.command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in range(2):
+        argv = json.loads((tmp_path / f"argv.{rank}.json").read_text())
+        assert argv[1:] == HOSTILE and argv[0].startswith("--local_rank"), argv
+    assert not os.path.exists("/tmp/sdzero-pwned")

@@ -100,3 +100,25 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path)
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
     assert steps == list(range(saved[0] + 1, 31))
     assert (tmp_path / "shim.log").read_text() == "requeue 4242\n"  # no second requeue
+
+
+@pytest.mark.parametrize("master", ["localhost", "127.0.0.1"])
+def test_rank_wrapper_finds_the_interface_from_a_node_name(tmp_path, master):
+    """Slurm gives node names; `ip route get NAME` fails, and the interface came back empty."""
+    text = render("--nodes", "1", "--gpus-per-node", "1").output
+    wrapper = text.split("<<'WRAPPER'\n", 1)[1].split("\nWRAPPER\n", 1)[0]
+    env = {"PATH": os.environ["PATH"], "MASTER_ADDR": master, "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+           "SLURM_LOCALID": "0"}  # fmt: skip
+    shown = subprocess.run(["bash", "-c", wrapper, "rank", "sh", "-c", "echo $GLOO_SOCKET_IFNAME"],
+                           capture_output=True, text=True, env=env, timeout=30)  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "lo"  # the interface holding 127.0.0.1
+
+
+def test_rank_wrapper_stops_on_a_master_name_that_does_not_resolve():
+    text = render("--nodes", "1", "--gpus-per-node", "1").output
+    wrapper = text.split("<<'WRAPPER'\n", 1)[1].split("\nWRAPPER\n", 1)[0]
+    env = {"PATH": os.environ["PATH"], "MASTER_ADDR": "no-such-node.invalid"}
+    shown = subprocess.run(["bash", "-c", wrapper, "rank", "true"], capture_output=True, text=True, env=env,
+                           timeout=30)  # fmt: skip
+    assert shown.returncode == 2 and "master node no-such-node.invalid does not resolve" in shown.stderr
