@@ -276,6 +276,28 @@ class CacheIndex:
         return len(self.raw["samples"])
 
 
+def read_index(index_path: Path) -> dict[str, Any]:
+    """The parsed cache.json, or one UserError saying it is damaged and how to get a good one."""
+    rebuild = f"rebuild the cache (`sdzero cache ... --out {index_path.parent}` into a new folder)"
+    try:
+        raw = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{index_path} is damaged ({exc}); {rebuild}") from None
+    if not isinstance(raw, dict) or raw.get("format") != CACHE_FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise UserError(f"{index_path}: cache format {found} is not {CACHE_FORMAT}; {rebuild}")
+    lists = all(isinstance(raw.get(k), list) for k in ("samples", "data_files", "shards"))
+    if not isinstance(raw.get("spec"), dict) or not lists:
+        raise UserError(f"{index_path} is damaged (spec, samples, shards or data_files missing); {rebuild}")
+    try:
+        spec_from(raw["spec"])
+        for sample in raw["samples"]:
+            [int(x) for x in sample["size"]]
+    except (TypeError, KeyError, ValueError) as exc:
+        raise UserError(f"{index_path} is damaged (a malformed entry: {exc!r}); {rebuild}") from None
+    return raw
+
+
 def open_cache(
     cache_dir: Path,
     model: str,
@@ -298,11 +320,7 @@ def open_cache(
         )
         raise UserError(f"--cache-dir {cache_dir}: no {INDEX_NAME}{partial}; build one with `sdzero cache --model "
                         f"{model} --data {data} --out {cache_dir}`")  # fmt: skip
-    raw = json.loads(index_path.read_text())
-    if raw.get("format") != CACHE_FORMAT:
-        raise UserError(
-            f"--cache-dir {cache_dir}: cache format {raw.get('format')} is not {CACHE_FORMAT}; rebuild it"
-        )
+    raw = read_index(index_path)
     cached = spec_from(raw["spec"])
     want, _, rows = run_spec(model, data, resolution, buckets, cached.flip, dtype, max_sequence_length)
     diff = differences(cached, want, raw["data_files"], rows)

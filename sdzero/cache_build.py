@@ -28,6 +28,7 @@ from sdzero.cache import (
     INDEX_NAME,
     CacheSpec,
     differences,
+    read_index,
     run_spec,
     shard_name,
     spec_from,
@@ -202,7 +203,7 @@ def build_cache(
     out, data = Path(out), Path(data)
     spec, records, rows = run_spec(model, data, resolution, buckets, flip, dtype, max_sequence_length)
     if (out / INDEX_NAME).is_file():
-        index = json.loads((out / INDEX_NAME).read_text())
+        index = read_index(out / INDEX_NAME)
         _refuse_other(out, spec_from(index["spec"]), index["data_files"], spec, rows)
         return BuildResult(out, len(index["samples"]), len(index["shards"]), 0, 0, 0.0, already_complete=True)
     if (out / BUILD_NAME).is_file():

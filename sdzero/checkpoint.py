@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from sdzero.errors import UserError
+from sdzero.run_lock import claim_output_dir
 
 log = logging.getLogger("sdzero.checkpoint")
 
@@ -351,6 +352,22 @@ def find_resume(
 
     rank = dist.get_rank()
     root = checkpoint_root(output_dir)
+    # Rank 0 claims the output folder and lists, everyone uses its answer: ranks must agree (also when a
+    # shared filesystem lags), and a refusal must stop every rank, not leave the others in a collective.
+    listing: list[Any] = [None]
+    if rank == 0:
+        try:
+            claim_output_dir(output_dir)
+            found = None
+            if resume != "none":
+                found = (complete_checkpoints(root), False) if resume == "auto" else locate(Path(resume))
+            listing[0] = ("ok", found)
+        except UserError as exc:
+            listing[0] = ("error", str(exc))
+    dist.broadcast_object_list(listing, src=0)
+    status, found = listing[0]
+    if status == "error":
+        raise UserError(found)
     if resume == "none":
         if rank == 0 and complete_checkpoints(root):
             log.warning(
@@ -359,18 +376,6 @@ def find_resume(
                 root,
             )
         return None
-    # Rank 0 lists, everyone uses its list: ranks must agree even if a shared filesystem lags.
-    listing: list[Any] = [None]
-    if rank == 0:
-        try:
-            found = (complete_checkpoints(root), False) if resume == "auto" else locate(Path(resume))
-            listing[0] = ("ok", found)
-        except UserError as exc:
-            listing[0] = ("error", str(exc))
-    dist.broadcast_object_list(listing, src=0)
-    status, found = listing[0]
-    if status == "error":
-        raise UserError(found)
     candidates, _ = found
     if resume == "auto" and not candidates:
         if rank == 0:

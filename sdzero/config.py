@@ -255,6 +255,8 @@ class TrainConfig:
     """SD3 only: T5 tokens per caption (default 77, at most 512 as in diffusers' SD3 pipeline)."""
     export_final: bool = False
     """Write `<output-dir>/final`, a complete diffusers pipeline with the trained UNet, at the end."""
+    max_image_pixels: int = 8192 * 8192
+    """Images over width x height pixels are skipped as unreadable, from their header (decompression bombs)."""
     export_dtype: str = "fp32"
     """Every component of `final` in this dtype (fp32 loads with a bare `from_pretrained(final)`)."""
     profile_out: Path | None = None
@@ -536,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
     p.add_argument("--max-bad-fraction", type=float, default=0.5)
+    p.add_argument("--max-image-pixels", type=int, default=8192 * 8192,
+                   help="skip images over this many pixels (width x height), checked before decoding")  # fmt: skip
     p.add_argument(
         "--export-final",
         action="store_true",

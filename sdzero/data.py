@@ -25,6 +25,18 @@ log = logging.getLogger("sdzero.data")
 
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 IMAGE_ERRORS = (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError, SyntaxError)
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+"""Larger images are refused as unreadable before they are decoded (a decompression bomb: a small PNG
+that inflates to gigabytes). Set with --max-image-pixels; PIL's own guard is set to the same figure."""
+_max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS
+
+
+def set_max_image_pixels(pixels: int) -> None:
+    """The limit `open_rgb` enforces in this process and in DataLoader workers forked after this call."""
+    global _max_image_pixels
+    if pixels < 1:
+        raise UserError(f"--max-image-pixels {pixels}: must be at least 1 (width x height)")
+    _max_image_pixels = int(pixels)
 
 
 @dataclass(frozen=True)
@@ -61,15 +73,31 @@ def read_metadata(folder: Path) -> list[Record]:
         )
     if table.empty:
         raise UserError(f"{meta}: lists no images")
-    return [
-        Record(folder / str(f), "" if pd.isna(t) else str(t))
-        for f, t in zip(table.file_name, table.text, strict=True)
-    ]
+    return [Record(inside(folder, meta, row, str(f)), "" if pd.isna(t) else str(t))
+            for row, (f, t) in enumerate(zip(table.file_name, table.text, strict=True), start=1)]  # fmt: skip
+
+
+def inside(folder: Path, meta: Path, row: int, name: str) -> Path:
+    """`folder/name`, refused unless it stays inside `folder` once symlinks are followed: a metadata file
+    from elsewhere must not make the trainer (or a cache build) read /etc/passwd or another user's files."""
+    path = folder / name
+    if Path(name).is_absolute() or not path.resolve().is_relative_to(folder.resolve()):
+        raise UserError(
+            f"{meta} row {row}: file_name {name!r} points outside --data {folder}; file names must be "
+            "relative paths inside the data folder (no absolute paths, '..' or links out)"
+        )
+    return path
 
 
 def open_rgb(path: Path) -> Image.Image:
-    """Decode fully (truncated files fail here, not later in a worker) and convert to RGB."""
+    """Decode fully (truncated files fail here, not later in a worker) and convert to RGB; an image over
+    the pixel limit is refused from its header, before anything is decoded."""
+    Image.MAX_IMAGE_PIXELS = _max_image_pixels  # PIL's own check at open (it errors at twice the figure)
     with Image.open(path) as img:
+        if img.width * img.height > _max_image_pixels:
+            raise Image.DecompressionBombError(
+                f"{img.width}x{img.height} pixels, over --max-image-pixels {_max_image_pixels}"
+            )
         img.load()
         return img.convert("RGB")
 
@@ -182,15 +210,15 @@ class CaptionedImages(Dataset):
         self.spec = spec
         self.tokenize = tokenize
         self.sizes = sizes
-        self.late_failures = 0  # counted per process (a worker's count stays in the worker)
+        self.failed: set[int] = set()  # records found unreadable after the start-up check (see _load)
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         index, epoch = key
+        index, img = self._load(index)
         rng = sample_generator(self.spec.seed, epoch, index)
-        img = self._load(index)
         original_hw = (img.height, img.width)
         size_hw = self.sizes[index] if self.sizes else (self.spec.resolution, self.spec.resolution)
         img, crop_top_left = resize_and_crop(img, size_hw, rng, self.spec.random_crop)
@@ -212,19 +240,30 @@ class CaptionedImages(Dataset):
             "target_size": torch.tensor(size_hw, dtype=torch.long),
         }
 
-    def _load(self, index: int) -> Image.Image:
-        # Files that passed the up-front check can still vanish or change on a shared filesystem: use
-        # the next readable sample rather than kill a multi-node job over one file.
+    def _load(self, index: int) -> tuple[int, Image.Image]:
+        """(the index of the sample served, its image). Files that passed the up-front check can still
+        vanish or change on a shared filesystem: such a sample is skipped as the check would have skipped
+        it, and the next readable record is served whole (its own image, caption, size and randomness;
+        never another record's image under this caption), rather than kill a multi-node job over a file.
+        """
         for attempt in range(len(self.records)):
             i = (index + attempt) % len(self.records)
+            if i in self.failed:
+                continue
             try:
-                return open_rgb(self.records[i].path)
+                return i, open_rgb(self.records[i].path)
             except IMAGE_ERRORS as exc:
-                self.late_failures += 1
+                self.failed.add(i)
                 log.warning(
-                    "image %s became unreadable (%s); using the next sample", self.records[i].path, exc
-                )
+                    "skipping image %s: unreadable since the start-up check (%s); %d skipped so far in "
+                    "this process", self.records[i].path, exc, len(self.failed),
+                )  # fmt: skip
         raise UserError("no readable image left in the dataset")
+
+    @property
+    def late_failures(self) -> int:
+        """Images skipped after the start-up check, in this process (a worker's count stays there)."""
+        return len(self.failed)
 
 
 class EpochSampler(Sampler):

@@ -27,6 +27,7 @@ from sdzero.data import (
     check_bad_fraction,
     find_unreadable,
     read_metadata,
+    set_max_image_pixels,
 )
 from sdzero.environment import environment_snapshot, share_cpu_threads
 from sdzero.errors import UserError
@@ -85,6 +86,7 @@ def build_data(
     """Dataset and loader; unreadable images are found by all ranks together (each checks a share), or
     were found when the cache was built."""
     if cache is None:
+        set_max_image_pixels(cfg.max_image_pixels)  # before the check and the workers' fork
         records = read_metadata(cfg.data)
         mine = find_unreadable(records, rank, world)
         shares: list[list[int]] = [[] for _ in range(world)]

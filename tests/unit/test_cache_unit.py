@@ -228,3 +228,19 @@ def test_resume_with_another_shard_size_rebuilds_what_no_longer_fits(tiny_model,
     assert (result.skipped_here, result.built_here) == (0, 2)  # shard 0 held 16 positions, not 32
     index = json.loads((out / INDEX_NAME).read_text())
     assert [(s["first"], s["count"]) for s in index["shards"]] == [(0, 32), (32, 32)]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("{\"format\": 1, \"spec\": {", "is damaged (Expecting"), ("[1, 2]", "cache format list is not"),
+     ("\xff\xfe", "is damaged"), ("{\"format\": %d, \"spec\": {}}", "spec, samples, shards or data_files missing"),
+     ("{\"format\": %d, \"spec\": {}, \"samples\": [{}], \"shards\": [], \"data_files\": []}", "a malformed entry")],
+)  # fmt: skip
+def test_a_corrupt_index_is_one_clear_error(tmp_path, text, expected):
+    from sdzero.cache import CACHE_FORMAT, INDEX_NAME
+
+    (tmp_path / INDEX_NAME).write_bytes((text % CACHE_FORMAT if "%d" in text else text).encode("latin-1"))
+    with pytest.raises(UserError) as err:
+        open_cache(tmp_path, "no-model", tmp_path, None, False, "fp32", False)
+    message = str(err.value)
+    assert expected in message and "rebuild the cache" in message and "\n" not in message

@@ -111,14 +111,55 @@ def test_noise_offset_shifts_channel_means(tmp_path):
     assert delta[:, 0, 0].abs().max() > 0
 
 
-def test_image_that_breaks_after_the_check_is_replaced(tmp_path):
+def test_image_that_breaks_after_the_check_is_skipped_not_swapped(tmp_path):
     folder = make_folder(tmp_path)
     records = read_metadata(folder)
-    ds = CaptionedImages(records, spec(), tokens)
+    by_number = lambda text: {"input_ids": torch.tensor([int(text.split()[-1])])}  # noqa: E731
+    ds = CaptionedImages(records, spec(), by_number)
+    expected = ds[(2, 0)]
     (folder / "1.png").write_bytes(b"")
     item = ds[(1, 0)]
     assert ds.late_failures == 1
-    assert item["pixel_values"].shape == (3, 32, 32)
+    # Record 2 served whole: its caption with its image and its own noise, never image 2 under caption 1.
+    assert int(item["index"]) == 2 and int(item["input_ids"][0]) == 2
+    assert all(torch.equal(item[k], expected[k]) for k in ("pixel_values", "noise", "timestep"))
+    ds[(1, 1)]
+    assert ds.late_failures == 1  # counted once, and not reopened on every later epoch
+
+
+def test_file_names_must_stay_inside_the_data_folder(tmp_path):
+    outside = tmp_path / "secret.png"
+    Image.new("RGB", (8, 8)).save(outside)
+    for k, name in enumerate((str(outside), "../secret.png", "sub/../../secret.png", "link.png")):
+        (tmp_path / f"case{k}").mkdir()
+        folder = make_folder(tmp_path / f"case{k}", n=1)
+        (folder / "link.png").symlink_to(outside)
+        (folder / "metadata.jsonl").write_text(json.dumps({"file_name": name, "text": "x"}) + "\n")
+        with pytest.raises(UserError) as err:
+            read_metadata(folder)
+        message = str(err.value)
+        assert f"row 1: file_name {name!r} points outside --data" in message and "\n" not in message
+    (tmp_path / "ok").mkdir()
+    inner = make_folder(tmp_path / "ok", n=1)
+    (inner / "sub").mkdir()
+    (inner / "sub" / "alias.png").symlink_to(inner / "0.png")  # a link that stays inside is fine
+    (inner / "metadata.jsonl").write_text(json.dumps({"file_name": "sub/alias.png", "text": "x"}) + "\n")
+    assert read_metadata(inner)[0].path == inner / "sub" / "alias.png"
+
+
+def test_pixel_limit_is_its_own_setting(tmp_path, monkeypatch):
+    import sdzero.data as data
+
+    folder = make_folder(tmp_path, n=2)
+    Image.new("RGB", (200, 100)).save(folder / "1.png")
+    monkeypatch.setattr(data, "_max_image_pixels", data.DEFAULT_MAX_IMAGE_PIXELS)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
+    assert find_unreadable(read_metadata(folder), 0, 1) == []
+    data.set_max_image_pixels(10_000)  # 200 x 100 = 20000 pixels: refused from the header
+    assert find_unreadable(read_metadata(folder), 0, 1) == [1]
+    assert Image.MAX_IMAGE_PIXELS == 10_000
+    with pytest.raises(UserError, match="--max-image-pixels 0"):
+        data.set_max_image_pixels(0)
 
 
 def test_epoch_sampler_partitions_and_resumes():
