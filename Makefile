@@ -5,26 +5,32 @@ BIN := $(VENV)/bin
 # The CPU wheel by default (small, on this machine's disk); on GPU machines: make venv TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 # mpi4py needs an MPI toolchain (apt: libopenmpi-dev openmpi-bin); it is added when mpicc is present.
-EXTRAS ?= dev$(shell command -v mpicc >/dev/null 2>&1 && echo ,mpi)
+EXTRAS ?= dev,tensorboard,wandb,parquet$(shell command -v mpicc >/dev/null 2>&1 && echo ,mpi)
 PYTEST_ARGS ?=
+# The versions the tests passed with (pip constraints: they pin whatever gets installed, and add nothing).
+# pyproject.toml keeps floors for library users; see docs/cluster.md for updating the lock (`make lock`).
+LOCK ?= requirements/lock.txt
 # DeepSpeed's JIT-built ops live with the venv: two checkouts sharing ~/.cache/torch_extensions rebuild
 # each other's ops, and a rank killed mid-build leaves a lock that makes every later launch wait forever.
-export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+# `import sdzero` points DeepSpeed at this folder in every process (sdzero/__init__.py), shell or make;
+# a TORCH_EXTENSIONS_DIR of your own wins there and here.
+TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: venv demo test test-unit lint format bench clean
+.PHONY: venv demo test test-unit lint format bench clean lock
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q -c $(LOCK) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
 	@# DeepSpeed builds its ops just in time; build the ones the trainer uses once here, not inside a
 	@# timed (and possibly killed) job: Adam (fused and CPU) and, on CPUs, the shared-memory collectives.
 	@# A build killed midway leaves its `lock` file, and torch then waits for it forever: no build takes
 	@# 30 minutes, so an older lock is a dead one.
+	@mkdir -p "$(TORCH_EXTENSIONS_DIR)"
 	@find "$(TORCH_EXTENSIONS_DIR)" -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed stale build lock: /' || true
-	$(BIN)/python -c "import torch; from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam; \
+	$(BIN)/python -c "import sdzero, torch; from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam; \
 	  from deepspeed.accelerator import get_accelerator; \
 	  p = [torch.nn.Parameter(torch.zeros(1))]; FusedAdam(p); DeepSpeedCPUAdam(p); \
 	  b = get_accelerator().create_op_builder('ShareMemCommBuilder'); b is None or b.load()" >/dev/null
@@ -47,6 +53,14 @@ format: venv
 
 bench: venv
 	$(BIN)/python bench/trainer_overhead.py
+
+# Rewrite $(LOCK) from this venv, once the tests pass with what it holds (after `$(BIN)/pip install -U X`).
+# Local version labels (torch's +cpu) are dropped: the same line then pins the CUDA wheel on GPU machines.
+lock: venv
+	@{ echo "# Tested versions: \`make venv\` installs with \`pip install -c $(LOCK)\`. Regenerate: \`make lock\`."; \
+	  $(BIN)/pip freeze --exclude-editable | grep -v '^#' | sed -E 's/^([^=]+==[^+]+)\+.*/\1/'; } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	@echo "wrote $(LOCK) ($$(grep -vc '^#' $(LOCK)) pins)"
 
 clean:
 	rm -rf demo .pytest_cache

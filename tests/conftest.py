@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from sdzero.tiny import write_synthetic_dataset, write_tiny_model
 
-# The ranks the tests launch use the venv's own JIT-op folder (see the Makefile for why), also when
-# pytest runs without make.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# The ranks the tests launch use the venv's own JIT-op folder: importing sdzero (above) set it for this
+# process and so for every process it starts (sdzero.use_venv_build_tools).
 
 
 @pytest.fixture(scope="session")
