@@ -35,13 +35,25 @@ from advisor.measure.grid import (
     write_trial_config,
 )
 from advisor.model.alphabeta import write_json_atomic
-from advisor.model.error import check_rows, fit_models, mape, validation_table
+from advisor.model.error import ERROR_EXPLAINED, check_rows, error_summary, fit_models, validation_table
 from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import PRESETS, Network, build_network
-from advisor.model.predict import BatchTarget, Candidate, check_reachable, node_counts, predict_table
-from advisor.model.recommend import LR_SCALINGS, launch_command, recommend, what_would_fit
+from advisor.model.predict import (
+    BatchTarget,
+    Candidate,
+    check_reachable,
+    grad_accum_for,
+    node_counts,
+    predict_table,
+)
+from advisor.model.recommend import launch_command, recommend, what_would_fit
+from advisor.model.scaling import (
+    DEFAULT_MIN_EFFICIENCY,
+)
 from advisor.model.search import check_specs, run_search
 from sdzero.errors import UserError
+from sdzero.lr import DEFAULT_LR_SCALING, check_rule
+from sdzero.lr import reference_batch as lr_reference_batch_of
 
 GIB = 2**30
 CPU_GRID = GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
@@ -58,18 +70,59 @@ class AdviseResult:
     notes: list[str] = field(default_factory=list)
 
 
+TARGET_GPUS = {"a100-40gb": 40.0, "a100-80gb": 80.0, "h100-80gb": 80.0, "h100-94gb": 94.0, "h200": 141.0,
+               "l40s": 48.0, "a10g": 24.0, "l4": 24.0, "v100-32gb": 32.0, "rtx4090": 24.0}  # fmt: skip
+"""--target-gpu names and their memory in GiB (the vendors' nominal figure; the usable part is smaller,
+which --headroom accounts for)."""
+
+
 def check_options(max_nodes: int, headroom: float, device_memory_gib: float | None, lr_scaling: str,
-                  budget_minutes: float | None) -> list[int]:  # fmt: skip
+                  budget_minutes: float | None, min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
+                  fixed_nodes: int | None = None, target_gpu: str | None = None) -> list[int]:  # fmt: skip
+    """The node counts to predict (1, 2, 4, ... --max-nodes, and --nodes); bad values raise UserError."""
     nodes = node_counts(max_nodes)
     if not 0 <= headroom < 1:
         raise UserError(f"--headroom {headroom}: a fraction in [0, 1), e.g. 0.1 keeps 10% of memory free")
     if device_memory_gib is not None and not device_memory_gib > 0:
         raise UserError(f"--device-memory-gib {device_memory_gib}: must be a positive number of GiB")
-    if lr_scaling not in LR_SCALINGS:
-        raise UserError(f"--lr-scaling {lr_scaling!r}: choose linear or sqrt")
+    check_rule(lr_scaling)
     if budget_minutes is not None and not budget_minutes > 0:
         raise UserError(f"--budget-minutes {budget_minutes}: must be a positive number of minutes")
+    if not 0 < min_efficiency <= 1:
+        raise UserError(f"--min-efficiency {min_efficiency}: a fraction in (0, 1], e.g. 0.8")
+    if target_gpu is not None and target_gpu.lower() not in TARGET_GPUS:
+        raise UserError(f"--target-gpu {target_gpu!r}: unknown; choose from {', '.join(TARGET_GPUS)} "
+                        "or give --device-memory-gib")  # fmt: skip
+    if fixed_nodes is not None:
+        node_counts(fixed_nodes)  # the same bounds as --max-nodes
+        nodes = sorted({*nodes, fixed_nodes})
     return nodes
+
+
+def target_differs(device: dict[str, Any], ranks: int, gpus_per_node: int | None,
+                   target_gpu: str | None) -> str | None:  # fmt: skip
+    """Why the trials' device is not the target's (None when the target is nodes like this one)."""
+    here = "a CPU" if device["device"] == "cpu" else f"{ranks} {device['device']} device(s)"
+    if target_gpu is not None:
+        return f"the trials ran on {here}; the target is {target_gpu} GPUs"
+    if device["device"] == "cpu" and gpus_per_node is not None:
+        return f"the trials ran on {here}; the target has {gpus_per_node} GPUs per node (--gpus-per-node)"
+    if device["device"] != "cpu" and gpus_per_node is not None and gpus_per_node != ranks:
+        return f"the trials ran on {here}; the target has {gpus_per_node} per node (--gpus-per-node)"
+    return None
+
+
+def target_memory(differs: str | None, device_memory_gib: float | None,
+                  target_gpu: str | None) -> tuple[float, str] | None:  # fmt: skip
+    """(GiB, where it comes from) for a target unlike this machine; refuses when nothing gives it."""
+    if device_memory_gib:
+        return device_memory_gib, "assumed (user figure: --device-memory-gib)"
+    if target_gpu:
+        return TARGET_GPUS[target_gpu.lower()], f"assumed (--target-gpu {target_gpu.lower()} nominal memory)"
+    if differs:
+        raise UserError(f"{differs}: give the target's device memory with --device-memory-gib (or --target-gpu "
+                        f"{'/'.join(TARGET_GPUS)}) so memory is predicted for it, not for this machine")  # fmt: skip
+    return None
 
 
 def device_memory_bytes(device: dict[str, Any], ranks_per_node: int) -> tuple[float, str]:
@@ -154,17 +207,6 @@ def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:
     return list(dict.fromkeys(out))
 
 
-def reference_batch(base: dict[str, Any], ranks: int) -> int:
-    """The global batch the base JSON's learning rate was set for."""
-    if "train_batch_size" in base:
-        return int(base["train_batch_size"])
-    return (
-        int(base.get("train_micro_batch_size_per_gpu", 1))
-        * int(base.get("gradient_accumulation_steps", 1))
-        * ranks
-    )
-
-
 def write_csv_atomic(table: pd.DataFrame, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     table.to_csv(tmp, index=False)
@@ -186,32 +228,46 @@ def run_advise(
     global_batch: str | None = None,
     headroom: float = 0.1,
     device_memory_gib: float | None = None,
-    lr_scaling: str = "linear",
+    lr_scaling: str = DEFAULT_LR_SCALING,
     grid: GridRequest | None = None,
     comm_budget_s: float | None = None,
     log: Callable[[str], None] | None = None,
     train_args: Sequence[str] = (),
+    min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
+    nodes: int | None = None,
+    target_gpu: str | None = None,
+    lr_reference_batch: int | None = None,
 ) -> AdviseResult:
     """The whole advise pipeline; bad input raises UserError before any trial starts."""
     from advisor.measure.collectives_launch import CommRunError, run_comm
     from advisor.measure.profile import default_ranks, device_support, plan_for_device, trial_settings
+    from advisor.outcome import Outcome, build_recommendation
     from sdzero.launch import shipped_config
 
     say = log or (lambda message: None)
-    nodes = check_options(max_nodes, headroom, device_memory_gib, lr_scaling, budget_minutes)
+    node_list = check_options(max_nodes, headroom, device_memory_gib, lr_scaling, budget_minutes,
+                              min_efficiency, nodes, target_gpu)  # fmt: skip
+    if lr_reference_batch is not None and lr_reference_batch < 1:
+        raise UserError(f"--lr-reference-batch {lr_reference_batch}: must be at least 1")
     user_args = check_train_args(train_args)
     # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
     build_network(
         None, 1 if gpus_per_node is None else gpus_per_node, preset, inter_node_gbps, inter_node_latency_us
     )
-    target = BatchTarget.parse(global_batch)
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model, data = default_inputs(out_dir, model, data)
+    asked = BatchTarget.parse(global_batch)
     base = load_base_config(Path(deepspeed_config) if deepspeed_config else shipped_config("zero2_bf16.json"))
     device = device_support()
     on_cpu = device["device"] == "cpu"
     ranks = default_ranks(device)
+    differs = target_differs(device, ranks, gpus_per_node, target_gpu)
+    memory_given = target_memory(differs, device_memory_gib, target_gpu)  # refuses before any trial
+    target_gpus = ranks if gpus_per_node is None else gpus_per_node
+    # Strong scaling unless asked: the base JSON's batch on one target node, the LR's reference too.
+    base_batch = lr_reference_batch_of(base, target_gpus)
+    target = asked or BatchTarget(base_batch, base_batch)
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, data = default_inputs(out_dir, model, data)
     steps, warmup = (5, 1) if on_cpu else (5, 2)
     # The user's options last: they override the CPU default (argparse keeps the last value).
     train_args = (*(("--num-workers", "1") if on_cpu else ()), *user_args)
@@ -220,8 +276,8 @@ def run_advise(
     hosts = prepare_hostfile(hostfile, say)
     settings = trial_settings(model, data, steps, warmup, 900.0, 300.0, None, None, train_args)
     plan = plan_for_device(grid or (CPU_GRID if on_cpu else GridRequest()), device)
-    target_gpus = ranks if gpus_per_node is None else gpus_per_node
-    check_reachable([s.micro_batch for ladder in plan.ladders for s in ladder], target_gpus, nodes, target)
+    micro_batches = [s.micro_batch for ladder in plan.ladders for s in ladder]
+    check_reachable(micro_batches, target_gpus, node_list, target)
     notes = list(plan.notes)
     started = time.monotonic()
 
@@ -238,11 +294,11 @@ def run_advise(
         fit_path, target_gpus, preset, inter_node_gbps, inter_node_latency_us
     )
     notes += [n for n in target_notes if n not in notes]
-    memory_bytes, memory_source = (
-        (device_memory_gib * GIB, "--device-memory-gib")
-        if device_memory_gib
-        else device_memory_bytes(device, ranks)
-    )
+    if memory_given:
+        memory_bytes, memory_source = memory_given[0] * GIB, memory_given[1]
+    else:
+        memory_bytes, memory_source = device_memory_bytes(device, ranks)
+        memory_source = f"measured ({memory_source})"
     usable = memory_bytes * (1 - headroom)
 
     numels = trained_numels(model)
@@ -252,16 +308,16 @@ def run_advise(
     runner = trial_runner(settings, base, out_dir / "profile", setup, say)
     total_s = (budget_minutes or (5.0 if on_cpu else 30.0)) * 60
     budget_s = total_s - (time.monotonic() - started)
-    search = run_search(plan, runner, numels, zero, measured_net, target_net, max(nodes), usable, target,
+    # The search aims at the largest node count the global batch reaches (beyond it nothing runs).
+    reach = [n for n in node_list if any(grad_accum_for(m, n * target_gpus, target) for m in micro_batches)]
+    search = run_search(plan, runner, numels, zero, measured_net, target_net, max(reach), usable, target,
                         budget_s, log=say)  # fmt: skip
     trials = search.trials
     ok = trials[trials["status"] == "ok"]
     if ok.empty:
         raise UserError(f"no trial succeeded; see the logs under {out_dir / 'profile' / 'trials'}")
 
-    # Check trials: configs the model predicts before they run and never fitted on. With the few trials a
-    # search needs, leaving one out often removes what identifies a parameter; these test the model as
-    # it is used.
+    # Check trials: configs the model predicts before they run and never fitted on: the held-out error.
     validation = validation_table(trials, numels, zero, measured_net)
     checks = check_specs(plan, trials, numels, zero, measured_net, usable)
     check_ids: list[str] = []
@@ -275,18 +331,18 @@ def run_advise(
         validation = pd.concat([validation, check_rows(fitted, checked, measured_net)], ignore_index=True)
         trials = everything
     elif checks:
-        notes.append(
-            "no budget left for check trials: the held-out error is leave-one-out over the search's trials"
-        )
+        notes.append("no budget left for check trials: no held-out error; leave-one-out is shown instead")
     write_csv_atomic(validation, out_dir / "validation.csv")
-    errors = {"step_time_mape": mape(validation, "step_time_s"), "memory_mape": mape(validation, "mem_per_rank_bytes"),
-              "activation_mape": mape(validation, "activation_bytes")}  # fmt: skip
     models = fit_models(trials, numels, zero, measured_net)
     notes += models.memory.notes + models.timing.notes
     candidates = candidates_from(plan, trials)
-    predictions = predict_table(candidates, nodes, models.memory, models.timing, target_net, usable, target)
+    predictions = predict_table(
+        candidates, node_list, models.memory, models.timing, target_net, usable, target
+    )
     if predictions.empty:  # check_reachable passed, so only out-of-memory trials removed what reached it
-        raise UserError(f"--global-batch {global_batch}: only micro-batches that ran out of memory reach it")
+        raise UserError(
+            f"--global-batch {target.describe()}: only micro-batches that ran out of memory reach it"
+        )
     write_csv_atomic(predictions, out_dir / "predictions.csv")
     report_trials = trials.assign(dtype=trials["precision"], mem_per_rank_bytes=trials["device_peak_bytes"])
     write_csv_atomic(report_trials, out_dir / "trials.csv")
@@ -296,30 +352,28 @@ def run_advise(
     write_json_atomic(out_dir / "environment.json", environment)
     if not predictions["feasible"].any():
         raise UserError(
-            "nothing fits: " + what_would_fit(models.memory, candidates, nodes, target_gpus, usable)
+            "nothing fits: " + what_would_fit(models.memory, candidates, node_list, target_gpus, usable)
         )
 
-    best, config, runners, lr = recommend(predictions, base, usable, lr_scaling, reference_batch(base, ranks))
+    reference = lr_reference_batch or base_batch
+    best, config, runners, lr = recommend(
+        predictions, base, usable, lr_scaling, reference, nodes, min_efficiency
+    )
     config_path = out_dir / "recommended_ds_config.json"
     write_json_atomic(config_path, config)
-    recommendation = {
-        "config_id": best["config_id"], "node_count": int(best["node_count"]),
-        "gpus_per_node": target_gpus, "world_size": int(best["world_size"]),
-        "zero_stage": int(best["zero_stage"]), "dtype": best["dtype"], "micro_batch": int(best["micro_batch"]),
-        "offload": best["offload"], "samples_per_s": float(best["samples_per_s"]),
-        "step_time_s": float(best["step_time_s"]), "compute_s": float(best["compute_s"]),
-        "exposed_comm_s": float(best["exposed_comm_s"]), "mem_per_rank_bytes": float(best["mem_per_rank_bytes"]),
-        "usable_memory_bytes": usable, "global_batch": int(best["global_batch"]),
-        "global_batch_target": target.describe() if target else None, "grad_accum": int(best["grad_accum"]),
-        "lr": lr, "lr_scaling": lr_scaling, "lr_reference_batch": reference_batch(base, ranks),
-        "launch_command": launch_command(config_path, model, data, int(best["node_count"]), target_gpus, hostfile,
-                                         out_dir / "run", user_args),
-        "error": {k: v for k, v in errors.items() if v is not None},
-        "trials_run": int(len(trials)), "full_grid": int(search.full_grid),
-        "check_trials": check_ids,
-        "chosen_by_model": search.chosen_by_model, "search_log": search.log,
-        "network": target_net.describe(), "runners_up": runners, "notes": notes,
-    }  # fmt: skip
+    elapsed_s = time.monotonic() - started
+    outcome = Outcome(
+        best=best, runners=runners, lr=lr, trials=trials, predictions=predictions, node_list=node_list,
+        min_efficiency=min_efficiency, fixed_nodes=nodes, target=target, target_asked=asked is not None,
+        base_batch=base_batch, target_net=target_net, measured_net=measured_net, trial_device=device,
+        trial_ranks=ranks, differs=differs, memory_bytes=memory_bytes, memory_source=memory_source,
+        usable_bytes=usable, errors=error_summary(validation), check_ids=check_ids, search=search,
+        elapsed_s=elapsed_s, budget_s=total_s, per_trial_s=per_trial, notes=notes,
+    )  # fmt: skip
+    recommendation = build_recommendation(outcome)
+    recommendation["launch_command"] = launch_command(config_path, model, data, int(best["node_count"]),
+                                                      target_gpus, hostfile, out_dir / "run", user_args, lr)  # fmt: skip
+    recommendation["error_explained"] = ERROR_EXPLAINED
     if len(hosts) >= 2:
         recommendation["scaleout_check"] = scaleout_check(
             best, base, settings, hostfile, hosts, fit_path, out_dir, say
@@ -390,10 +444,6 @@ def _environment(memory_bytes: float, source: str, headroom: float, target: Netw
                   "target_network": target.describe(), "measured_network": measured.describe(), "notes": notes}  # fmt: skip
 
 
-def _percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
-
-
 def advise_command(
     max_nodes: Annotated[int, typer.Option(help="Predict for 1, 2, 4, ... up to this many nodes.")] = 32,
     model: Annotated[
@@ -447,16 +497,34 @@ def advise_command(
     global_batch: Annotated[
         str | None,
         typer.Option(
-            help="global batch target, e.g. 256, or a range 256-1024; accumulation is chosen to reach it."
+            help="global batch target, e.g. 256, or a range 256-1024; default: the base config's on one "
+            "target node, kept at every node count (strong scaling)."
         ),
     ] = None,
     headroom: Annotated[float, typer.Option(help="fraction of device memory left free.")] = 0.1,
     device_memory_gib: Annotated[
-        float | None, typer.Option(help="device memory per rank; default: detected.")
+        float | None,
+        typer.Option(help="device memory per rank of the target; required when it is not this machine."),
+    ] = None,
+    target_gpu: Annotated[
+        str | None,
+        typer.Option(help=f"the target's GPU, for its memory: {', '.join(TARGET_GPUS)}."),
+    ] = None,
+    min_efficiency: Annotated[
+        float,
+        typer.Option(help="recommend the largest node count keeping this scaling efficiency (0-1]."),
+    ] = DEFAULT_MIN_EFFICIENCY,
+    nodes: Annotated[
+        int | None, typer.Option(help="recommend for this node count instead of choosing by efficiency.")
     ] = None,
     lr_scaling: Annotated[
-        str, typer.Option(help="learning-rate scaling with the global batch: linear or sqrt.")
-    ] = "linear",
+        str,
+        typer.Option(help="LR rule when the global batch differs from the reference: sqrt, linear or none."),
+    ] = DEFAULT_LR_SCALING,
+    lr_reference_batch: Annotated[
+        int | None,
+        typer.Option(help="global batch the base LR was tuned for; default: the base config's on one node."),
+    ] = None,
     train_args: Annotated[
         str,
         typer.Option(
@@ -468,6 +536,8 @@ def advise_command(
     """Measure a few trials and the network, predict 1..--max-nodes nodes, recommend a runnable config."""
     from rich.console import Console
 
+    from advisor.report.terminal import print_advice
+
     console = Console(stderr=True)
     result = run_advise(
         max_nodes=max_nodes, model=model, data=data, deepspeed_config=deepspeed_config, out_dir=out,
@@ -475,27 +545,6 @@ def advise_command(
         inter_node_gbps=inter_node_gbps, inter_node_latency_us=inter_node_latency_us, preset=preset,
         global_batch=global_batch, headroom=headroom, device_memory_gib=device_memory_gib, lr_scaling=lr_scaling,
         log=lambda message: console.print(f"[dim]{message}[/dim]"), train_args=check_train_args(train_args),
+        min_efficiency=min_efficiency, nodes=nodes, target_gpu=target_gpu, lr_reference_batch=lr_reference_batch,
     )  # fmt: skip
-    rec = result.recommendation
-    error = rec["error"]
-    held_out = (
-        f"MAPE on {len(rec['check_trials'])} configs measured after the fit"
-        if rec["check_trials"]
-        else "leave-one-out MAPE"
-    )
-    typer.echo(
-        f"recommended: {rec['config_id']} on {rec['node_count']} nodes x {rec['gpus_per_node']} ranks, "
-        f"accumulation {rec['grad_accum']} (global batch {rec['global_batch']}), lr {rec['lr']:.3g} "
-        f"({rec['lr_scaling']} scaling from batch {rec['lr_reference_batch']})\n"
-        f"predicted {rec['samples_per_s']:.1f} samples/s, {rec['step_time_s']:.3f} s/step, "
-        f"{rec['mem_per_rank_bytes'] / GIB:.3f} GiB per rank\n"
-        f"held-out error ({held_out}): step time {_percent(error.get('step_time_mape'))}, "
-        f"memory {_percent(error.get('memory_mape'))}\n"
-        f"trials run: {result.trials_run} of a full grid of {result.full_grid}"
-        + (f" ({len(rec['check_trials'])} of them to check the model)" if rec["check_trials"] else "")
-    )
-    for runner in rec["runners_up"]:
-        typer.echo(f"  runner-up {runner['config_id']} @ {runner['node_count']} nodes: {runner['why_not']}")
-    typer.echo(f"config: {result.out_dir / 'recommended_ds_config.json'}\nlaunch: {rec['launch_command']}")
-    if result.report:
-        typer.echo(f"report: {result.report}")
+    print_advice(result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report)

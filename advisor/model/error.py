@@ -2,7 +2,12 @@
 
 Every ok trial is predicted twice: once by the model fitted on all trials (held_out false: how well the
 model reproduces what it saw) and once by a model fitted on all the other trials (leave-one-out, held_out
-true: the honest error, the one printed next to the recommendation). The rows go to validation.csv.
+true). Check trials (`check` true) are configs run after the fit, predicted before they ran. The rows go
+to validation.csv.
+
+One held-out error figure is reported everywhere (terminal, recommendation.json, report), computed by
+`error_summary`: the MAPE over the check trials. Leave-one-out is shown beside it under its own name,
+with ERROR_EXPLAINED saying why the two differ.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ class Models:
 def fit_models(
     trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings, measured_net: Network
 ) -> Models:
-    return Models(fit_memory_model(trials, numels, zero), fit_time_model(trials, measured_net))
+    return Models(fit_memory_model(trials, numels, zero), fit_time_model(trials, measured_net, numels, zero))
 
 
 def trial_predictions(models: Models, row: pd.Series, measured_net: Network) -> dict[str, float]:
@@ -66,7 +71,7 @@ def validation_table(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSe
                 rows.append({"config_id": row["trial_id"], "quantity": quantity, "predicted": predicted[quantity],
                              "measured": measured[quantity], "held_out": held_out,
                              "node_count": int(row.get("nodes", 1) or 1), "micro_batch": int(row["micro_batch"]),
-                             "zero_stage": int(row["zero_stage"])})  # fmt: skip
+                             "zero_stage": int(row["zero_stage"]), "grad_accum": int(row["grad_accum"])})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -80,17 +85,51 @@ def check_rows(models: Models, checks: pd.DataFrame, measured_net: Network) -> p
             rows.append({"config_id": row["trial_id"], "quantity": quantity, "predicted": predicted[quantity],
                          "measured": measured[quantity], "held_out": True, "check": True,
                          "node_count": int(row.get("nodes", 1) or 1), "micro_batch": int(row["micro_batch"]),
-                         "zero_stage": int(row["zero_stage"])})  # fmt: skip
+                         "zero_stage": int(row["zero_stage"]), "grad_accum": int(row["grad_accum"])})  # fmt: skip
     return pd.DataFrame(rows)
 
 
-def mape(validation: pd.DataFrame, quantity: str, held_out: bool = True) -> float | None:
-    """Mean absolute percentage error (a fraction) of one quantity; None without such rows. Check trials
-    (measured after the fit), where there are any, are the held-out set; else leave-one-out."""
-    if held_out and "check" in validation and validation["check"].fillna(False).astype(bool).any():
-        validation = validation[validation["check"].fillna(False).astype(bool)]
-    rows = validation[(validation["quantity"] == quantity) & (validation["held_out"] == held_out)]
+def is_check(validation: pd.DataFrame) -> pd.Series:
+    """Rows of check trials (run after the fit); all false in a table without the column."""
+    if "check" not in validation:
+        return pd.Series(False, index=validation.index)
+    return validation["check"].fillna(False).astype(bool)
+
+
+def mape(
+    validation: pd.DataFrame, quantity: str, held_out: bool = True, which: str = "check"
+) -> float | None:
+    """Mean absolute percentage error (a fraction) of one quantity; None without such rows.
+
+    held_out false: the trials the model was fitted on. held_out true: `which` set, "check" (configs run
+    after the fit) or "leave_one_out" (the search's trials, each predicted by a fit without it)."""
+    if held_out:
+        validation = validation[is_check(validation) == (which == "check")]
+    rows = validation[
+        (validation["quantity"] == quantity) & (validation["held_out"].astype(bool) == held_out)
+    ]
     rows = rows[rows["measured"] > 0]
     if rows.empty:
         return None
     return float(np.mean(np.abs(rows["predicted"] / rows["measured"] - 1)))
+
+
+ERROR_EXPLAINED = (
+    "The held-out error is measured on configs run after the model was fitted and predicted before they "
+    "ran: it says how far to trust the predicted figures of configs nobody measured, such as the recommended "
+    "one. Leave-one-out refits the model without each search trial in turn; with the few trials a search "
+    "takes, leaving one out often removes the only trial that pins a stage's or a precision's cost, so it "
+    "reads higher and measures how much each trial is needed, not how good the full fit is."
+)
+
+
+def error_summary(validation: pd.DataFrame) -> dict[str, dict[str, float | int | None]]:
+    """{"held_out": {...}, "leave_one_out": {...}}: step-time and memory MAPE and the number of trials
+    behind each (held_out has 0 trials and no figures when no check trial ran)."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for key, which in (("held_out", "check"), ("leave_one_out", "leave_one_out")):
+        rows = validation[(is_check(validation) == (which == "check")) & validation["held_out"].astype(bool)]
+        out[key] = {"step_time_mape": mape(validation, "step_time_s", which=which),
+                    "memory_mape": mape(validation, "mem_per_rank_bytes", which=which),
+                    "trials": int(rows["config_id"].nunique())}  # fmt: skip
+    return out

@@ -2,9 +2,9 @@
 
 One row per (node count, config) in predictions.csv (the contract in advisor.report.build). A config is ZeRO stage
 x precision x micro-batch x offload; its gradient accumulation is chosen per node count to reach the
---global-batch target (the largest accumulation inside a range: more micro-steps per optimizer step
-amortise the once-per-step communication). A config that cannot reach the target at a node count has no
-row there.
+global batch: the base config's unless --global-batch says otherwise (inside a range, the largest
+accumulation: more micro-steps per optimizer step amortise the once-per-step communication). A config
+that cannot reach the target at a node count has no row there.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class BatchTarget:
-    """The global batch wanted: one value (lo == hi) or a range; None: no target (accumulation 1)."""
+    """The global batch wanted: one value (lo == hi) or a range. `sdzero advise` keeps the base config's
+    by default (strong scaling); None here (accumulation 1, the batch grows with the nodes) is for tools
+    that replay trials at one node count."""
 
     lo: int
     hi: int
@@ -93,6 +95,19 @@ def check_reachable(
     )
 
 
+def exposed_split_s(timing: TimeModel, stage: int, accum: int, nodes: int, net: Network,
+                    exposed_s: float) -> tuple[float, float]:  # fmt: skip
+    """The step's exposed communication split into its within-node and across-node parts, in the
+    proportion of the time model's costed (intra, inter) seconds weighed by its hidden-share factors."""
+    intra, inter = timing.comm_seconds(stage, accum, net.gpus_per_node, nodes, net)
+    intra *= timing.comm_factor.get(stage, 1.0)
+    inter *= timing.inter_factor.get(stage, 1.0)
+    total = intra + inter
+    if total <= 0:
+        return 0.0, 0.0
+    return exposed_s * intra / total, exposed_s * inter / total
+
+
 def predict_table(
     candidates: list[Candidate],
     nodes: list[int],
@@ -111,12 +126,14 @@ def predict_table(
                 continue
             step = timing.predict(c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload)
             mem = memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
+            intra_s, inter_s = exposed_split_s(timing, c.zero_stage, accum, n, net, step.exposed_comm_s)
             rows.append({
                 "node_count": n, "config_id": c.config_id, "zero_stage": c.zero_stage, "dtype": c.precision,
                 "micro_batch": c.micro_batch, "offload": c.offload, "grad_accum": accum,
                 "global_batch": c.micro_batch * accum * world, "world_size": world,
                 "samples_per_s": step.samples_per_s, "step_time_s": step.step_time_s,
                 "compute_s": step.compute_s, "exposed_comm_s": step.exposed_comm_s, "comm_s": step.comm_s,
+                "exposed_intra_s": intra_s, "exposed_inter_s": inter_s,
                 "mem_per_rank_bytes": mem["total"], "model_state_bytes": mem["model_states"],
                 "activation_bytes": mem["activations"], "bucket_bytes": mem["buckets"],
                 "frozen_bytes": mem["frozen"], "feasible": mem["total"] <= usable_bytes,

@@ -1,8 +1,10 @@
-"""The recommendation: the fastest predicted config that fits, its DeepSpeed JSON, launch command, runners-up.
+"""The recommendation: the node count chosen by efficiency (advisor.model.scaling), the fastest config that
+fits there, its DeepSpeed JSON, launch command and runners-up.
 
 The JSON is the user's base JSON with the winner's knobs written in by the same code that writes each
 trial's JSON (advisor.measure.grid.trial_ds_config), minus the trial-only instruments, with the accumulation for the
-global batch and the learning rate scaled for it: the trainer runs it unchanged. Its global batch is not
+global batch and the learning rate from the one rule (sdzero.lr): the trainer runs it unchanged (its own
+default reference is the JSON's batch, so it does not scale that LR again). Its global batch is not
 written (train_batch_size): DeepSpeed derives it from micro-batch x accumulation x world size, so the same
 file also runs on fewer ranks for a smoke test.
 """
@@ -10,7 +12,6 @@ file also runs on fewer ranks for a smoke test.
 from __future__ import annotations
 
 import copy
-import math
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,18 +22,14 @@ import pandas as pd
 from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
 from advisor.model.predict import Candidate
+from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
 from sdzero.errors import UserError
+from sdzero.lr import LrChoice, base_lr_of, check_rule, choose_lr
 
 GIB = 2**30
-LR_SCALINGS = ("linear", "sqrt")
 COMM_BOUND_SHARE = 0.3
 """A config whose exposed communication is above this share of its step is called communication-bound."""
 RUNNERS_UP = 5
-
-
-def scaled_lr(base_lr: float, scaling: str, global_batch: int, reference_batch: int) -> float:
-    ratio = global_batch / reference_batch
-    return base_lr * (ratio if scaling == "linear" else math.sqrt(ratio))
 
 
 def recommended_ds_config(base: dict[str, Any], row: pd.Series, lr: float) -> dict[str, Any]:
@@ -51,7 +48,10 @@ def recommended_ds_config(base: dict[str, Any], row: pd.Series, lr: float) -> di
 
 
 def launch_command(config_path: Path, model: str, data: Path, nodes: int, gpus_per_node: int,
-                   hostfile: Path | None, output_dir: Path, train_args: Sequence[str] = ()) -> str:  # fmt: skip
+                   hostfile: Path | None, output_dir: Path, train_args: Sequence[str] = (),
+                   lr: LrChoice | None = None) -> str:  # fmt: skip
+    """The deepspeed command; with `lr`, its warm-up flag and a trailing shell comment stating the LR, the
+    rule and the factor (the LR itself is in the JSON)."""
     from sdzero.launch import TRAIN_SCRIPT
 
     cmd = ["deepspeed"]
@@ -59,7 +59,9 @@ def launch_command(config_path: Path, model: str, data: Path, nodes: int, gpus_p
         cmd += ["--hostfile", str(hostfile or "hostfile"), "--num_nodes", str(nodes)]
     cmd += ["--num_gpus", str(gpus_per_node), str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path),
             "--model", model, "--data", str(data), "--output-dir", str(output_dir), *train_args]  # fmt: skip
-    return shlex.join(cmd)
+    if lr is not None and lr.warmup_steps and "--lr-warmup-steps" not in train_args:
+        cmd += ["--lr-warmup-steps", str(lr.warmup_steps)]
+    return shlex.join(cmd) + (f"  # {lr.describe()}" if lr is not None else "")
 
 
 def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
@@ -110,33 +112,36 @@ def recommend(
     usable_bytes: float,
     lr_scaling: str,
     reference_batch: int,
-) -> tuple[pd.Series, dict[str, Any], list[dict[str, Any]], float]:
-    """(the winning row, its DeepSpeed JSON, runners-up with why_not, its learning rate)."""
-    if lr_scaling not in LR_SCALINGS:
-        raise UserError(f"--lr-scaling {lr_scaling!r}: choose linear or sqrt")
+    node_count: int | None = None,
+    min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
+) -> tuple[pd.Series, dict[str, Any], list[dict[str, Any]], LrChoice]:
+    """(the winning row, its DeepSpeed JSON, runners-up with why_not, its LR and how it was reached).
+
+    The node count is `node_count` (--nodes) if given, else the largest that keeps `min_efficiency`;
+    the winner is the fastest config that fits there; runners-up are the other configs at that count."""
+    check_rule(lr_scaling)
     fits = predictions[predictions["feasible"].astype(bool)]
     if fits.empty:
         raise ValueError("nothing fits")  # the caller turns this into what_would_fit
-    top = fits["samples_per_s"].max()
-    # within 1 % of the fastest, the fewest nodes: the same throughput for less hardware
-    close = fits[fits["samples_per_s"] >= 0.99 * top].sort_values(
-        ["node_count", "samples_per_s"], ascending=[True, False]
-    )
-    best = close.iloc[0]
-    base_lr = float(base_config.get("optimizer", {}).get("params", {}).get("lr", 1e-4))
-    lr = scaled_lr(base_lr, lr_scaling, int(best["global_batch"]), reference_batch)
-    config = recommended_ds_config(base_config, best, lr)
-    others = predictions[predictions["config_id"] != best["config_id"]]
-    runners = []
-    if not others.empty:
-        # each other config at its own best node count (feasible rows first)
-        ranked = others.sort_values(["feasible", "samples_per_s"], ascending=False).drop_duplicates(
-            "config_id"
+    if node_count is None:
+        nodes = sorted(int(n) for n in predictions["node_count"].unique())
+        node_count = choose_node_count(
+            scaling_table(predictions, nodes, min_efficiency, "", set()), min_efficiency
         )
-        for _, row in ranked.head(RUNNERS_UP).iterrows():
-            runners.append({k: _plain(row[k]) for k in ("config_id", "node_count", "samples_per_s", "step_time_s",
-                                                       "mem_per_rank_bytes", "grad_accum", "global_batch")}
-                           | {"why_not": why_not(row, best, usable_bytes)})  # fmt: skip
+    here = fits[fits["node_count"] == node_count]
+    if here.empty:
+        raise UserError(f"--nodes {node_count}: no config both fits in memory and reaches the global batch there "
+                        "(see the scaling table); choose another --nodes or --global-batch")  # fmt: skip
+    best = here.loc[here["samples_per_s"].idxmax()]
+    lr = choose_lr(base_lr_of(base_config), int(best["global_batch"]), reference_batch, lr_scaling)
+    config = recommended_ds_config(base_config, best, lr.lr)
+    others = predictions[
+        (predictions["config_id"] != best["config_id"]) & (predictions["node_count"] == node_count)
+    ]
+    ranked = others.sort_values(["feasible", "samples_per_s"], ascending=False)
+    runners = [{k: _plain(row[k]) for k in ("config_id", "node_count", "samples_per_s", "step_time_s",
+                                            "mem_per_rank_bytes", "grad_accum", "global_batch")}
+               | {"why_not": why_not(row, best, usable_bytes)} for _, row in ranked.head(RUNNERS_UP).iterrows()]  # fmt: skip
     return best, config, runners, lr
 
 

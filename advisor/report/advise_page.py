@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from advisor.model.alphabeta import AlphaBetaFit, bus_factor, load_fits
+from advisor.model.error import ERROR_EXPLAINED, is_check
 from advisor.report import figures
 from advisor.report.page import (
     CodeItem,
@@ -56,8 +57,12 @@ TRIAL_SHOWN += ("world_size", "nodes", "samples_per_s", "step_time_s", "memory p
 MODEL = "the performance model (sdzero advise)"
 
 CAPTIONS = {
-    "recommendation": "The predicted-fastest config that fits in memory with the headroom, and the runners-up "
-    "with why each lost.",
+    "recommendation": "The fastest config that fits in memory with the headroom at the chosen node count, and "
+    "the runners-up at that count with why each lost.",
+    "scaling-table": "Per node count, the fastest config that fits and keeps the global batch; efficiency is "
+    "samples/s per node against the smallest node count; exposed comm is the share of the step spent in "
+    "communication not hidden behind compute, and 'limited by' the link that share mostly waits on. "
+    "The knee is the largest node count keeping the minimum efficiency.",
     "scaling": "Best feasible config per ZeRO stage and precision; dotted lines are linear scaling from the "
     "smallest node count and circles the best measured trial: the gap below a dotted line is time lost to "
     "communication.",
@@ -66,8 +71,9 @@ CAPTIONS = {
     "breakdown": "Compute and the communication not hidden behind it, per optimizer step, for {which}: the red "
     "share is what a faster network (or fewer nodes) would win back.",
     "validation": "One point per measured trial; inside the grey band is within 10 %. Circles were held out of "
-    "the fit: their error is the honest one.",
-    "validation-errors": "Mean (MAPE) and worst absolute relative error of the predictions, per quantity.",
+    "the fit (check trials or leave-one-out).",
+    "validation-errors": "Mean (MAPE) and worst absolute relative error of the predictions, per quantity. "
+    + ERROR_EXPLAINED,
     "trial-memory": "Measured peak per rank for each ZeRO stage and precision, red crosses for out-of-memory "
     "trials; {capacity}: the largest micro-batch below it is the one to use.",
     "bandwidth": "Measured points and the fitted alpha-beta model, one panel per backend: the flat right end is "
@@ -165,13 +171,11 @@ def recommendation_section(folder: Path, rec: dict[str, Any] | None) -> Section:
         )
     rows = [_summary_row(rec, "recommended")]
     rows += [_summary_row(other, str(i)) for i, other in enumerate(rec.get("runners_up") or [], start=2)]
-    caption = CAPTIONS["recommendation"]
-    if rec.get("error"):
-        errors = ", ".join(f"{name} {_percent(value)}" for name, value in rec["error"].items())
-        caption += f" Prediction error on held-out trials: {errors}."
+    caption = CAPTIONS["recommendation"] + " " + held_out_sentence(rec)
     items: list[Item] = [
         frame_table("recommendation", "Recommended config and runners-up", caption, pd.DataFrame(rows))
     ]
+    items += [NoteItem(f"recommendation-{key}", text) for key, text in recommendation_notes(rec)]
     if rec.get("launch_command"):
         items.append(
             CodeItem("launch", "Launch command", "Runs the recommendation as is.", str(rec["launch_command"]))
@@ -184,16 +188,94 @@ def recommendation_section(folder: Path, rec: dict[str, Any] | None) -> Section:
         )
     else:
         items.append(NoteItem("recommended-ds-config", "No recommended_ds_config.json here."))
-    details = {
-        k: v for k, v in rec.items() if k not in {"runners_up", "ds_config", "error", "launch_command"}
+    shown = {
+        "runners_up",
+        "ds_config",
+        "error",
+        "launch_command",
+        "scaling_table",
+        "provenance",
+        "error_explained",
     }
+    details = {k: v for k, v in rec.items() if k not in shown}
     items.append(
         mapping_table("recommendation-details", "Details", "recommendation.json as written.", details)
     )
     return Section("recommendation", title, items)
 
 
+def held_out_sentence(rec: dict[str, Any]) -> str:
+    """The one held-out error, as the terminal and recommendation.json give it."""
+    error = rec.get("error") or {}
+    if error.get("trials"):
+        return (f"Held-out error on {error['trials']} configs run after the fit: step time "
+                f"{_percent(error.get('step_time_mape'))}, memory {_percent(error.get('memory_mape'))}.")  # fmt: skip
+    if error.get("step_time_mape") is not None:  # a recommendation.json from before the trial count
+        return f"Prediction error on held-out trials: step time {_percent(error['step_time_mape'])}."
+    return "No held-out error: no check trial ran within the budget (see Predicted vs measured)."
+
+
+def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
+    """The node-count rule, the LR and how it was reached, and the budget note, each one line."""
+    notes = []
+    choice = rec.get("node_choice") or {}
+    if choice:
+        notes.append(("nodes", f"Node count: {choice.get('chosen')} ({choice.get('rule')}); fastest "
+                               f"{choice.get('fastest')} nodes, most efficient {choice.get('most_efficient')}; "
+                               f"global batch {rec.get('global_batch_rule', rec.get('global_batch'))}."))  # fmt: skip
+    if rec.get("lr_rule"):
+        notes.append(
+            (
+                "lr",
+                f"Learning rate: {rec['lr_rule']}."
+                + (f" Warning: {rec['lr_warning']}." if rec.get("lr_warning") else ""),
+            )
+        )
+    measured = rec.get("measured") or {}
+    if measured and not measured.get("recommended_config_measured", True):
+        notes.append(("measured", f"Not measured: {measured['message']}"))
+    return notes
+
+
 # --------------------------------------------------------------------------------------------- scaling
+
+
+def provenance_section(rec: dict[str, Any] | None) -> Section | None:
+    """At the top: what was measured, what is modelled, what is assumed, and whether the target differs."""
+    prov = (rec or {}).get("provenance")
+    if not prov:
+        return None
+    rows = {k.replace("_", " "): v for k, v in prov.items() if k not in {"headline", "target_differs"}}
+    items: list[Item] = [
+        NoteItem("provenance-headline", str(prov.get("headline", ""))),
+        mapping_table("provenance", "Where each figure comes from", "measured: a trial or the benchmark ran "
+                      "it; modelled: fitted to those measurements; assumed: a preset or a figure you gave.", rows),
+    ]  # fmt: skip
+    return Section("provenance", "Where the figures come from", items)
+
+
+SCALING_SHOWN = {"node_count": "nodes", "status": "status", "config_id": "config", "micro_batch": "micro-batch",
+                 "grad_accum": "accumulation", "global_batch": "global batch", "samples_per_s": "samples/s",
+                 "step_time_s": "step time (s)", "efficiency": "efficiency", "exposed_comm_share": "exposed comm",
+                 "limiting_link": "limited by", "provenance": "provenance"}  # fmt: skip
+
+
+def scaling_table_item(rec: dict[str, Any] | None) -> Item | None:
+    rows = (rec or {}).get("scaling_table")
+    if not rows:
+        return None
+    table = pd.DataFrame(rows)
+    marks = []
+    for _, row in table.iterrows():
+        mark = "recommended" if row["node_count"] == rec.get("node_count") else ""  # type: ignore[union-attr]
+        if row.get("knee"):
+            mark = (mark + ", knee") if mark else "knee"
+        marks.append(mark)
+    for column in ("efficiency", "exposed_comm_share"):
+        table[column] = table[column].map(lambda v: "" if pd.isna(v) else f"{v:.1%}")
+    table = table[[c for c in SCALING_SHOWN if c in table]].rename(columns=SCALING_SHOWN).assign(mark=marks)
+    title = f"Scaling table (global batch {rec.get('global_batch_rule', '')})"  # type: ignore[union-attr]
+    return frame_table("scaling-table", title, CAPTIONS["scaling-table"], table.astype(object).fillna(""))
 
 
 def best_per_group(predictions: pd.DataFrame) -> pd.DataFrame:
@@ -245,7 +327,9 @@ def scaling_section(folder: Path, rec: dict[str, Any] | None, trials: pd.DataFra
     if best.empty:
         return absent("scaling", title, "scaling", f"{path} holds no feasible prediction to draw.")
     chosen, which = breakdown_config(predictions, rec)
+    table_item = scaling_table_item(rec)
     items: list[Item] = [
+        *([table_item] if table_item else []),
         FigureItem(
             "scaling",
             "Predicted throughput vs nodes",
@@ -282,10 +366,12 @@ def validation_section(folder: Path) -> Section:
         return absent(
             "validation", title, "validation", f"{path} holds no step_time_s or mem_per_rank_bytes pair."
         )
-    errors = pairs.assign(
-        fit=np.where(pairs["held_out"], "held out", "used in fit"),
-        error=(pairs["predicted"] / pairs["measured"] - 1).abs(),
+    kind = np.where(
+        is_check(pairs),
+        "held out (check trials)",
+        np.where(pairs["held_out"], "leave-one-out", "used in fit"),
     )
+    errors = pairs.assign(fit=kind, error=(pairs["predicted"] / pairs["measured"] - 1).abs())
     summary = errors.groupby(["quantity", "fit"])["error"].agg(["count", "mean", "max"]).reset_index()
     summary = summary.assign(mean=summary["mean"].map(_percent), max=summary["max"].map(_percent))
     summary = summary.rename(columns={"count": "trials", "mean": "MAPE", "max": "worst"})
@@ -480,7 +566,10 @@ def advise_facts(rec: dict[str, Any] | None, trials: pd.DataFrame | None) -> lis
             out.append(("nodes", str(rec["node_count"])))
         if isinstance(rec.get("samples_per_s"), (int, float)):
             out.append(("predicted samples/s", f"{rec['samples_per_s']:.4g}"))
-        out += [(name.replace("_", " "), _percent(value)) for name, value in (rec.get("error") or {}).items()]
+        error = rec.get("error") or {}
+        for name in ("step_time_mape", "memory_mape"):
+            if error.get(name) is not None:
+                out.append((f"held-out {name.replace('_', ' ')}", _percent(error[name])))
     if trials is not None:
         out.append(("trials", ", ".join(f"{n} {s}" for s, n in trials["status"].value_counts().items())))
     return out
@@ -493,7 +582,9 @@ def build_advise_report(folder: Path) -> Report:
     environment = read_json_object(folder / "environment.json")
     rec = read_json_object(folder / "recommendation.json")
     trials, why_absent = read_trials(folder)
+    provenance = provenance_section(rec)
     sections = [
+        *([provenance] if provenance else []),
         recommendation_section(folder, rec),
         scaling_section(folder, rec, trials),
         validation_section(folder),

@@ -1,0 +1,173 @@
+"""What `sdzero advise` tells the user, as recommendation.json holds it: the recommended config and its LR,
+the scaling table and the node-count choice, where each figure comes from, the errors, and whether the
+recommended config was measured within the budget.
+
+The terminal (advisor.report.terminal) and the report (advisor.report.advise_page) read this payload and
+nothing else, so the three show the same figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from advisor.model.network import Network
+from advisor.model.predict import BatchTarget, Candidate
+from advisor.model.scaling import (
+    MEASURED,
+    MODELLED,
+    choose_node_count,
+    link_provenance,
+    options_beside,
+    scaling_table,
+    table_records,
+)
+from advisor.model.search import CHECK_TRIALS, SearchResult
+from sdzero.lr import LrChoice
+
+
+@dataclass
+class Outcome:
+    """Everything the pipeline knows once it has chosen (see advisor.advise.run_advise)."""
+
+    best: pd.Series
+    runners: list[dict[str, Any]]
+    lr: LrChoice
+    trials: pd.DataFrame
+    predictions: pd.DataFrame
+    node_list: list[int]
+    min_efficiency: float
+    fixed_nodes: int | None
+    target: BatchTarget
+    target_asked: bool
+    base_batch: int
+    target_net: Network
+    measured_net: Network
+    trial_device: dict[str, Any]
+    trial_ranks: int
+    differs: str | None
+    memory_bytes: float
+    memory_source: str
+    usable_bytes: float
+    errors: dict[str, dict[str, Any]]
+    check_ids: list[str]
+    search: SearchResult
+    elapsed_s: float
+    budget_s: float
+    per_trial_s: float
+    notes: list[str]
+
+
+def measured_ids(trials: pd.DataFrame) -> set[str]:
+    """config_ids (advisor.model.predict.Candidate) of the trials that finished."""
+    ok = trials[trials["status"] == "ok"]
+    return {
+        Candidate(
+            int(r["zero_stage"]), str(r["precision"]), int(r["micro_batch"]), str(r["offload"])
+        ).config_id
+        for _, r in ok.iterrows()
+    }
+
+
+def provenance(o: Outcome) -> dict[str, Any]:
+    here = (
+        f"a CPU ({o.trial_ranks} ranks)"
+        if o.trial_device["device"] == "cpu"
+        else f"{o.trial_ranks} {o.trial_device['device']} device(s)"
+    )
+    target = o.differs or f"nodes like this one ({o.target_net.gpus_per_node} ranks each)"
+    inter = link_provenance(o.target_net.inter.source)
+    headline = f"Trials ran on {here}; target: {target}. " + (
+        f"The target differs from this machine: compute is scaled from {here}, memory checked against "
+        f"{o.memory_bytes / 2**30:.3g} GiB, {o.memory_source}. "
+        if o.differs
+        else ""
+    )
+    headline += f"Inter-node link: {inter}" + ("." if inter == MEASURED else " (--hostfile measures it).")
+    return {
+        "headline": headline,
+        "trials_ran_on": here,
+        "target": target,
+        "target_differs": o.differs is not None,
+        "compute": f"{MEASURED} on {here} (trials); {MODELLED} for other configs and node counts",
+        "memory_per_rank": f"{MODELLED} (fitted to the trials' measured peaks)",
+        "device_memory": f"{o.memory_bytes / 2**30:.3g} GiB, {o.memory_source}",
+        "intra_node_link": f"{link_provenance(o.target_net.intra.source)}: {o.target_net.intra.source}",
+        "inter_node_link": f"{inter}: {o.target_net.inter.source}",
+    }
+
+
+def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
+    """Whether the recommended config ran as a trial; if not, the best that did and the budget to measure it."""
+    chosen = str(o.best["config_id"])
+    if chosen in measured:
+        return {"recommended_config_measured": True}
+    ok = o.trials[o.trials["status"] == "ok"].assign(
+        rate=lambda t: pd.to_numeric(t["samples_per_s"], errors="coerce")
+    )
+    top = ok.loc[ok["rate"].idxmax()]
+    best_id = Candidate(int(top["zero_stage"]), str(top["precision"]), int(top["micro_batch"]),
+                        str(top["offload"])).config_id  # fmt: skip
+    n = int(o.best["node_count"])
+    there = o.predictions[(o.predictions["config_id"] == best_id) & (o.predictions["node_count"] == n)]
+    predicted = float(there["samples_per_s"].iloc[0]) if not there.empty else None
+    by_budget = any("budget" in line for line in o.search.log)
+    minutes = math.ceil((o.elapsed_s + o.per_trial_s * (1 + CHECK_TRIALS)) / 60)
+    why = "--budget-minutes ran out" if by_budget else f"the search stopped ({(o.search.log or ['-'])[-1]})"
+    message = (
+        f"{chosen} was not measured ({why}); its figures are the model's. Best measured config: {best_id} "
+        f"({float(top['rate']):.3g} samples/s measured here"
+        + (f", {predicted:.3g} predicted at {n} nodes" if predicted is not None else "")
+        + f"). --budget-minutes {minutes} with the same --out (the {len(o.trials)} trials done are reused) "
+        "leaves room to measure it and check the model on it."
+    )
+    return {"recommended_config_measured": False, "best_measured_config": best_id,
+            "best_measured_samples_per_s": float(top["rate"]), "best_measured_predicted_samples_per_s": predicted,
+            "stopped_by_budget": by_budget, "suggested_budget_minutes": minutes, "message": message}  # fmt: skip
+
+
+def node_choice(o: Outcome, table: pd.DataFrame) -> dict[str, Any]:
+    knee = choose_node_count(table, o.min_efficiency)
+    rule = (
+        f"--nodes {o.fixed_nodes}"
+        if o.fixed_nodes is not None
+        else f"the largest node count keeping scaling efficiency >= {o.min_efficiency:.0%}"
+    )
+    return {"rule": rule, "min_efficiency": o.min_efficiency, "chosen": int(o.best["node_count"]), "knee": knee,
+            **options_beside(table)}  # fmt: skip
+
+
+def build_recommendation(o: Outcome) -> dict[str, Any]:
+    best = o.best
+    measured = measured_ids(o.trials)
+    table = scaling_table(o.predictions, o.node_list, o.min_efficiency, o.target_net.inter.source, measured)
+    batch_rule = (
+        f"--global-batch {o.target.describe()}"
+        if o.target_asked
+        else f"fixed at the base config's {o.base_batch} (strong scaling; --global-batch to change it)"
+    )
+    held_out = o.errors["held_out"]
+    return {
+        "config_id": best["config_id"], "node_count": int(best["node_count"]),
+        "gpus_per_node": o.target_net.gpus_per_node, "world_size": int(best["world_size"]),
+        "zero_stage": int(best["zero_stage"]), "dtype": best["dtype"], "micro_batch": int(best["micro_batch"]),
+        "offload": best["offload"], "samples_per_s": float(best["samples_per_s"]),
+        "step_time_s": float(best["step_time_s"]), "compute_s": float(best["compute_s"]),
+        "exposed_comm_s": float(best["exposed_comm_s"]), "mem_per_rank_bytes": float(best["mem_per_rank_bytes"]),
+        "usable_memory_bytes": o.usable_bytes, "global_batch": int(best["global_batch"]),
+        "global_batch_target": o.target.describe(), "global_batch_rule": batch_rule,
+        "grad_accum": int(best["grad_accum"]),
+        "lr": o.lr.lr, "lr_scaling": o.lr.rule, "lr_reference_batch": o.lr.reference_batch,
+        "lr_factor": o.lr.factor, "lr_base": o.lr.base_lr, "lr_capped": o.lr.capped,
+        "lr_warmup_steps": o.lr.warmup_steps, "lr_warning": o.lr.warning, "lr_rule": o.lr.describe(),
+        "node_choice": node_choice(o, table), "scaling_table": table_records(table),
+        "provenance": provenance(o), "measured": budget_check(o, measured),
+        "error": {k: v for k, v in held_out.items() if v is not None},
+        "leave_one_out": o.errors["leave_one_out"],
+        "trials_run": int(len(o.trials)), "full_grid": int(o.search.full_grid), "check_trials": o.check_ids,
+        "chosen_by_model": o.search.chosen_by_model, "search_log": o.search.log,
+        "network": o.target_net.describe(), "runners_up": o.runners, "notes": o.notes,
+    }  # fmt: skip
