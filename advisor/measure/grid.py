@@ -23,7 +23,9 @@ import pandas as pd
 
 from sdzero.errors import UserError
 
-STAGES: tuple[int, ...] = (1, 2, 3)
+STAGES: tuple[int, ...] = (0, 1, 2, 3)
+"""ZeRO-0 is plain data parallelism (every rank holds every state; one gradient all-reduce per step):
+DeepSpeed's own autotuner tries it, and on small models it often wins."""
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 FINISHED_STATUSES: tuple[str, ...] = ("ok", "oom", "crash", "timeout")
@@ -96,7 +98,7 @@ class GridRequest:
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
         if not self.stages or bad:
-            raise UserError(f"--stage {bad or '(none)'}: choose from 1, 2, 3")
+            raise UserError(f"--stage {bad or '(none)'}: choose from 0, 1, 2, 3")
         bad_p = [p for p in self.precisions if p not in PRECISIONS]
         if not self.precisions or bad_p:
             raise UserError(f"--precision {', '.join(bad_p) or '(none)'}: choose bf16 and/or fp16")

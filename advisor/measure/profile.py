@@ -28,6 +28,7 @@ import typer
 
 from advisor.measure.grid import (
     OFFLOADS,
+    STAGES,
     GridPlan,
     GridRequest,
     TrialSpec,
@@ -350,7 +351,8 @@ def profile_command(
         ),
     ] = None,
     stage: Annotated[
-        list[int] | None, typer.Option(help="ZeRO stage to try; repeat. [default: 1 2 3]")
+        list[int] | None,
+        typer.Option(help="ZeRO stage to try (0: plain data parallel); repeat. [default: 0 1 2 3]"),
     ] = None,
     precision: Annotated[
         list[str] | None,
@@ -414,7 +416,7 @@ def profile_command(
 
     console = get_console()  # the progress bar's console too, so messages print above the live bar
     request_kwargs: dict[str, Any] = {
-        "stages": tuple(stage or (1, 2, 3)),
+        "stages": tuple(stage or STAGES),
         "precisions": tuple(precision or ("bf16", "fp16")),
         "micro_batches": tuple(micro_batch or ()),
         "max_micro_batch": max_micro_batch,

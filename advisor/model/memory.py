@@ -7,6 +7,9 @@ rules tests/dist/test_profile.py checks against the engine):
   2N elements (Ψp) and give rank r the slice [r·Ψp/N, (r+1)·Ψp/N) for fp32 master weights and Adam's m, v.
   ZeRO-1 (overlap_comm off) holds every full gradient until the reduction; ZeRO-2, and ZeRO-1 with
   overlap_comm, keep the whole gradient of every parameter that overlaps its slice (a parameter cut by a partition boundary is held by both).
+- ZeRO-0 (plain data parallel, DeepSpeed's FP16_Optimizer also for bf16) keeps every state whole on every
+  rank, unpadded: 2Ψ + 2Ψ + 12Ψ bytes; it has no reduce buckets (the gradient all-reduce flattens them at
+  the boundary, a transient while activations are already freed).
 - ZeRO-3 splits every parameter into N shards of ceil(numel/N) elements; a parameter below
   stage3_param_persistence_threshold is also kept whole, in 16 bits, on every rank.
 
@@ -42,6 +45,9 @@ DEFAULT_BYTES_PER_ELEMENT: dict[str, int] = {"params": 2, "grads": 2, "master": 
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
 DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's sub_group_size default (ZeRO-3)
+DEFAULT_PREFETCH_ELEMENTS = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size default
+DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default
+DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,13 @@ class ZeroSettings:
     update adds a copy of the gradient."""
     device: str = "cuda"
     """Where the step's tensors live without offload; decides torch's foreach default."""
+    prefetch_bucket_size: int = DEFAULT_PREFETCH_ELEMENTS
+    """ZeRO-3: elements each parameter fetch prefetches ahead, in one coalesced all-gather (0: none)."""
+    max_reuse_distance: int = DEFAULT_MAX_REUSE_DISTANCE
+    """ZeRO-3: a gathered parameter used again within this many elements of traversal is kept, not
+    released and gathered again (forward to backward at the turn of the step)."""
+    max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
+    """ZeRO-3: the most elements gathered at once; a larger model is released and gathered again."""
 
     @classmethod
     def from_config(cls, config: dict[str, Any], device: str = "cuda") -> ZeroSettings:
@@ -92,6 +105,9 @@ class ZeroSettings:
             torch_foreach=None if foreach is None else bool(foreach),
             adam_l2=adam_l2,
             device=device,
+            prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_ELEMENTS)),
+            max_reuse_distance=int(zero.get("stage3_max_reuse_distance", DEFAULT_MAX_REUSE_DISTANCE)),
+            max_live_parameters=int(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE_PARAMETERS)),
         )
 
     def optimizer_impl(self, offload: str) -> str:
@@ -152,9 +168,11 @@ def state_elements(numels: tuple[int, ...] | np.ndarray, stage: int, world: int,
     """Elements of each model-state kind held by the rank that holds the most, at `world` ranks."""
     sizes = np.asarray(numels, dtype=np.int64)
     psi = int(sizes.sum())
+    if stage == 0:  # plain data parallel: every state whole on every rank, no flat padding
+        return {"params": psi, "grads": psi, "master": psi, "optimizer": psi}
     if stage == 3:
         shard = int(np.sum(-(-sizes // world)))  # ceil per parameter
-        persistent = int(sizes[sizes < persistence_threshold].sum())
+        persistent = int(sizes[sizes <= persistence_threshold].sum())  # DeepSpeed: ds_numel <= threshold
         return {"params": shard + persistent, "grads": shard, "master": shard, "optimizer": shard}
     padded = math.ceil(psi / (2 * world)) * 2 * world
     part = padded // world
@@ -237,6 +255,8 @@ class MemoryModel:
         return {k: elements[k] * self.element_bytes(stage, precision, k) for k in STATE_KINDS}
 
     def bucket_bytes(self, stage: int) -> float:
+        if stage == 0:  # no reduce buckets: the all-reduce flattens gradients at the boundary (a transient)
+            return self.bucket_extra_bytes.get(stage, 0.0)
         copies = 2 if stage in (1, 2) and self.zero.overlap_comm else 1
         return copies * 2 * self.zero.reduce_bucket_size + self.bucket_extra_bytes.get(stage, 0.0)
 
@@ -285,8 +305,9 @@ class MemoryModel:
             flat = elements["master"]  # the rank's flat fp32 partition
             resident_kinds = ("params", "master", "optimizer")
             resident_extra = 0.0 if self.zero.contiguous_gradients else self.bucket_bytes(stage)
+            # ZeRO-0 flattens every 16-bit gradient (FP16_Optimizer's step); ZeRO-1/2 those of the slice
             overlap = state_elements(self.numels, 2, world, self.zero.persistence_threshold, True)["grads"]
-            kept_grads = float(overlap * half)
+            kept_grads = float((self.psi if stage == 0 else overlap) * half)
         offloaded = 0.0
         if offload != "none":
             offloaded += states["master"] + states["optimizer"]
@@ -298,7 +319,9 @@ class MemoryModel:
         temp = float(self.zero.optimizer_temp_elements(offload, flat) * full)
         if offload != "none":
             return {"resident": resident, "transient": 0.0, "total": resident, "host_transient": temp}
-        cast = kept_grads + flat * half + flat * full
+        # ZeRO-0 (FP16_Optimizer.step): each gradient cast to fp32 (`p.grad.to(fp32)`), then flattened into
+        # one fp32 tensor, with the 16-bit gradients still alive; ZeRO-1/2/3 flatten in 16 bits, then cast
+        cast = kept_grads + flat * (full if stage == 0 else half) + flat * full
         update = flat * full + temp
         transient = max(cast, update)
         return {

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from advisor.model.collective_mix import Collective, collective_mix, logger_view
+from advisor.model.memory import ZeroSettings
 from advisor.model.network import Link, Network
 
 SMALL_OP_BYTES = 1024
@@ -66,10 +68,16 @@ class CommOp:
     waits_measured: bool = False
     """The trial timed its waits on async calls (sdzero.profiling.WaitMeter), so `logged_s` is the whole
     time spent in the op; older trials logged the async calls' launch only (see BURST_CALLS)."""
+    phase: str = ""
+    """When in the step (advisor.model.collective_mix.PHASES), where the derived mix says; "" unknown."""
 
     @property
     def burst(self) -> bool:
         return self.count >= BURST_CALLS
+
+
+STAGE_UNKNOWN = -1
+"""For `ops_from_trial`: no stage rule, ops repeat per micro-step by size alone (never, below)."""
 
 
 def _kind(name: str) -> str:
@@ -95,6 +103,41 @@ def ops_from_trial(comm_ops: str | dict | None, stage: int, world: int, grad_acc
             count, size, logged = count / grad_accum, size / grad_accum, logged / grad_accum
         ops.append(CommOp(kind, count, size, repeats, logged, "waited_seconds_per_step" in figures))
     return ops
+
+
+def ops_from_mix(mix: list[Collective]) -> list[CommOp]:
+    """The derived collectives (advisor.model.collective_mix) as ops to cost: what a stage issues where no
+    trial logged it (an unmeasured stage, or one measured on a single rank, where DeepSpeed skips them)."""
+    return [CommOp(c.kind, float(c.calls), float(c.full_bytes), c.per_micro_step, phase=c.phase) for c in mix]
+
+
+def ops_by_mix(
+    comm_ops: str | dict | None, mix: list[Collective], world: int, grad_accum: int = 1
+) -> list[CommOp]:
+    """A trial's logged collectives, each split over the derived mix's entries of the same name: the
+    logged count, bytes and seconds are kept (what really ran, scaled to the mix's shares), and the mix
+    says which part repeats per micro-step and which runs once per step (at ZeRO-3 the persistent
+    parameters' gathers after the step share a name with the gathers in every forward). A logged op the
+    mix does not name keeps the size rule of `ops_from_trial`."""
+    raw = json.loads(comm_ops) if isinstance(comm_ops, str) else (comm_ops or {})
+    derived = logger_view(mix, world, grad_accum)
+    out: list[CommOp] = []
+    for name, figures in raw.items():
+        mine = [c for c in mix if c.op == name]
+        if name not in derived or not mine:
+            out += ops_from_trial({name: figures}, STAGE_UNKNOWN, world, grad_accum)
+            continue
+        waited = "waited_seconds_per_step" in figures
+        count_scale = float(figures["count_per_step"]) / max(derived[name]["count_per_step"], 1e-12)
+        bytes_scale = float(figures["bytes_per_step"]) / max(derived[name]["bytes_per_step"], 1e-12)
+        logged = float(figures.get("seconds_per_step", 0.0))
+        total = sum(c.full_bytes * (grad_accum if c.per_micro_step else 1) for c in mine) or 1.0
+        for c in mine:
+            repeat = grad_accum if c.per_micro_step else 1
+            share = c.full_bytes * repeat / total
+            out.append(CommOp(c.kind, c.calls * count_scale, c.full_bytes * bytes_scale, c.per_micro_step,
+                              logged * share / repeat, waited, c.phase))  # fmt: skip
+    return out
 
 
 def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float) -> float:
@@ -159,6 +202,12 @@ class TimeModel:
     notes: list[str] = field(default_factory=list)
     inter_factor: dict[int, float] = field(default_factory=dict)
     """The same for the part across nodes, from multi-node trials; 1 (costed, none hidden) without them."""
+    once_per_step_s: dict[Group, float] = field(default_factory=dict)
+    """Per group: compute that runs once per optimizer step whatever the accumulation (the optimizer
+    step, less the collectives inside it), measured as the trials' optimizer phase; 0 where unmeasured.
+    `compute_per_micro_s` includes it (one micro-step at accumulation 1)."""
+    derived_stages: set[int] = field(default_factory=set)
+    """Stages whose collectives come from the derived mix alone: no trial at 2+ ranks logged them."""
     proportional: dict[Group, float] = field(default_factory=dict)
     """Seconds per sample of a group whose precision has one measured micro-batch only: its compute is
     taken as proportional to the micro-batch (no intercept can be told from a slope)."""
@@ -176,6 +225,13 @@ class TimeModel:
         mine = {g: v for g, v in self.proportional.items() if g[1] == precision}
         return max(_closest(mine, group) * micro_batch, 1e-9)
 
+    def once_s(self, stage: int, precision: str, offload: str, per_micro_s: float) -> float:
+        """The once-per-step compute of this group (its own, else the closest group's), never above one
+        micro-step's compute."""
+        if not self.once_per_step_s:
+            return 0.0
+        return min(_closest(self.once_per_step_s, (stage, precision, offload)), per_micro_s)
+
     def comm_seconds(
         self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
     ) -> tuple[float, float]:
@@ -189,7 +245,9 @@ class TimeModel:
 
     def predict(self, stage: int, precision: str, micro_batch: int, grad_accum: int, nodes: int,
                 net: Network, offload: str = "none") -> StepPrediction:  # fmt: skip
-        compute = grad_accum * self.compute_per_micro_s(stage, precision, micro_batch, offload)
+        per_micro = self.compute_per_micro_s(stage, precision, micro_batch, offload)
+        once = self.once_s(stage, precision, offload, per_micro)
+        compute = once + grad_accum * (per_micro - once)
         intra, inter = self.comm_seconds(stage, grad_accum, net.gpus_per_node, nodes, net)
         comm = intra + inter
         exposed = intra * self.comm_factor.get(stage, 1.0) + inter * self.inter_factor.get(stage, 1.0)
@@ -209,8 +267,11 @@ def measured_step_s(rows: pd.DataFrame) -> pd.Series:
 
 
 def measured_compute_s(rows: pd.DataFrame) -> pd.Series:
+    """Compute of one micro-step at accumulation 1: the step less its communication, with the per-micro-step
+    part divided by the accumulation and the once-per-step part (`once_s`, where known) counted once."""
     comm = pd.to_numeric(rows["comm_s"], errors="coerce").fillna(0.0)
-    return (measured_step_s(rows) - comm) / rows["grad_accum"]
+    once = pd.to_numeric(rows["once_s"], errors="coerce").fillna(0.0) if "once_s" in rows else 0.0
+    return (measured_step_s(rows) - comm - once) / rows["grad_accum"] + once
 
 
 def _unlogged_burst_s(row: pd.Series, net: Network) -> float:
@@ -227,14 +288,52 @@ def _unlogged_burst_s(row: pd.Series, net: Network) -> float:
     return missed
 
 
-def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
-    """Fit on the ok trials given; `measured_net` is the network the trials ran on (for the overlap)."""
+def _mixes(
+    numels: tuple[int, ...] | None, zero: ZeroSettings | None, ok: pd.DataFrame
+) -> dict[int, list[Collective]]:
+    """Every stage's derived collectives (advisor.model.collective_mix), at the trials' largest world size
+    (the world size only pads ZeRO-3's shards); none without the network's parameter sizes."""
+    if numels is None:
+        return {}
+    world = max(int(pd.to_numeric(ok["world_size"], errors="coerce").max()), 2)
+    return {stage: collective_mix(numels, stage, world, zero or ZeroSettings()) for stage in (0, 1, 2, 3)}
+
+
+def _trial_ops(row: pd.Series, mixes: dict[int, list[Collective]]) -> list[CommOp]:
+    stage, world, accum = int(row["zero_stage"]), int(row["world_size"]), int(row["grad_accum"])
+    comm_ops = row["comm_ops"] if isinstance(row.get("comm_ops"), str) else None
+    if stage in mixes:
+        return ops_by_mix(comm_ops, mixes[stage], world, accum)
+    return ops_from_trial(comm_ops, stage, world, accum)
+
+
+def _once_s(row: pd.Series, mixes: dict[int, list[Collective]]) -> float:
+    """The trial's once-per-step compute: its optimizer phase less the collectives inside it (the derived
+    mix says which: ZeRO-1/2's gather of the updated partitions, ZeRO-3's of persistent parameters)."""
+    optimizer = pd.to_numeric(pd.Series([row.get("optimizer_s")]), errors="coerce").iloc[0]
+    if pd.isna(optimizer):
+        return math.nan
+    inside = sum(op.logged_s for op in _trial_ops(row, mixes) if op.phase == "step")
+    return max(float(optimizer) - inside, 0.0)
+
+
+def fit_time_model(trials: pd.DataFrame, measured_net: Network, numels: tuple[int, ...] | None = None,
+                   zero: ZeroSettings | None = None) -> TimeModel:  # fmt: skip
+    """Fit on the ok trials given; `measured_net` is the network the trials ran on (for the overlap).
+
+    With the trained network's parameter sizes (`numels`) and the JSON's settings (`zero`), every stage
+    gets the collectives derived from first principles (advisor.model.collective_mix): a stage measured
+    at 2+ ranks keeps its logged volumes, split by the mix into per-micro-step and once-per-step parts;
+    a stage never measured there (ZeRO-0 not in the trials, ZeRO-3 measured on one rank) is costed from
+    the mix alone."""
     ok = trials[trials["status"] == "ok"].reset_index(drop=True)
     if ok.empty:
         raise ValueError("no successful trial to fit the time model on")
     # Bursts the logger missed are communication, not compute: moved over before anything is fitted.
     unlogged = ok.apply(lambda r: _unlogged_burst_s(r, measured_net), axis=1)
     ok["comm_s"] = pd.to_numeric(ok["comm_s"], errors="coerce").fillna(0.0) + unlogged
+    mixes = _mixes(numels, zero, ok)
+    ok["once_s"] = ok.apply(lambda r: _once_s(r, mixes), axis=1) if mixes else math.nan
     compute = measured_compute_s(ok)
     notes: list[str] = []
     # A slope per precision needs two micro-batch sizes of it; a precision measured at one size only is
@@ -276,12 +375,30 @@ def fit_time_model(trials: pd.DataFrame, measured_net: Network) -> TimeModel:
     intercepts = {g: float(coef[i]) for i, g in enumerate(groups)}
     slopes = {p: float(coef[len(groups) + j]) for j, p in enumerate(fitted)}
     model = TimeModel(intercepts, slopes, {}, {}, notes, proportional=proportional)
+    measured_once = ok[ok["once_s"].notna()]
+    for (stage, precision, offload), rows in measured_once.groupby(["zero_stage", "precision", "offload"]):
+        model.once_per_step_s[(int(stage), str(precision), str(offload))] = float(rows["once_s"].median())
+    _set_ops(model, ok, mixes)
     for stage, rows in ok.groupby("zero_stage"):
-        row = rows.iloc[0]
-        model.ops[int(stage)] = ops_from_trial(row["comm_ops"] if isinstance(row["comm_ops"], str) else None,
-                                               int(stage), int(row["world_size"]), int(row["grad_accum"]))  # fmt: skip
         _calibrate(model, int(stage), rows, measured_net)
     return model
+
+
+def _set_ops(model: TimeModel, ok: pd.DataFrame, mixes: dict[int, list[Collective]]) -> None:
+    """Each stage's ops: logged at 2+ ranks where a trial ran there, else derived (see fit_time_model)."""
+    for stage in sorted(set(mixes) | {int(s) for s in ok["zero_stage"]}):
+        rows = ok[(ok["zero_stage"] == stage) & (pd.to_numeric(ok["world_size"]) >= 2)]
+        if not rows.empty:
+            model.ops[stage] = _trial_ops(rows.iloc[0], mixes)
+        elif stage in mixes:
+            model.ops[stage] = ops_from_mix(mixes[stage])
+            model.derived_stages.add(stage)
+            if (ok["zero_stage"] == stage).any():
+                model.notes.append(f"ZeRO-{stage}: measured on one rank only, where DeepSpeed skips its "
+                                   "collectives; they are costed from the derived mix")  # fmt: skip
+        else:  # no parameter sizes: what the one-rank trial logged (nothing, at world size 1)
+            row = ok[ok["zero_stage"] == stage].iloc[0]
+            model.ops[stage] = _trial_ops(row, mixes)
 
 
 def _calibrate(model: TimeModel, stage: int, rows: pd.DataFrame, measured_net: Network) -> None:

@@ -39,10 +39,20 @@ def ids(specs) -> list[str]:
 
 def test_default_grid_is_stage_x_precision_x_ladder():
     plan = plan_grid(GridRequest(max_micro_batch=8), BOTH)
-    assert len(plan.ladders) == 3 * 2  # stages x precisions; no offload, default ranks
+    assert len(plan.ladders) == 4 * 2  # stages 0-3 x precisions; no offload, default ranks
+    assert {ladder[0].zero_stage for ladder in plan.ladders} == {0, 1, 2, 3}  # plain data parallel too
     assert all([s.micro_batch for s in ladder] == [1, 2, 4, 8] for ladder in plan.ladders)
-    assert plan.max_trials == 24 and not plan.notes
-    assert len(set(ids(s for ladder in plan.ladders for s in ladder))) == 24  # ids are unique
+    assert plan.max_trials == 32 and not plan.notes
+    assert len(set(ids(s for ladder in plan.ladders for s in ladder))) == 32  # ids are unique
+
+
+def test_a_zero0_trial_config_is_plain_data_parallel():
+    base = load_base_config(CONFIGS / "zero2_bf16.json")
+    config = trial_ds_config(base, TrialSpec(0, "bf16", 2, "none", 2))
+    assert config["zero_optimization"]["stage"] == 0
+    assert "offload_optimizer" not in config["zero_optimization"]
+    with pytest.raises(UserError, match="choose from 0, 1, 2, 3"):
+        GridRequest(stages=(4,))
 
 
 def test_fp16_is_skipped_and_said_where_unsupported():
