@@ -199,6 +199,54 @@ def slurm(
     typer.echo(render(job), nl=False)
 
 
+@command(
+    "k8s",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def k8s(
+    ctx: typer.Context,
+    nodes: Annotated[int, typer.Option(help="pods (nodes) in the Indexed Job")],
+    gpus_per_node: Annotated[int, typer.Option(help="ranks (GPUs) per pod")],
+    image: Annotated[str, typer.Option(help="container image with sdzero installed")] = "sdzero:latest",
+    pvc: Annotated[
+        str, typer.Option(help="ReadWriteMany PersistentVolumeClaim shared by the pods")
+    ] = "sdzero-shared",
+    pvc_size: Annotated[
+        str | None, typer.Option(help="also write the claim, of this size (e.g. 500Gi)")
+    ] = None,
+    storage_class: Annotated[str | None, typer.Option(help="storage class of a written claim")] = None,
+    mount_path: Annotated[
+        str, typer.Option(help="where the shared volume is mounted in each pod")
+    ] = "/shared",
+    name: Annotated[str, typer.Option(help="Job and Service name (a DNS label)")] = "sdzero",
+    namespace: Annotated[str | None, typer.Option(help="namespace; default: kubectl's current one")] = None,
+    shm_size: Annotated[str, typer.Option(help="size of /dev/shm (memory-backed emptyDir)")] = "16Gi",
+    grace_period_s: Annotated[
+        int, typer.Option(help="seconds between SIGTERM and SIGKILL: one step + a checkpoint save")
+    ] = 600,
+    master_port: Annotated[int, typer.Option(help="rendezvous port on the index-0 pod")] = 29500,
+    gpus: Annotated[bool, typer.Option(help="request nvidia.com/gpu (--no-gpus for CPU pods)")] = True,
+    cpu: Annotated[str | None, typer.Option(help="CPU cores per pod (request = limit)")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory per pod, e.g. 200Gi (request = limit)")] = None,
+    out: Annotated[Path | None, typer.Option(help="write the manifests here instead of stdout")] = None,
+) -> None:
+    """Print Kubernetes manifests (Indexed Job + headless Service) that train across N pods, no operator."""
+    from sdzero.k8s import K8sJob, render
+
+    job = K8sJob(nodes=nodes, gpus_per_node=gpus_per_node, train_args=list(ctx.args), image=image, pvc=pvc,
+                 pvc_size=pvc_size, storage_class=storage_class, mount_path=mount_path, name=name,
+                 namespace=namespace, shm_size=shm_size, grace_period_s=grace_period_s,
+                 master_port=master_port, gpus=gpus, cpu=cpu, memory=memory)  # fmt: skip
+    text = render(job)
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    from sdzero.checkpoint import atomic_write_text
+
+    atomic_write_text(out, text)
+    typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
+
+
 @command("demo")
 def demo(
     out: Annotated[Path, typer.Option(help="work folder for model, data and run")] = Path("demo"),
