@@ -3,7 +3,10 @@
 Both loops drive the same engine (same model, same DeepSpeed JSON) over the same pre-made micro-batches,
 so the only difference is what sdzero adds per step: phase timers, the per-step loss/memory all-gather,
 metrics.jsonl, the progress bar. Blocks alternate (bare, sdzero, bare, ...) so drift in machine load hits
-both sides alike; the ratio of medians is the figure. Goal: >= 0.97.
+both sides alike; the ratio of medians is the figure. Goal: >= 0.98.
+
+On a CPU a device sync is free, so this cannot see what the loop's GPU syncs would cost: that is what
+bench/gpu_throughput.py measures, and tests/unit/test_gpu_speed.py proves the loop takes none per phase.
 
 It also measures the data loader alone (samples/s it can feed per rank, with the trainer's worker count)
 against what training consumes per rank.
@@ -182,7 +185,7 @@ def report(args, ds, rates: dict[str, list[float]], feeds: list[float]) -> None:
     }
     print(json.dumps(result, indent=2))
     print(f"\nsdzero / bare DeepSpeed samples/s (median of {args.rounds} alternated blocks): "
-          f"{ours:.2f} / {bare:.2f} = {ours / bare:.3f}  (goal >= 0.97)")  # fmt: skip
+          f"{ours:.2f} / {bare:.2f} = {ours / bare:.3f}  (goal >= 0.98)")  # fmt: skip
     print(f"data loader feeds {min(feeds):.1f} samples/s per rank; training consumes {consume:.1f} "
           f"per rank: headroom x{min(feeds) / consume:.1f}")  # fmt: skip
 

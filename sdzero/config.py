@@ -17,6 +17,7 @@ from typing import Any
 
 from sdzero.errors import UserError
 from sdzero.lr import DEFAULT_LR_SCALING, LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
+from sdzero.speed import add_speed_args
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")
@@ -263,6 +264,16 @@ class TrainConfig:
     """Write steady-state throughput, memory by kind and DeepSpeed's breakdown here (see sdzero.profiling)."""
     profile_warmup_steps: int = 1
     """Steps left out of the profile's figures (allocations, JIT builds, worker start-up)."""
+    tf32: bool = True
+    """TF32 tensor cores for fp32 matmuls/convolutions (sdzero.speed); the 16-bit parts are unaffected."""
+    channels_last: bool = False
+    """Channels-last (NHWC) activations into the trained network."""
+    compile: bool = False
+    """torch.compile the trained network (DeepSpeed's engine.compile)."""
+    attention: str = "auto"
+    """SDPA kernel for the trained network: auto, flash, efficient, cudnn or math."""
+    sync_timing: bool = False
+    """Synchronize the GPU after each phase for exact per-phase times (the advisor's trials)."""
 
     def __post_init__(self) -> None:
         self.deepspeed_config = Path(self.deepspeed_config)
@@ -565,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a collective waits for a peer before the job fails (a dead host ends the run)",
     )
     add_checkpoint_args(p)
+    add_speed_args(p)
     # Set by the deepspeed launcher; the rank is read from the environment instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p  # fmt: skip

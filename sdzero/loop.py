@@ -32,13 +32,31 @@ from sdzero.data import (
 from sdzero.environment import environment_snapshot, share_cpu_threads
 from sdzero.errors import UserError
 from sdzero.inputs import encode_batch
-from sdzero.metrics import MetricsWriter, PhaseTimer, peak_memory_bytes, rotate_previous
-from sdzero.models import Components, detect_family, load_components, resolve_prediction_type, tokenize
+from sdzero.metrics import MetricsWriter, peak_memory_bytes, rotate_previous
+from sdzero.models import (
+    DTYPES,
+    Components,
+    detect_family,
+    load_components,
+    resolve_prediction_type,
+    tokenize,
+)
 from sdzero.objectives import denoising_loss
 from sdzero.preemption import PreemptionFlag, ignore_preemption_signals
 from sdzero.profiling import start_probe
 from sdzero.shm import release_shm_buffer
+from sdzero.speed import (
+    adamw_options,
+    apply_backend_flags,
+    check_attention,
+    check_speed_options,
+    compile_engine,
+    prepare_network,
+    speed_report,
+)
 from sdzero.step_hooks import StepHooks, adopt_checkpoint_seed
+from sdzero.step_log import PendingStep, StepLog, launch_step_stats
+from sdzero.timing import PhaseTimer, timing_mode
 
 log = logging.getLogger("sdzero")
 
@@ -191,7 +209,8 @@ def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components):
     config = effective_ds_config(cfg, ds)
     optimizer = None
     if "optimizer" not in config:
-        optimizer = torch.optim.AdamW(params, lr=cfg.effective_lr(ds))
+        device_type = get_accelerator_device_type()
+        optimizer = torch.optim.AdamW(params, lr=cfg.effective_lr(ds), **adamw_options(device_type))
     engine, _, _, _ = deepspeed.initialize(
         model=comps.unet,
         model_parameters=params,
@@ -199,7 +218,15 @@ def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components):
         lr_scheduler=make_lr_scheduler(cfg, ds),
         config=config,
     )
+    prepare_network(cfg, engine.module)  # --channels-last, --attention: hooks on the trained network
+    compile_engine(cfg, engine)  # --compile: in place, after ZeRO has laid out the parameters
     return engine, config
+
+
+def get_accelerator_device_type() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return str(get_accelerator().device_name())
 
 
 def loss_scale_of(engine) -> float | None:
@@ -231,7 +258,12 @@ def micro_step(engine, comps: Components, batch: dict[str, torch.Tensor], predic
 
 
 def prepare_output(
-    cfg: TrainConfig, ds: DsSettings, config: dict[str, Any], rank: int, extra: dict[str, Any] | None = None
+    cfg: TrainConfig,
+    ds: DsSettings,
+    config: dict[str, Any],
+    rank: int,
+    extra: dict[str, Any] | None = None,
+    speed: dict[str, Any] | None = None,
 ) -> MetricsWriter | None:
     if rank != 0:
         return None
@@ -250,6 +282,8 @@ def prepare_output(
     )
     (cfg.output_dir / "run_config.json").write_text(json.dumps(run, indent=2) + "\n")
     environment = {**environment_snapshot(), "world_size": ds.world_size}  # rank 0's view, for reports
+    if speed is not None:
+        environment["speed"] = speed  # what the fast paths really were (sdzero.speed)
     (cfg.output_dir / "environment.json").write_text(json.dumps(environment, indent=2) + "\n")
     return MetricsWriter(cfg.output_dir / "metrics.jsonl")
 
@@ -258,19 +292,9 @@ def gather_step_stats(
     loss_sum: torch.Tensor, micro_steps: int, world: int, stop: bool = False
 ) -> tuple[float, list[int], bool]:
     """Loss averaged over ranks and micro-steps, every rank's peak memory, and whether any rank was asked
-    to stop (SIGTERM/SIGUSR1), so that all stop at this step: one small collective.
-
-    The tensor lives on the loss's device: NCCL has no CPU backend, so a CPU tensor fails on GPUs
-    ("No backend type associated with device type cpu"); gloo takes CPU tensors."""
-    local = torch.tensor(
-        [float(loss_sum) / micro_steps, float(peak_memory_bytes()), float(stop)],
-        dtype=torch.float64,
-        device=loss_sum.device,
-    )
-    parts = [torch.zeros_like(local) for _ in range(world)]
-    dist.all_gather(parts, local)
-    loss = sum(float(p[0]) for p in parts) / world
-    return loss, [int(p[1]) for p in parts], any(float(p[2]) > 0 for p in parts)
+    to stop (SIGTERM/SIGUSR1), so that all stop at this step: one small collective, read back at once (the
+    loop itself reads it with the metrics line, see sdzero.step_log)."""
+    return launch_step_stats(loss_sum, micro_steps, world, stop, peak_memory_bytes()).resolve()
 
 
 def run(cfg: TrainConfig) -> RunSummary:
@@ -278,6 +302,7 @@ def run(cfg: TrainConfig) -> RunSummary:
     ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
     cfg.check_family(detect_family(cfg.model))  # e.g. SD3-only flags on an SDXL model: one clear line
     read_metadata(cfg.data)
+    check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
     cache = None
     if cfg.cache_dir is not None:  # a cache made for another model, size, precision or data: refused here
         cache = open_cache(cfg.cache_dir, cfg.model, cfg.data, cfg.resolution, cfg.buckets, ds.dtype,
@@ -309,6 +334,7 @@ def run(cfg: TrainConfig) -> RunSummary:
     adopt_checkpoint_seed(cfg, point, rank)
     device = torch.device(accel.current_device_name())
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
+    apply_backend_flags(cfg)  # TF32
 
     # From a cache, the VAE and text encoders are never loaded (validation/export load them when due).
     comps = load_components(cfg.model, ds.dtype, device, frozen=cache is None,
@@ -317,9 +343,11 @@ def run(cfg: TrainConfig) -> RunSummary:
     dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
     dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
     engine, config = init_engine(cfg, ds, comps)
+    attention = check_attention(cfg, engine.module, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
+    speed = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)
     hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, preemption)
     state = hooks.restore(point)  # a collective when resuming
-    writer = prepare_output(cfg, ds, config, rank, {"samples_dropped_per_epoch": dropped})
+    writer = prepare_output(cfg, ds, config, rank, {"samples_dropped_per_epoch": dropped}, speed)
     if rank == 0:
         log.info(
             "ZeRO-%d %s | %d ranks x micro-batch %d x accumulation %d = global batch %d | lr %.3g (%s scaling) | "
@@ -354,16 +382,18 @@ def train_steps(
     from tqdm import tqdm
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    timer = PhaseTimer(synchronize=device.type == "cuda")
+    # No CPU-GPU sync per phase unless --sync-timing: on CUDA, events timed per phase, read a step late.
+    timer = PhaseTimer(timing_mode(device, cfg.sync_timing))
     first = hooks.state.step + 1  # 1, or the step after the resumed checkpoint's
     bar = tqdm(total=cfg.max_steps, initial=first - 1, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True)  # fmt: skip
-    losses: list[float] = []
-    rates: list[float] = []
     probe = start_probe(cfg, ds, engine, comps)  # --profile-out measurements and test hooks
+    log_ = StepLog(1 if timer.mode == "events" else 0, ds.global_batch, writer, engine.monitor, probe, bar)
+    fields = {"world_size": world, "zero_stage": ds.zero_stage, "dtype": ds.dtype, "micro_batch": ds.micro_batch,
+              "grad_accum": ds.grad_accum}  # fmt: skip
     for step in range(first, cfg.max_steps + 1):
         probe.step_begin(step)
-        timer.reset()
+        timer.begin_step()
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         for _ in range(ds.grad_accum):
@@ -371,46 +401,21 @@ def train_steps(
                 batch = batches.next()
             loss_sum += micro_step(engine, comps, batch, prediction_type, cfg, timer, device)
         hooks.after_optimizer_step()  # EMA of this rank's fp32 master slice; no communication
-        loss, peaks, stop = gather_step_stats(loss_sum, ds.grad_accum, world, hooks.stop_requested)
-        step_time = time.perf_counter() - start
-        samples_per_s = ds.global_batch / step_time
-        losses.append(loss)
-        rates.append(samples_per_s)
-        record = {
-            "step": step,
-            "epoch": batches.epoch,
-            "loss": loss,
+        stats = launch_step_stats(loss_sum, ds.grad_accum, world, hooks.stop_requested, peak_memory_bytes())
+        step_fields = {
             "lr": float(engine.get_lr()[0]),
-            "samples_per_s": samples_per_s,
-            "step_time_s": step_time,
-            **{
-                k: timer.seconds.get(k, 0.0)
-                for k in ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")
-            },
-            "world_size": world,
-            "zero_stage": ds.zero_stage,
-            "dtype": ds.dtype,
-            "micro_batch": ds.micro_batch,
-            "grad_accum": ds.grad_accum,
+            **fields,
             "loss_scale": loss_scale_of(engine),
             "skipped_steps": int(engine.skipped_steps) if engine.fp16_enabled() else None,
-            "peak_mem_bytes": max(peaks),
-            "peak_mem_bytes_per_rank": peaks,
         }
-        if writer is not None:
-            writer.write(record)
-            if engine.monitor.enabled:
-                # DeepSpeed's monitor logs lr and loss scale itself; the rank-mean loss is ours to add.
-                engine.monitor.write_events(
-                    [
-                        ("Train/Samples/train_loss", loss, engine.global_samples),
-                        ("Train/Samples/samples_per_s", samples_per_s, engine.global_samples),
-                    ]
-                )
-        probe.step_end(step, record)
-        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}")
-        bar.update(1)
+        probe.step_end(step)
+        # Writes this step's line (CPU, --sync-timing) or the previous one's (CUDA): its stats read back.
+        stop = log_.add(PendingStep(step, batches.epoch, start, stats, timer.end_step(), step_fields,
+                                    int(engine.global_samples)))  # fmt: skip
+        if stop:
+            log_.flush()  # the line of the step about to be saved, before the exit
         hooks.end_of_step(step, batches, stop)  # validation, checkpoint; on stop: save, then exit 143
+    log_.flush()
     bar.close()
     hooks.finish(max(first - 1, cfg.max_steps), batches)
     probe.finish()  # a collective when profiling: every rank reports its memory figures
@@ -420,6 +425,7 @@ def train_steps(
     if cfg.export_final:
         export_final(cfg, engine, comps, rank, hooks.ema)
     # The first step includes one-off warm-up (allocations, JIT, workers).
+    losses, rates = log_.losses, log_.rates
     steady = rates[1:] or rates or [0.0]
     return RunSummary(
         steps=len(losses),

@@ -1,43 +1,14 @@
-"""Per-step measurements: phase timers, peak memory, and the metrics.jsonl writer."""
+"""Per-step measurements: peak memory and the metrics.jsonl writer (phase timers: sdzero.timing)."""
 
 from __future__ import annotations
 
 import json
 import resource
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-
-
-class PhaseTimer:
-    """Accumulates wall time per phase (forward, backward, ...) within one optimizer step.
-
-    On an accelerator each phase ends with a device synchronize (a CPU-GPU sync point) so the time lands
-    in the phase that did the work instead of the next one that waits for it. That costs a little
-    throughput, which `bench/trainer_overhead.py` measures.
-    """
-
-    def __init__(self, synchronize: bool) -> None:
-        self.synchronize = synchronize
-        self.seconds: dict[str, float] = {}
-
-    def reset(self) -> None:
-        self.seconds = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.synchronize:
-                torch.cuda.synchronize()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def peak_memory_bytes() -> int:

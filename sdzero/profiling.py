@@ -1,7 +1,8 @@
 """Trial measurements taken inside the trainer, for `sdzero profile` (the advisor runs the real trainer).
 
-`start_probe` returns a `Probe` that the training loop calls at three points (step begin, step end,
-after the last step). With `--profile-out FILE` it records, after `--profile-warmup-steps` uncounted steps:
+`start_probe` returns a `Probe` that the training loop calls at four points (step begin, step end, the
+step's metrics record once read back, after the last step). With `--profile-out FILE` it records, after
+`--profile-warmup-steps` uncounted steps:
 
 - throughput and step time, the trainer's own phase timers, DeepSpeed's `wall_clock_breakdown` timers and
   its `comms_logger` totals (when the DeepSpeed JSON enables them);
@@ -392,18 +393,22 @@ class Probe:
             assert self.comm is not None
             self.comm.reset()
 
-    def step_end(self, step: int, record: dict[str, Any]) -> None:
+    def step_end(self, step: int) -> None:
+        """At the step's own end: instruments off, DeepSpeed's timers of this step read."""
         if not self.enabled:
             return
         n = self._nth(step)
         if n == self.instrument_step:
             self._disarm_instruments()
-        if n > self.warmup_steps:
+        if n > self.warmup_steps and self.engine.wall_clock_breakdown():
+            # refreshed by engine.step() before DeepSpeed logs and resets its timers (in ms)
+            cache = self.engine.get_wall_clock_timers()
+            self.ds_timers.append({k: cache[k] / 1e3 for k in DS_TIMERS if k in cache})
+
+    def add_record(self, step: int, record: dict[str, Any]) -> None:
+        """The step's metrics line, when the loop has read it back (on CUDA, a step after `step_end`)."""
+        if self.enabled and self._nth(step) > self.warmup_steps:
             self.records.append(record)
-            if self.engine.wall_clock_breakdown():
-                # refreshed by engine.step() before DeepSpeed logs and resets its timers (in ms)
-                cache = self.engine.get_wall_clock_timers()
-                self.ds_timers.append({k: cache[k] / 1e3 for k in DS_TIMERS if k in cache})
 
     def _nth(self, step: int) -> int:
         """1 for the first step this run takes (a resumed run starts after its checkpoint's step)."""

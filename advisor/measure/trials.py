@@ -87,6 +87,7 @@ def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> l
         "--max-steps", str(settings.warmup_steps + settings.steps),
         "--profile-out", str(trial_dir / "profile.json"),
         "--profile-warmup-steps", str(settings.warmup_steps),
+        "--sync-timing",  # exact per-phase attribution for the step-time model (a GPU sync per phase)
         *settings.train_args,
     ]  # fmt: skip
 

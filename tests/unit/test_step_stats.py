@@ -1,18 +1,10 @@
 """The per-step stats collective runs on the loss's device: NCCL refuses CPU tensors (seen on an H200:
-"No backend type associated with device type cpu"), so a CPU tensor there stops every GPU run at step 1."""
+"No backend type associated with device type cpu"), so a CPU tensor there stops every GPU run at step 1. A meta tensor stands in for a device
+other than the CPU, without needing a GPU: it also fails any read-back to the host (a sync on a GPU)."""
 
 import torch
 
 from sdzero import loop
-
-
-class DeviceLoss:
-    """A loss sum that reports a device other than the CPU (meta), without needing a GPU."""
-
-    device = torch.device("meta")
-
-    def __float__(self) -> float:
-        return 6.0
 
 
 def test_step_stats_tensor_lives_on_the_loss_device(monkeypatch):
@@ -27,6 +19,6 @@ def test_step_stats_tensor_lives_on_the_loss_device(monkeypatch):
 
     monkeypatch.setattr(loop.dist, "all_gather", fake_all_gather)
     monkeypatch.setattr(loop, "peak_memory_bytes", lambda: 100)
-    loss, peaks, stop = loop.gather_step_stats(DeviceLoss(), 2, 2)
+    loss, peaks, stop = loop.gather_step_stats(torch.full((), 6.0, device="meta"), 2, 2)
     assert seen == {"device": torch.device("meta"), "dtype": torch.float64}
     assert (loss, peaks, stop) == (2.0, [100, 300], True)

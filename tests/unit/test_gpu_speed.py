@@ -1,0 +1,322 @@
+"""GPU speed without a GPU: no per-phase sync unless --sync-timing, stats read a step late on CUDA, and the
+fast-path options reaching the network (sdzero.timing, sdzero.step_log, sdzero.speed, the loop)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sdzero import loop, speed
+from sdzero.errors import UserError
+from sdzero.timing import PhaseTimer, timing_mode
+
+
+class FakeEvent:
+    """A CUDA event stand-in: a recorded event is one 'GPU millisecond' after the previous one."""
+
+    clock_ms = 0.0
+    waits = 0
+
+    def record(self) -> None:
+        FakeEvent.clock_ms += 1.0
+        self.at_ms = FakeEvent.clock_ms
+
+    def synchronize(self) -> None:
+        FakeEvent.waits += 1
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+@pytest.fixture
+def syncs(monkeypatch):
+    """Counts torch.cuda.synchronize calls (a CPU build would raise on the real one)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))
+    FakeEvent.clock_ms, FakeEvent.waits = 0.0, 0
+    return calls
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A one-rank gloo group, for the loop's collectives."""
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_timing_mode_events_on_cuda_sync_only_when_asked_host_on_cpu():
+    assert timing_mode(torch.device("cuda"), sync_timing=False) == "events"
+    assert timing_mode(torch.device("cuda"), sync_timing=True) == "sync"
+    assert timing_mode(torch.device("cpu"), sync_timing=True) == "host"
+
+
+def test_event_timer_records_per_phase_and_waits_once_per_read(syncs):
+    timer = PhaseTimer("events", event_factory=FakeEvent)
+    timer.begin_step()
+    for _ in range(2):  # two micro-steps
+        for name in ("data_s", "forward_s"):
+            with timer.phase(name):
+                pass
+    pending = timer.end_step()
+    assert FakeEvent.waits == 0 and not syncs  # nothing waited while the step was queued
+    assert pending.seconds() == {"data_s": 2e-3, "forward_s": 2e-3}  # 1 ms per phase, summed
+    assert pending.seconds() == {"data_s": 2e-3, "forward_s": 2e-3}  # read once, then kept
+    assert FakeEvent.waits == 1 and not syncs  # one event wait, never a device-wide synchronize
+
+
+def test_sync_timer_synchronizes_after_every_phase(syncs):
+    timer = PhaseTimer("sync")
+    timer.begin_step()
+    for name in ("data_s", "encode_s", "forward_s"):
+        with timer.phase(name):
+            pass
+    assert len(syncs) == 3
+    assert set(timer.end_step().seconds()) == {"data_s", "encode_s", "forward_s"}
+
+
+# --------------------------------------------------------------------------------------------------
+# The real train_steps, with a stand-in engine and model (one gloo rank)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.module = torch.nn.Linear(2, 2)
+        self.monitor = SimpleNamespace(enabled=False)
+        self.global_samples = 0
+        self.skipped_steps = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        pass
+
+    def step(self) -> None:
+        self.global_samples += 1
+
+    def get_lr(self) -> list[float]:
+        return [1e-4]
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+
+class FakeHooks:
+    """Records, at each step's end, how many metrics lines were written and the stop vote seen."""
+
+    def __init__(self, lines: list, stop_from: int | None) -> None:
+        self.state = SimpleNamespace(step=0)
+        self.ema, self.lines, self.stop_from, self.seen = None, lines, stop_from, []
+        self.step = 0
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop_from is not None and self.step >= self.stop_from
+
+    def after_optimizer_step(self) -> None:
+        self.step += 1
+
+    def end_of_step(self, step: int, batches, stop: bool) -> None:
+        self.seen.append((step, len(self.lines), stop))
+        if stop:
+            raise SystemExit(143)
+
+    def finish(self, step: int, batches) -> None:
+        pass
+
+
+def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, steps: int = 3):
+    """train_steps as on a device timed in `mode` ("host": a CPU; "events"/"sync": CUDA by default / with
+    --sync-timing), the model's loss replaced by the step number."""
+    monkeypatch.setattr(loop, "timing_mode", lambda device, sync: mode)
+    monkeypatch.setattr(loop, "PhaseTimer", functools.partial(PhaseTimer, event_factory=FakeEvent))
+    monkeypatch.setattr(loop, "encode_batch", lambda comps, batch: (None, None))
+    hooks = FakeHooks([], stop_from)
+    monkeypatch.setattr(loop, "denoising_loss", lambda *a, **k: torch.tensor(float(hooks.step + 1)))
+    cfg = SimpleNamespace(max_steps=steps, sync_timing=mode == "sync", export_final=False, output_dir=tmp_path,
+                          profile_out=None, profile_warmup_steps=0, snr_gamma=None)  # fmt: skip
+    ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="bf16", micro_batch=2)
+    comps = SimpleNamespace(family="sd", frozen_modules=lambda: (), noise_scheduler=None)
+    batches = SimpleNamespace(next=lambda: {}, epoch=0, batches_in_epoch=0)
+    writer = SimpleNamespace(write=hooks.lines.append, close=lambda: None)
+    try:
+        summary = loop.train_steps(cfg, ds, comps, FakeEngine(), batches, writer, "epsilon", 0,
+                                   torch.device("cpu"), hooks)  # fmt: skip
+    except SystemExit:
+        summary = None
+    return hooks, summary
+
+
+def test_default_cuda_loop_never_synchronizes_and_writes_each_line_a_step_late(
+    monkeypatch, tmp_path, syncs, process_group
+):
+    hooks, summary = run_loop(monkeypatch, tmp_path, "events")
+    assert not syncs  # 3 steps x 2 micro-steps x 5 phases, and not one torch.cuda.synchronize
+    assert FakeEvent.waits == 3  # one event wait per step, when its line is written
+    # at step N's end the line of step N-1 is written: the GPU already has step N queued
+    assert [(s, n) for s, n, _ in hooks.seen] == [(1, 0), (2, 1), (3, 2)]
+    assert [r["step"] for r in hooks.lines] == [1, 2, 3]  # the last one after the loop
+    assert [r["loss"] for r in hooks.lines] == [1.0, 2.0, 3.0]  # each step's own loss, read late
+    # events 1 ms apart: every phase of a step took 2 ms of "GPU time" over its two micro-steps
+    assert all(r[k] == 2e-3 for r in hooks.lines for k in ("data_s", "encode_s", "forward_s"))
+    assert summary.steps == 3 and summary.last_loss == 3.0
+
+
+def test_sync_timing_and_cpu_loops_write_each_line_at_its_step(monkeypatch, tmp_path, syncs, process_group):
+    hooks, _ = run_loop(monkeypatch, tmp_path, "sync")
+    assert len(syncs) == 3 * 2 * 5  # --sync-timing: one per phase of every micro-step
+    assert [(s, n) for s, n, _ in hooks.seen] == [(1, 1), (2, 2), (3, 3)]
+    syncs.clear()
+    hooks, _ = run_loop(monkeypatch, tmp_path, "host")
+    assert not syncs
+    assert [(s, n) for s, n, _ in hooks.seen] == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_stop_vote_is_acted_on_a_step_late_on_cuda_with_the_line_written(
+    monkeypatch, tmp_path, syncs, process_group
+):
+    """Asked to stop during step 2: the CPU loop stops at step 2; the lagged loop reads the vote with step
+    2's stats at step 3's end and stops there, with step 3's line written before it saves."""
+    hooks, _ = run_loop(monkeypatch, tmp_path, "host", stop_from=2, steps=5)
+    assert hooks.seen[-1] == (2, 2, True)
+    hooks, _ = run_loop(monkeypatch, tmp_path, "events", stop_from=2, steps=5)
+    assert hooks.seen[-1] == (3, 3, True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fast paths
+
+
+def tiny_unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=16, attention_head_dim=4, norm_num_groups=8,
+    )  # fmt: skip
+
+
+def options(**kw) -> SimpleNamespace:
+    base = {"tf32": True, "channels_last": False, "compile": False, "attention": "auto", "sync_timing": False}
+    return SimpleNamespace(**{**base, **kw})
+
+
+def forward_seen(unet, probe_module) -> dict:
+    seen = {}
+
+    def hook(_m, args, _out):
+        seen["nhwc"] = args[0].is_contiguous(memory_format=torch.channels_last)
+        seen["flash_enabled"] = torch.backends.cuda.flash_sdp_enabled()
+
+    probe_module.register_forward_hook(hook)
+    with torch.no_grad():
+        unet(torch.randn(2, 4, 8, 8), torch.tensor([1, 2]), torch.randn(2, 3, 16))
+    return seen
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_channels_last_reaches_the_unets_convolutions(channels_last):
+    unet = tiny_unet()
+    handles = speed.prepare_network(options(channels_last=channels_last), unet)
+    assert len(handles) == int(channels_last)
+    conv = unet.down_blocks[0].resnets[0].conv1  # a convolution deep inside, fed by GroupNorm and SiLU
+    assert forward_seen(unet, conv)["nhwc"] is channels_last
+
+
+def test_attention_option_restricts_the_kernel_during_the_networks_forward_only():
+    unet = tiny_unet()
+    speed.prepare_network(options(attention="math"), unet)
+    attn = next(m for m in unet.modules() if type(m).__name__ == "Attention")
+    assert forward_seen(unet, attn)["flash_enabled"] is False  # sdpa_kernel([MATH]) inside the forward
+    assert torch.backends.cuda.flash_sdp_enabled()  # and restored after it
+
+
+def test_attention_kernel_is_probed_and_an_impossible_one_refused():
+    unet = tiny_unet()
+    assert speed.attention_head_dims(unet) == [8]  # attention at 32 channels in 4 heads (diffusers' naming)
+    found = speed.check_attention(options(), unet, torch.float32, torch.device("cpu"))
+    assert found == {"8": "flash"}  # PyTorch's CPU flash kernel comes first in its order
+    found = speed.check_attention(options(attention="math"), unet, torch.float32, torch.device("cpu"))
+    assert found == {"8": "math"}
+    with pytest.raises(UserError, match="--attention efficient: that SDPA kernel cannot run here"):
+        speed.check_attention(options(attention="efficient"), unet, torch.float32, torch.device("cpu"))
+
+
+def test_tf32_flag_sets_both_torch_switches():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        speed.apply_backend_flags(options(tf32=True))
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        speed.apply_backend_flags(options(tf32=False))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_compile_goes_through_deepspeeds_engine_compile_and_wraps_the_module_in_place():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert "backend" in inspect.signature(DeepSpeedEngine.compile).parameters
+
+    class Engine:  # what DeepSpeedEngine.compile does without DeepCompile: module.compile(backend=...)
+        def __init__(self) -> None:
+            self.module, self.calls = torch.nn.Linear(2, 2), []
+
+        def compile(self, backend: str) -> None:
+            self.calls.append(backend)
+            self.module.compile(backend=backend)
+
+    engine = Engine()
+    speed.compile_engine(options(compile=False), engine)
+    assert engine.calls == [] and engine.module._compiled_call_impl is None
+    speed.compile_engine(options(compile=True), engine)
+    assert engine.calls == ["inductor"] and engine.module._compiled_call_impl is not None
+    assert list(engine.module.state_dict()) == ["weight", "bias"]  # checkpoint names unchanged
+
+
+def test_compile_is_refused_with_zero3_parameter_offload():
+    ds = SimpleNamespace(offload_param=True, path="ds.json")
+    with pytest.raises(UserError, match="--compile with offload_param"):
+        speed.check_speed_options(options(compile=True), ds)
+    speed.check_speed_options(options(compile=True), SimpleNamespace(offload_param=False, path="ds.json"))
+    speed.check_speed_options(options(), ds)  # offload alone is fine
+
+
+def test_optimizer_implementation_is_read_from_the_innermost_optimizer():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert speed.optimizer_implementation(torch.optim.AdamW(p, fused=True)) == "torch.AdamW (fused)"
+    assert speed.optimizer_implementation(torch.optim.AdamW(p, foreach=True)) == "torch.AdamW (foreach)"
+    wrapped = SimpleNamespace(optimizer=SimpleNamespace(optimizer=torch.optim.AdamW(p)))  # ZeRO's wrappers
+    assert speed.optimizer_implementation(wrapped) == "torch.AdamW (default)"
+    assert speed.adamw_options("cuda") == {"fused": True} and speed.adamw_options("cpu") == {}
+
+
+def test_speed_options_parse_from_the_command_line(tmp_path):
+    from sdzero.config import parse_train_args
+
+    base = ["--deepspeed_config", "x.json", "--model", "org/model", "--data", str(tmp_path), "--output-dir",
+            str(tmp_path / "out")]  # fmt: skip
+    cfg = parse_train_args(base)
+    assert (cfg.tf32, cfg.channels_last, cfg.compile, cfg.attention, cfg.sync_timing) == (
+        True, False, False, "auto", False,
+    )  # fmt: skip
+    cfg = parse_train_args([*base, "--no-tf32", "--channels-last", "--compile", "--attention", "math",
+                            "--sync-timing"])  # fmt: skip
+    assert (cfg.tf32, cfg.channels_last, cfg.compile, cfg.attention, cfg.sync_timing) == (
+        False, True, True, "math", True,
+    )  # fmt: skip
+
+
+def test_advisor_trials_ask_for_exact_phase_times():
+    from advisor.measure.trials import trainer_args
+
+    settings = SimpleNamespace(model="m", data="d", warmup_steps=1, steps=2, train_args=[])
+    assert "--sync-timing" in trainer_args(settings, "ds.json", Path("/tmp/t"))
