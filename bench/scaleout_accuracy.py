@@ -1,112 +1,220 @@
-"""How well does the advisor predict a 2-host run from 1-host trials plus a link probe?
+"""How well does the advisor predict a multi-host run from a 1-host trial plus link probes?
 
-On a namespace cluster (tests/cluster: 2 "hosts" x 1 rank, sshd in each, root needed) with the links
-rate-limited by `tc tbf` to each rate below and delayed by 1 ms each way (tests/cluster/delayline.py: this
-kernel has no netem), for ZeRO-2 and ZeRO-3 (bf16, the shipped base config):
+On a namespace cluster (tests/cluster: N "hosts", sshd in each, root needed), every host with the same CPU
+quota (`--cpus-per-rank` x ranks per host, a cgroup: tests/cluster/cpushare.py), the links rate-limited by
+`tc tbf` to each rate below and delayed by 1 ms each way (tests/cluster/delayline.py: this kernel has no
+netem), for each layout (`4x1` = 4 hosts x 1 rank; `2x2` = 2 hosts x 2 ranks, inside and across hosts),
+ZeRO stage and gradient accumulation (bf16, the shipped base config):
 
-1. a 1-host trial with 2 local ranks (the same world size as the 2-host run), just before the 2-host run,
-2. `sdzero comm` on this machine (intra) and across the two hosts (inter, the shaped link),
-3. the advisor's time model fitted on the 1-host trial predicts the step time at 2 nodes x 1 rank over
-   the measured inter link,
-4. the same config runs on the 2 hosts through the hostfile; its median step time is the measurement.
+1. a 1-host trial with hosts x ranks local ranks (the same world size), under the same CPU share per rank
+   as the hosts' ranks get,
+2. `sdzero comm` on this machine (intra, under that share) and across the hosts, one rank per host (inter,
+   the shaped link; once per layout and rate),
+3. the advisor's time model fitted on the 1-host trial predicts the step time at hosts x ranks over the
+   measured links,
+4. the same config runs on the hosts through the hostfile; its median step time is the measurement.
 
-Run it alone (it needs both cores): `flock /tmp/sdzero-cpu.lock python
-bench/scaleout_accuracy.py`. Writes <work>/scaleout.csv and prints the table.
+The matrix is large for 2 shared cores: run it in chunks (a few layouts/stages at a time, each under the
+heavy-job lock) with the same `--work`; every case is appended to <work>/scaleout.csv as it finishes, with
+`--round` as its round label, and `--table-only` prints everything measured so far:
+
+    flock /tmp/sdzero-heavy.lock python bench/scaleout_accuracy.py --work /tmp/so --round 1 \\
+        --layouts 4x1 --stages 3 --accums 1 4
+    python bench/scaleout_accuracy.py --work /tmp/so --table-only
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import shutil
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RANKSHARE = REPO / "tests" / "cluster" / "rankshare"
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster lives with the tests
 
+import pandas as pd  # noqa: E402
 from cluster import Cluster  # noqa: E402
 
 from advisor.measure.grid import TrialSpec, load_base_config  # noqa: E402
 from advisor.measure.profile import trial_settings  # noqa: E402
-from advisor.model.scaleout import check_config, probe_links, rows_table  # noqa: E402
+from advisor.model.scaleout import check_config, merge_fits, probe_link, rows_table, trial_table  # noqa: E402
+from sdzero.checkpoint import atomic_write_text  # noqa: E402
 from sdzero.hosts import prepare_hosts  # noqa: E402
 from sdzero.launch import shipped_config  # noqa: E402
 from sdzero.tiny import write_synthetic_dataset, write_tiny_model  # noqa: E402
 
 
-def main() -> int:
+def layout(text: str) -> tuple[int, int]:
+    hosts, _, slots = text.partition("x")
+    if not (hosts.isdigit() and slots.isdigit() and int(hosts) >= 2 and int(slots) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: a layout is HOSTSxRANKS, e.g. 4x1 or 2x2 (2+ hosts)")
+    return int(hosts), int(slots)
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", type=layout, default=[(4, 1), (3, 1), (2, 2), (2, 1)])
     p.add_argument("--rates", nargs="+", default=["200mbit", "1gbit"], help="tc tbf rates of the host links")
     p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay of each host link (0: none)")
-    p.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    p.add_argument("--stages", nargs="+", type=int, default=[3, 2, 1])
+    p.add_argument("--accums", nargs="+", type=int, default=[1, 4], help="gradient accumulation steps")
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10, help="measured steps per trial (after 1 warm-up step)")
-    p.add_argument("--comm-budget-s", type=float, default=10.0, help="per link probe")
-    p.add_argument("--rounds", type=int, default=1, help="repeat every case this many times (new probes too)")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per trial (after 1 warm-up step)")
+    p.add_argument("--cpus-per-rank", type=float, default=0.4,
+                   help="CPU quota per rank in cores (a host gets ranks x this); 0: no quota")  # fmt: skip
+    p.add_argument("--comm-budget-s", type=float, default=8.0, help="per link probe")
+    p.add_argument("--round", type=int, default=1, help="round label of this chunk's cases in scaleout.csv")
     p.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
-    args = p.parse_args()
+    p.add_argument("--table-only", action="store_true", help="print the cases in <work>/scaleout.csv")
+    p.add_argument("--overlap", action="store_true",
+                   help="the overlap check: every case with ZeRO's overlap_comm on and then off; the table "
+                        "compares the predicted with the measured difference")  # fmt: skip
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     work = (args.work or Path(tempfile.mkdtemp(prefix="sdzero-scaleout-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    csv = work / "scaleout.csv"
+    if args.table_only:
+        print_table(pd.read_csv(csv))
+        return 0
     os.chdir(work)  # the launchers read .deepspeed_env from here
-    model = work / "model"
-    data = work / "data"
+    # Each rank gets its share of a core (cgroup quota): one torch thread, on the hosts (.deepspeed_env
+    # below) and in the 1-host trials (inherited from here), or the threads would preempt each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if args.cpus_per_rank:
+        # ... and each rank its own quota, in a host as in the 1-host trial (tests/cluster/rankshare).
+        os.environ["SDZERO_RANK_CPUS"] = str(args.cpus_per_rank)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(RANKSHARE), os.environ.get("PYTHONPATH", "")])
+    model, data = work / "model", work / "data"
     if not (model / "model_index.json").exists():
         write_tiny_model(model)
     if not (data / "metadata.jsonl").exists():
         write_synthetic_dataset(data, images=64, size=40)
     base = load_base_config(shipped_config("zero2_bf16.json"))
     started = time.monotonic()
-    rows = []
-    with Cluster(hosts=2, slots=1) as cluster:
+    for hosts, slots in args.layouts:
+        run_layout(args, work, model, data, base, hosts, slots, csv)
+    print_table(pd.read_csv(csv))
+    print(f"\nthis chunk: {time.monotonic() - started:.0f} s; every case so far in {csv}")
+    return 0
+
+
+def run_layout(args: argparse.Namespace, work: Path, model: Path, data: Path, base: dict, hosts: int,
+               slots: int, csv: Path) -> None:  # fmt: skip
+    """Every (stage, accumulation, rate) case of one layout, on one cluster made for it."""
+    share = args.cpus_per_rank or None
+    here = work / f"round{args.round}" / f"{hosts}x{slots}"
+    with Cluster(hosts=hosts, slots=slots, cpus_per_host=share and share * slots) as cluster:
         cluster.write_hostfile(cluster.hostfile)
-        _, master, interface, env_file, merge = prepare_hosts(cluster.hostfile, workdir=work)
-        # The "hosts" share this machine's cores. A rank alone on its namespace host would size torch's
-        # thread pool to all of them (as it should on a real host), and the two would thrash each other:
-        # give each rank its share, as the 1-host trial's two ranks get.
-        threads = max(1, len(os.sched_getaffinity(0)) // 2)
-        with env_file.open("a") as f:
-            f.write(f"OMP_NUM_THREADS={threads}\n")
-        print(
-            f"cluster {cluster.tag}: {master} + 1 host over {interface}; {env_file}: added {sorted(merge.added)}"
-        )
+        one_per_host = cluster.write_hostfile(cluster.state_dir / "hostfile.1", slots=1)
+        _, master, interface, env_file, _ = prepare_hosts(cluster.hostfile, workdir=work)
+        rank_env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(RANKSHARE)])}
+        set_env_lines(env_file, {**rank_env, "SDZERO_RANK_CPUS": str(share)} if share else rank_env)
+        print(f"cluster {cluster.tag}: {hosts} hosts x {slots} over {interface}, master {master}, "
+              f"{share and share * slots or 'no'} cores per host", flush=True)  # fmt: skip
+
+        def local_share():  # the 1-host trials and probes: the same share per rank as the hosts' ranks
+            return cluster.local_share(share * hosts * slots) if share else nullcontext()
+
+        # Probes already in this round's folder (an earlier chunk of the same layout) are used again.
+        intra = here / "comm-intra" / "comm_fit.json"
+        if not intra.exists():
+            with local_share():
+                probe_link(intra.parent, hosts * slots, None, args.comm_budget_s, log=print)
+        fits = {}
+        for rate in args.rates:
+            inter = here / f"comm-{rate}" / "comm_fit.json"
+            if not inter.exists():
+                cluster.shape(rate, delay_ms=args.delay_ms or None)
+                probe_link(inter.parent, 1, one_per_host, args.comm_budget_s, log=print)
+            fits[rate] = merge_fits([intra, inter], here / f"comm-{rate}" / "merged_fit.json")
         local = trial_settings(model, data, args.steps, 1, 900.0, 300.0, None, None, ("--num-workers", "1"))
-        remote = trial_settings(model, data, args.steps, 1, 900.0, 300.0, None, cluster.hostfile,
-                                ("--num-workers", "1"))  # fmt: skip
-        for round_ in range(1, args.rounds + 1):
+        remote = replace(local, hostfile=cluster.hostfile.resolve(), hosts=hosts)
+        overlaps = (True, False) if args.overlap else (None,)
+        for stage, accum, overlap in itertools.product(args.stages, args.accums, overlaps):
+            spec = TrialSpec(stage, "bf16", args.micro_batch, "none", slots, overlap_comm=overlap)
+            case_base = {**base, "gradient_accumulation_steps": accum}
+            case_dir = here / f"z{stage}-accum{accum}" / ("" if overlap is None else f"overlap{int(overlap)}")
+            shutil.rmtree(case_dir, ignore_errors=True)  # a rerun of a case starts clean (no stale profile)
+            with local_share():  # one 1-host trial serves both rates: it does not use the link
+                one_host = trial_table(replace(spec, ranks_per_node=hosts * slots), local, case_base,
+                                       case_dir / "1host", nodes=1)  # fmt: skip
             for rate in args.rates:
                 cluster.shape(rate, delay_ms=args.delay_ms or None)
-                here = work / f"round{round_}" / rate
-                fit = probe_links(here / "comm", cluster.hostfile, 2, args.comm_budget_s, log=print)
-                for stage in args.stages:
-                    spec = TrialSpec(stage, "bf16", args.micro_batch, "none", 2)
-                    # The 1-host trial runs again next to each 2-host run: on shared cores the same config's
-                    # step moves by several percent over minutes, which a trial reused across rates would
-                    # add to the error.
-                    row, _ = check_config(spec, base, local, remote, fit, 2, 1, here)
-                    rows.append((round_, rate, row))
-                    print(f"round {round_} {rate} {row.config}: predicted {row.predicted_step_s:.3f} s, "
-                          f"measured {row.measured_step_s:.3f} s ({row.error:+.1%})", flush=True)  # fmt: skip
-    table = rows_table([r for *_, r in rows]).assign(
-        round=[n for n, *_ in rows], rate=[rate for _, rate, _ in rows], delay_ms=args.delay_ms
-    )
-    table.to_csv(work / "scaleout.csv", index=False)
-    print()
-    print("| round | link (rate, one-way delay) | config | inter busbw measured | 1-host step | predicted 2-host "
-          "| measured 2-host | error |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+                try:
+                    row, _ = check_config(spec, case_base, local, remote, fits[rate], hosts, slots,
+                                          case_dir / rate, one_host=one_host)  # fmt: skip
+                except RuntimeError as exc:  # one failed run is reported, the chunk goes on
+                    print(f"round {args.round} {hosts}x{slots} {rate} {spec.trial_id} accum {accum}: FAILED "
+                          f"{str(exc).splitlines()[0]}", flush=True)  # fmt: skip
+                    continue
+                append(csv, rows_table([row], round=args.round, rate=rate, delay_ms=args.delay_ms,
+                                       cpus_per_rank=args.cpus_per_rank,
+                                       overlap_comm="" if overlap is None else overlap))  # fmt: skip
+                print(f"round {args.round} {hosts}x{slots} {rate} {row.config}: predicted "
+                      f"{row.predicted_step_s:.3f} s, measured {row.measured_step_s:.3f} s "
+                      f"({row.error:+.1%})", flush=True)  # fmt: skip
+
+
+def set_env_lines(env_file: Path, values: dict[str, str]) -> None:
+    """Set these keys in the bench's own .deepspeed_env (its work folder), keeping every other line."""
+    lines = [line for line in env_file.read_text().splitlines() if line.split("=", 1)[0] not in values]
+    atomic_write_text(env_file, "\n".join([*lines, *(f"{k}={v}" for k, v in values.items())]) + "\n")
+
+
+def append(csv: Path, rows: pd.DataFrame) -> None:
+    """Add finished cases to the table at once (atomically): a chunk cut short keeps what it measured."""
+    table = pd.concat([pd.read_csv(csv), rows], ignore_index=True) if csv.exists() else rows
+    atomic_write_text(csv, table.to_csv(index=False))
+
+
+def print_table(table: pd.DataFrame) -> None:
+    print("\n| round | hosts x ranks | link | config | inter busbw | 1-host step | predicted (compute + comm) "
+          "| measured (comm) | error |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for _, r in table.iterrows():
-        print(f"| {r['round']} | {r['rate']}, {r['delay_ms']:g} ms | {r['config']} | {r['inter_busbw_gbit_s']:.3f} "
-              f"Gbit/s | {r['one_host_step_s']:.3f} s | {r['predicted_step_s']:.3f} s | {r['measured_step_s']:.3f} s "
-              f"| {r['error']:+.1%} |")  # fmt: skip
-    if args.rounds > 1:
-        print("\n| link | config | median error | largest |error| |\n|---|---|---|---|")
-        for (rate, config), case in table.groupby(["rate", "config"], sort=False):
-            print(f"| {rate}, {args.delay_ms:g} ms | {config} | {case['error'].median():+.1%} "
-                  f"| {case['error'].abs().max():.1%} |")  # fmt: skip
-    print(f"\n{len(table)} cases in {time.monotonic() - started:.0f} s; table in {work / 'scaleout.csv'}")
-    return 0
+        print(f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']}, {r['delay_ms']:g} ms | {r['config']} "
+              f"| {r['inter_busbw_gbit_s']:.3f} Gbit/s | {r['one_host_step_s']:.3f} s "
+              f"| {r['predicted_step_s']:.3f} s ({r['predicted_compute_s']:.3f} + {r['predicted_comm_s']:.3f}) "
+              f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%} |")  # fmt: skip
+    print("\n| round | cases | within 10% | median |error| | largest |error| |\n|---|---|---|---|---|")
+    for round_, rows in table.groupby("round"):
+        size = rows["error"].abs()
+        print(f"| {round_} | {len(rows)} | {(size <= 0.10).sum()} | {size.median():.1%} | {size.max():.1%} |")
+    print_overlap(table)
+
+
+def print_overlap(table: pd.DataFrame) -> None:
+    """Cases measured with overlap_comm on and off: predicted vs measured difference (off - on)."""
+    if "overlap_comm" not in table:
+        return
+    flag = table["overlap_comm"].astype(str).str.lower()
+    pairs = table[flag.isin(["true", "false"])].assign(on=flag == "true")
+    keys = ["round", "hosts", "slots", "rate", "config"]
+    lines = []
+    for key, rows in pairs.groupby(keys):
+        if rows["on"].nunique() != 2:
+            continue
+        on, off = rows[rows["on"]].iloc[-1], rows[~rows["on"]].iloc[-1]
+        predicted = off["predicted_step_s"] - on["predicted_step_s"]
+        measured = off["measured_step_s"] - on["measured_step_s"]
+        error = predicted / measured - 1 if measured else float("nan")
+        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {predicted * 1e3:+.1f} ms "
+                     f"| {measured * 1e3:+.1f} ms | {error:+.1%} |")  # fmt: skip
+    if lines:
+        print("\n| round | hosts x ranks | link | config | predicted off - on | measured off - on | error |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

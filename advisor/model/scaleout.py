@@ -1,12 +1,13 @@
 """Scale-out check: predict the multi-host step time from 1-host trials plus the measured inter-host link,
-then run the same config on the hosts and report the error.
+then run the same config on the hosts and report the error, at any number of hosts and ranks per host.
 
 The 1-host trials run all ranks on this machine (`hosts x slots` ranks, the same world size as the
 multi-host run, so the work per rank is the same); the link between hosts is measured separately by
 `sdzero comm` with one rank per host. The time model fitted on the 1-host trials then predicts the
 configuration at `hosts` nodes x `slots` ranks over the measured inter-host link: only the link differs
 between what was measured and what is predicted, which is exactly what a scale-out prediction must get
-right. The measured multi-host run is the same trial launched through the hostfile.
+right. The measured multi-host run is the same trial launched through the hostfile. With several ranks per
+host (e.g. 2 hosts x 2), the prediction costs each collective inside the host, then across the hosts.
 """
 
 from __future__ import annotations
@@ -28,20 +29,32 @@ from advisor.model.step_time import fit_time_model, measured_step_s
 MIB = 2**20
 
 
+def probe_link(out_dir: Path, ranks: int, hostfile: Path | None, budget_s: float,
+               log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
+    """`sdzero comm` with `ranks` on this machine (no hostfile: the intra-node link the 1-host trials used)
+    or `ranks` per host across the hostfile (the inter-host link); its comm_fit.json."""
+    from advisor.measure.collectives_launch import run_comm
+
+    run_comm(out_dir, num_ranks=ranks, hostfile=hostfile, backends=("torch",), max_bytes=16 * MIB,
+             budget_s=budget_s, log=log)  # fmt: skip
+    return out_dir / "comm_fit.json"
+
+
+def merge_fits(paths: list[Path], merged: Path) -> Path:
+    """One comm_fit.json holding every fit of `paths` (an intra and an inter probe)."""
+    fits = [fit for path in paths for fit in json.loads(path.read_text())["fits"]]
+    merged.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(merged, {"schema": FIT_SCHEMA, "fits": fits})
+    return merged
+
+
 def probe_links(out_dir: Path, hostfile: Path, local_ranks: int, budget_s: float,
                 log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
     """`sdzero comm` twice: `local_ranks` on this machine (the intra-node link the 1-host trials used) and one
     rank per host across the hostfile (the inter-host link); both fits merged into one comm_fit.json."""
-    from advisor.measure.collectives_launch import run_comm
-
-    fits = []
-    for name, ranks, hosts in (("intra", local_ranks, None), ("inter", 1, hostfile)):
-        run_comm(out_dir / name, num_ranks=ranks, hostfile=hosts, backends=("torch",), max_bytes=16 * MIB,
-                 budget_s=budget_s, log=log)  # fmt: skip
-        fits += json.loads((out_dir / name / "comm_fit.json").read_text())["fits"]
-    merged = out_dir / "comm_fit.json"
-    write_json_atomic(merged, {"schema": FIT_SCHEMA, "fits": fits})
-    return merged
+    intra = probe_link(out_dir / "intra", local_ranks, None, budget_s, log)
+    inter = probe_link(out_dir / "inter", 1, hostfile, budget_s, log)
+    return merge_fits([intra, inter], out_dir / "comm_fit.json")
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,12 @@ class ScaleoutRow:
     predicted_comm_s: float
     one_host_step_s: float
     inter_busbw_gbit_s: float
+    grad_accum: int = 1
+    predicted_compute_s: float = float("nan")
+    """Compute per step the model took from the 1-host trial; predicted_comm_s is the exposed rest."""
+    measured_comm_s: float = float("nan")
+    """Time the multi-host run's ranks spent in collectives (logged plus waited), per step."""
+    one_host_comm_s: float = float("nan")
 
     @property
     def error(self) -> float:
@@ -78,7 +97,7 @@ def trial_table(spec: TrialSpec, settings: TrialSettings, base: dict[str, Any], 
 def predict_from_one_host(
     one_host: pd.DataFrame, fit_path: Path, hosts: int, slots: int
 ) -> tuple[float, float, Network]:
-    """(predicted step s, predicted comm s, target network) for `hosts` x `slots` from 1-host trials."""
+    """(predicted step s, predicted exposed comm s, target network) for `hosts` x `slots` from 1-host trials."""
     local_ranks = int(one_host["ranks_per_node"].iloc[0])
     measured_net, _ = build_network(fit_path, local_ranks)
     target_net, _ = build_network(fit_path, slots)
@@ -101,9 +120,11 @@ def check_config(spec: TrialSpec, base: dict[str, Any], local: TrialSettings, re
     measured = trial_table(
         remote_spec, remote, base, work_dir / f"{remote_spec.trial_id}-{hosts}hosts", nodes=hosts
     )
+    accum = int(one_host["grad_accum"].iloc[0])
     return (
         ScaleoutRow(
-            config=f"ZeRO-{spec.zero_stage} {spec.precision} mb{spec.micro_batch}",
+            config=f"ZeRO-{spec.zero_stage} {spec.precision} mb{spec.micro_batch}"
+            + (f" accum {accum}" if accum > 1 else ""),
             hosts=hosts,
             slots=slots,
             predicted_step_s=predicted,
@@ -111,9 +132,17 @@ def check_config(spec: TrialSpec, base: dict[str, Any], local: TrialSettings, re
             predicted_comm_s=comm,
             one_host_step_s=float(measured_step_s(one_host).iloc[0]),
             inter_busbw_gbit_s=net.inter.busbw_bytes_s * 8 / 1e9,
+            grad_accum=accum,
+            predicted_compute_s=predicted - comm,
+            measured_comm_s=_comm_s(measured),
+            one_host_comm_s=_comm_s(one_host),
         ),
         one_host,
     )
+
+
+def _comm_s(trial: pd.DataFrame) -> float:
+    return float(pd.to_numeric(trial["comm_s"], errors="coerce").fillna(float("nan")).iloc[0])
 
 
 def rows_table(rows: list[ScaleoutRow], **extra: Any) -> pd.DataFrame:

@@ -65,15 +65,15 @@ def period_us_for(cpus: float) -> int:
     return max(PERIOD_US, round(1000 / cpus))
 
 
-def create(fs: CgroupFs, name: str, cpus: float) -> Path:
-    """A new cgroup `name` limited to `cpus` cores; its path (recorded by the caller before anything joins)."""
+def create(fs: CgroupFs, name: str, cpus: float, exist_ok: bool = False) -> Path:
+    """A new cgroup `name` (a path under the root) limited to `cpus` cores; its path."""
     if fs.version == 2:
         # v2 distributes `cpu` to children only where the parent enables it for its subtree.
         control = fs.root / "cgroup.subtree_control"
         if "cpu" not in control.read_text().split():
             control.write_text("+cpu")
     group = fs.root / name
-    group.mkdir()
+    group.mkdir(exist_ok=exist_ok)
     for file, value in fs.quota_files(cpus, period_us_for(cpus)).items():
         (group / file).write_text(value)
     return group
@@ -92,8 +92,10 @@ def members(group: Path) -> list[int]:
 
 
 def remove(group: Path, timeout_s: float = 5.0) -> None:
-    """Delete the group once it is empty: processes still in it are moved to its parent first (a killed
-    process takes a moment to leave). Safe to call for a group that no longer exists."""
+    """Delete the group, and the groups under it (ranks' own), once empty: processes still in one are moved
+    to its parent first (a killed process takes a moment to leave). Safe for a group that no longer exists."""
+    for child in [c for c in group.iterdir() if c.is_dir()] if group.is_dir() else []:
+        remove(child, timeout_s)
     deadline = time.monotonic() + timeout_s
     while group.exists():
         for pid in members(group):
@@ -121,7 +123,7 @@ def joined(name: str, cpus: float, fs: CgroupFs | None = None) -> Iterator[Path]
     share per rank as a cluster host's ranks."""
     fs = fs or detect()
     group = create(fs, name, cpus)
-    home = _own_group(fs)
+    home = own_group(fs)
     try:
         join(group, os.getpid())
         yield group
@@ -130,7 +132,7 @@ def joined(name: str, cpus: float, fs: CgroupFs | None = None) -> Iterator[Path]
         remove(group)
 
 
-def _own_group(fs: CgroupFs) -> Path:
+def own_group(fs: CgroupFs) -> Path:
     """This process's current group in the controller's tree (v1: the `cpu` line; v2: the `0::` line)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)

@@ -10,6 +10,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from statistics import median
 
 import pytest
@@ -67,6 +68,22 @@ def test_what_starts_over_ssh_is_in_its_hosts_quota(cluster4):
     for h in cluster4.members:
         groups = cluster4.ssh(h, "cat /proc/self/cgroup").stdout
         assert f"/{cluster4.cpu_group(h).name}\n" in groups, (h.hostname, groups)
+
+
+def test_a_rank_takes_its_own_share_inside_its_host(cluster4):
+    """tests/cluster/rankshare: a process DeepSpeed started as a rank (LOCAL_RANK) moves into a group of its own
+    under its host's, so the ranks of one host (or of the 1-host trial) cannot borrow each other's share."""
+    if cpushare.detect().version != 1:
+        pytest.skip("cgroup v2: a group with processes (the host's sshd) cannot give children a cpu quota")
+    host = cluster4.members[1]
+    rankshare = Path(cpushare.__file__).with_name("rankshare")
+    command = (f"SDZERO_RANK_CPUS=0.2 LOCAL_RANK=1 PYTHONPATH={rankshare} {sys.executable} -c "
+               "\"print(open('/proc/self/cgroup').read())\"")  # fmt: skip
+    groups = cluster4.ssh(host, command).stdout
+    rank_group = cluster4.cpu_group(host) / "rank1"
+    assert f"/{cluster4.cpu_group(host).name}/rank1\n" in groups, groups
+    quota, period = (int((rank_group / f).read_text()) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+    assert quota / period == pytest.approx(0.2)
 
 
 def test_teardown_removes_the_quota_groups():
