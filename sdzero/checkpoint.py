@@ -108,9 +108,10 @@ def list_files(folder: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------- manifest
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunIdentity:
-    """What the manifest records about the run, and what a resume must match."""
+    """What the manifest records about the run, and what a resume must match (sdzero.run_identity).
+    Fields after `prediction_type` are None in manifests of older sdzero versions: not checked then."""
 
     zero_stage: int
     dtype: str
@@ -118,9 +119,18 @@ class RunIdentity:
     seed: int
     model: str
     prediction_type: str
+    family: str | None = None
+    model_fingerprint: str | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    resolution: int | None = None
+    buckets: bool | None = None
+    objective: dict[str, Any] | None = None
+    """Loss, weighting, transforms and LR schedule, keyed by the flag that sets each."""
+    data_fingerprint: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest(RunIdentity):
     """What a complete checkpoint holds, and the run that made it (the inherited fields); written last,
     by rank 0."""
@@ -260,23 +270,25 @@ def first_verified(
     return None
 
 
-def check_compatible(path: Path, manifest: Manifest, zero_stage: int, dtype: str, world_size: int) -> None:
-    """Stop with one clear line when the checkpoint cannot be resumed exactly by this run.
+def check_compatible(path: Path, manifest: Manifest, now: dict[str, Any]) -> None:
+    """Stop with one line naming every difference when the checkpoint cannot be resumed exactly by this
+    run (`now`: RunIdentity fields, all or some of them).
 
     DeepSpeed partitions the optimizer state by rank; loading it into another stage, precision or world
     size needs its universal-checkpoint conversion, which sdzero does not do, and loading weights alone
-    would silently restart Adam's moments. So the run stops instead.
+    would silently restart Adam's moments. Another model, objective, batch shape or dataset would
+    continue a different optimisation under the same step count. So the run stops instead.
     """
-    then = (manifest.zero_stage, manifest.dtype, manifest.world_size)
-    now = (zero_stage, dtype, world_size)
-    if then == now:
+    from sdzero.run_identity import SAFE_TO_CHANGE, differences
+
+    changed = differences(manifest, now)
+    if not changed:
         return
     raise UserError(
-        f"--resume {path}: written by ZeRO-{then[0]} {then[1]} on {then[2]} ranks, this run is ZeRO-{now[0]} "
-        f"{now[1]} on {now[2]} ranks; resuming across a change of ZeRO stage, precision or world size would "
-        "need DeepSpeed's universal checkpoint conversion (not supported) or drop the optimizer state. Resume "
-        "with the same DeepSpeed JSON and rank count, or start a new run from its weights: "
-        f"`sdzero export {path} OUT`, then --model OUT"
+        f"--resume {path}: this run differs from the one that wrote the checkpoint: {'; '.join(changed)}. "
+        f"An exact continuation needs them unchanged (safe to change: {', '.join(SAFE_TO_CHANGE)}). Resume "
+        f"with the original settings, or start a new run from its weights: `sdzero export {path} OUT`, "
+        "then --model OUT"
     )
 
 
@@ -393,7 +405,8 @@ def find_resume(
             log.warning("--resume auto: every checkpoint under %s is damaged; starting fresh", root)
         return None
     path, manifest = chosen
-    check_compatible(path, manifest, zero_stage, dtype, world_size)
+    # The partitioning, early (before any model loads); everything else once the run is known (load).
+    check_compatible(path, manifest, {"zero_stage": zero_stage, "dtype": dtype, "world_size": world_size})
     return ResumePoint(path, manifest, verify_s=time.perf_counter() - start, skipped=skipped)
 
 
@@ -473,13 +486,17 @@ class Checkpointer:
             created_unix_s=time.time(), **asdict(self.ident),
         )  # fmt: skip
         atomic_write_text(staging / MANIFEST, manifest.to_json())
-        old = None
-        if final.exists():  # the same step saved by an earlier timeline: replace it only now
-            old = final.with_name(f"{STAGING_PREFIX}old-{final.name}")
+        # The same step saved by an earlier timeline: replaced only now. The old copy moves aside under a
+        # visible name, so a kill between the two renames leaves it listed (its manifest is valid) rather
+        # than hidden among staging folders with nothing at `final`; an interrupted commit's is removed.
+        old = final.with_name(f"{final.name}.replaced")
+        if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
+            fsync_dir(self.root)
         os.replace(staging, final)
         fsync_dir(self.root)
+        shutil.rmtree(old, ignore_errors=True)
         atomic_write_text(self.root / LATEST, final.name)
         for victim in retention_victims(self.root, self.keep_last):
             shutil.rmtree(victim, ignore_errors=True)
@@ -488,6 +505,7 @@ class Checkpointer:
         """Restore engine, optimizer, LR schedule, EMA and this rank's RNG; every rank must call it."""
         t0 = time.perf_counter()
         path = point.path
+        check_compatible(path, point.manifest, asdict(self.ident))  # same answer on every rank
         load_path, client_state = self.engine.load_checkpoint(
             str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
         )

@@ -3,8 +3,9 @@
 The handler only records the signal. The ranks agree at the end of each optimizer step, inside the small
 collective the loop already makes for its step statistics, so a signal that reached one rank stops all of
 them at the same step (Slurm signals every task, a single `kill` signals one). A watchdog bounds the
-time: if the save hangs (a rank died, a filesystem stalls), the process exits 143 anyway, and the
-unfinished checkpoint, having no manifest, is never loaded.
+time: if the save hangs (a rank died, a filesystem stalls), the process exits with EXIT_WATCHDOG (75, not
+143: "stopped without a new checkpoint" must not read as "saved"), and the unfinished checkpoint, having no
+manifest, is never loaded.
 
 DataLoader workers ignore these signals: a launcher or Slurm signals the whole process tree, and a worker
 killed by SIGTERM makes the main process raise before it can save.
@@ -21,7 +22,10 @@ import types
 log = logging.getLogger("sdzero.preemption")
 
 EXIT_PREEMPTED = 143
-"""128 + SIGTERM, what schedulers expect from a job that stopped on request (also used for SIGUSR1)."""
+"""128 + SIGTERM, what schedulers expect from a job that stopped on request (also used for SIGUSR1): the
+checkpoint of the step it stopped at is committed."""
+EXIT_WATCHDOG = 75
+"""EX_TEMPFAIL: the preemption save did not finish in --preempt-timeout-s; resume from an older checkpoint."""
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -63,12 +67,27 @@ class PreemptionFlag:
 
 def _give_up(timeout_s: float) -> None:
     log.error(
-        "preemption: no complete checkpoint within %.0f s of the signal; exiting without one", timeout_s
+        "preemption: no complete checkpoint within %.0f s of the signal; exiting with %d without one",
+        timeout_s,
+        EXIT_WATCHDOG,
     )
-    os._exit(EXIT_PREEMPTED)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_WATCHDOG)
 
 
 def ignore_preemption_signals(worker_id: int) -> None:
     """DataLoader `worker_init_fn`: leave SIGTERM/SIGUSR1 to the rank process (see the module docstring)."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def exit_now(code: int) -> None:
+    """Leave at once after flushing, skipping interpreter teardown: it would join DataLoader workers,
+    which ignore SIGTERM (see above), and wait on them forever after the checkpoint is already safe."""
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

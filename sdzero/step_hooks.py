@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from sdzero.checkpoint import Checkpointer, ResumePoint, RunIdentity, TrainState
+from sdzero.checkpoint import Checkpointer, ResumePoint, TrainState
 from sdzero.config import DsSettings, TrainConfig
 from sdzero.ema import ShardedEMA
 from sdzero.preemption import Preempted, PreemptionFlag
+from sdzero.run_identity import describe_run
 from sdzero.validation import Validator
 
 log = logging.getLogger("sdzero")
@@ -57,10 +58,7 @@ class StepHooks:
         if cfg.ema_decay is not None:
             host = torch.device("cpu") if engine.zero_use_cpu_optimizer() else None
             self.ema = ShardedEMA(engine, cfg.ema_decay, device=host)
-        ident = RunIdentity(
-            zero_stage=ds.zero_stage, dtype=ds.dtype, world_size=ds.world_size, seed=cfg.seed,
-            model=_model_reference(cfg.model), prediction_type=prediction_type,
-        )  # fmt: skip
+        ident = describe_run(cfg, ds, comps, prediction_type, _model_reference(cfg.model))
         self.checkpointer = Checkpointer(cfg.output_dir, cfg.keep_last, engine, self.ema, ident)
         self.validator = Validator(
             cfg.validation_prompts, cfg.validation_every, cfg.validation_inference_steps,

@@ -18,6 +18,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 from sdzero.config import parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from sdzero.launch import decode_argv  # noqa: E402
+from sdzero.preemption import Preempted, exit_now  # noqa: E402
 
 
 def crash_exit() -> NoReturn:
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         from sdzero.loop import run
 
         summary = run(cfg)
+    except Preempted as stop:
+        exit_now(int(stop.code))  # the checkpoint is committed; no teardown that could hang
     except UserError as exc:
         # Every rank finds the same bad input; one line from rank 0 is enough.
         if rank_from_env() == 0:

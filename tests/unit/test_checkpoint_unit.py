@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import sys
@@ -171,13 +172,77 @@ def test_locate_accepts_a_checkpoint_a_folder_of_them_or_a_run(tmp_path):
 def test_resuming_another_stage_precision_or_world_size_stops_with_the_fix(tmp_path):
     folder = fake_checkpoint(tmp_path, 2)
     manifest = ck.load_manifest(folder)
-    ck.check_compatible(folder, manifest, 2, "bf16", 2)
-    for now in [(3, "bf16", 2), (2, "fp32", 2), (2, "bf16", 4)]:
+    ck.check_compatible(folder, manifest, {"zero_stage": 2, "dtype": "bf16", "world_size": 2})
+    for key, value, said in [("zero_stage", 3, "ZeRO stage 2 -> 3"), ("dtype", "fp32", "precision bf16 -> fp32"),
+                             ("world_size", 4, "world size (ranks) 2 -> 4")]:  # fmt: skip
         with pytest.raises(UserError) as err:
-            ck.check_compatible(folder, manifest, *now)
+            ck.check_compatible(
+                folder, manifest, {"zero_stage": 2, "dtype": "bf16", "world_size": 2, key: value}
+            )
         message = str(err.value)
-        assert "ZeRO-2 bf16 on 2 ranks" in message and f"ZeRO-{now[0]} {now[1]} on {now[2]} ranks" in message
-        assert "optimizer state" in message and "sdzero export" in message and "\n" not in message
+        assert said in message and "sdzero export" in message and "\n" not in message
+
+
+def run_identity(model: Path, data: Path, tmp_path: Path, *extra: str, micro: int = 4, accum: int = 1):
+    from launch import fp32_config, write_config
+
+    from sdzero.config import load_ds_config, parse_train_args
+    from sdzero.run_identity import describe_run
+
+    config = write_config(tmp_path / f"ds_{micro}_{accum}.json", fp32_config(2, micro=micro, accum=accum))
+    cfg = parse_train_args(["--deepspeed_config", str(config), "--model", str(model), "--data", str(data),
+                            "--output-dir", str(tmp_path / "out"), *extra])  # fmt: skip
+    comps = type("Comps", (), {"family": "sd", "native_resolution": 32})()
+    return describe_run(cfg, load_ds_config(config, 2), comps, "epsilon", str(model))
+
+
+def test_resume_compares_everything_that_makes_a_continuation_exact(tiny_model, synth_data, tmp_path):
+    """Each change is named in one line; options that cannot change the trajectory pass."""
+    import dataclasses
+    import shutil
+
+    saved = run_identity(tiny_model, synth_data, tmp_path)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    manifest = ck.Manifest(tag="step_00000002", step=2, serial=1, ema=False, files={"f": {"bytes": 1, "sha256": "x"}},
+                           **dataclasses.asdict(saved))  # fmt: skip
+    ck.atomic_write_text(folder / ck.MANIFEST, manifest.to_json())
+    manifest = ck.load_manifest(folder)  # through JSON, as a resume reads it
+    same = run_identity(tiny_model, synth_data, tmp_path, "--max-steps", "9", "--checkpoint-every", "3",
+                        "--validation-prompts", "a cat", "--num-workers", "0", "--keep-last", "5")  # fmt: skip
+    ck.check_compatible(folder, manifest, dataclasses.asdict(same))
+
+    other_model = shutil.copytree(tiny_model, tmp_path / "other_model")
+    weights = next((other_model / "unet").glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[len(raw) // 2] ^= 1  # another checkpoint of the model (its weights are sampled, not read whole)
+    weights.write_bytes(bytes(raw))
+    other_data = shutil.copytree(synth_data, tmp_path / "other_data")
+    (other_data / "000000.png").unlink()
+    (other_data / "000000.png").symlink_to(other_data / "000001.png")  # same name, another image size
+    changes = {
+        "micro-batch (DeepSpeed JSON) 4 -> 2": run_identity(tiny_model, synth_data, tmp_path, micro=2),
+        "gradient accumulation (DeepSpeed JSON) 1 -> 2": run_identity(tiny_model, synth_data, tmp_path, accum=2),
+        "--resolution 32 -> 48": run_identity(tiny_model, synth_data, tmp_path, "--resolution", "48"),
+        "--buckets False -> True": run_identity(tiny_model, synth_data, tmp_path, "--buckets"),
+        "--snr-gamma None -> 5.0": run_identity(tiny_model, synth_data, tmp_path, "--snr-gamma", "5"),
+        "--noise-offset 0.0 -> 0.1": run_identity(tiny_model, synth_data, tmp_path, "--noise-offset", "0.1"),
+        "model weights/config (--model) changed": run_identity(other_model, synth_data, tmp_path),
+        "data (--data / --cache-dir: files, sizes or captions) changed": run_identity(tiny_model, other_data, tmp_path),
+    }  # fmt: skip
+    for said, now in changes.items():
+        with pytest.raises(UserError) as err:
+            ck.check_compatible(folder, manifest, dataclasses.asdict(now))
+        message = str(err.value)
+        assert said in message and message.count(" -> ") + message.count(" changed") == 1, (said, message)
+        assert "\n" not in message and "--max-steps" in message  # the safe options are listed
+    moved = shutil.copytree(tiny_model, tmp_path / "moved_model")  # the same weights elsewhere: allowed
+    ck.check_compatible(folder, manifest, dataclasses.asdict(run_identity(moved, synth_data, tmp_path)))
+    both = dataclasses.replace(
+        run_identity(tiny_model, synth_data, tmp_path, micro=2), prediction_type="v_prediction"
+    )
+    with pytest.raises(UserError, match="--prediction-type epsilon -> v_prediction; micro-batch .* 4 -> 2"):
+        ck.check_compatible(folder, manifest, dataclasses.asdict(both))
 
 
 def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
@@ -296,14 +361,14 @@ def test_sigusr1_sets_the_flag_and_the_watchdog_bounds_the_exit(monkeypatch):
         assert not flag.requested
         signal.raise_signal(signal.SIGUSR1)
         assert flag.requested and flag.signum == signal.SIGUSR1
-        time.sleep(0.5)  # the save "hangs": the watchdog must end the process with 143
-        assert exits == [preemption.EXIT_PREEMPTED] == [143]
+        time.sleep(0.5)  # the save "hangs": the watchdog ends the process, and not with 143 ("saved")
+        assert exits == [preemption.EXIT_WATCHDOG] == [75]
 
         saved_in_time = preemption.PreemptionFlag(timeout_s=0.05).install()
         signal.raise_signal(signal.SIGTERM)
         saved_in_time.disarm()  # what the loop does once the checkpoint is committed
         time.sleep(0.3)
-        assert exits == [143]
+        assert exits == [75]
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
@@ -315,3 +380,35 @@ def test_preempted_exits_the_interpreter_with_143():
     with pytest.raises(SystemExit) as exit_info:
         raise Preempted()
     assert exit_info.value.code == 143
+
+
+def test_a_kill_between_the_renames_of_a_resaved_step_leaves_it_listed(tmp_path, monkeypatch):
+    """Re-saving a step (a resumed run passing it again) moves the old copy aside, then the new one in:
+    killed in between, the old copy must still be found, with nothing at the step's own name."""
+    root = tmp_path / "checkpoints"
+    old = fake_checkpoint(root, 4)
+    staging = fake_checkpoint(root, 40, commit=False).rename(root / f"{ck.STAGING_PREFIX}{old.name}")
+    saver = object.__new__(ck.Checkpointer)
+    saver.root, saver.keep_last, saver.ema = root, 3, object()
+    saver.ident = ck.RunIdentity(
+        zero_stage=2, dtype="bf16", world_size=2, seed=0, model="m", prediction_type="epsilon"
+    )
+    real_replace, calls = os.replace, []
+
+    def killed_on_the_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:  # the manifest's rename, the old copy's, then the new copy's: killed there
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", killed_on_the_second)
+    files = {n: ck.describe_file(staging / n) for n in ck.list_files(staging)}
+    with pytest.raises(KeyboardInterrupt):
+        saver._commit(staging, old, 4, files)
+    monkeypatch.setattr(ck.os, "replace", real_replace)
+    listed = ck.complete_checkpoints(root)
+    assert [m.step for _, m in listed] == [4] and ck.verify_files(*listed[0]) == []
+    assert ck.retention_victims(root, 3) == [staging]  # the half-committed new copy, not the old one
+
+    saver._commit(staging, old, 4, files)  # done again, uninterrupted: one copy, the new one
+    assert [(p.name, m.serial) for p, m in ck.complete_checkpoints(root)] == [(old.name, 5)]
