@@ -260,6 +260,15 @@ SCALING_SHOWN = {"node_count": "nodes", "status": "status", "config_id": "config
                  "limiting_link": "limited by", "provenance": "provenance"}  # fmt: skip
 
 
+def modelled_note(rec: dict[str, Any] | None) -> str:
+    """The provenance of a predicted figure, one sentence."""
+    prov = (rec or {}).get("provenance") or {}
+    if not prov:
+        return " Provenance: modelled."
+    return (f" Provenance: modelled from trials on {prov.get('trials_ran_on')}; intra-node link "
+            f"{prov.get('intra_node_link', '?').split(':')[0]}, inter-node link {prov.get('inter_node_link', '?').split(':')[0]}.")  # fmt: skip
+
+
 def scaling_table_item(rec: dict[str, Any] | None) -> Item | None:
     rows = (rec or {}).get("scaling_table")
     if not rows:
@@ -333,19 +342,19 @@ def scaling_section(folder: Path, rec: dict[str, Any] | None, trials: pd.DataFra
         FigureItem(
             "scaling",
             "Predicted throughput vs nodes",
-            CAPTIONS["scaling"],
+            CAPTIONS["scaling"] + modelled_note(rec),
             figures.scaling_figure(best, best_measured(trials)),
         ),
         FigureItem(
             "efficiency",
             "Scaling efficiency vs nodes",
-            CAPTIONS["efficiency"],
+            CAPTIONS["efficiency"] + modelled_note(rec),
             figures.efficiency_figure(best),
         ),
         FigureItem(
             "breakdown",
             f"Step time vs nodes for {chosen}",
-            CAPTIONS["breakdown"].format(which=which),
+            CAPTIONS["breakdown"].format(which=which) + modelled_note(rec),
             figures.breakdown_figure(predictions[predictions["config_id"] == chosen]),
         ),
     ]
@@ -379,7 +388,7 @@ def validation_section(folder: Path) -> Section:
         FigureItem(
             "validation",
             "Predicted vs measured step time and memory",
-            CAPTIONS["validation"],
+            CAPTIONS["validation"] + " Provenance: measured (trials) against modelled (the fit).",
             figures.validation_figure(pairs),
         ),
         frame_table("validation-errors", "Prediction error", CAPTIONS["validation-errors"], summary),
@@ -440,7 +449,7 @@ def trial_sections(
         memory: Item = FigureItem(
             "trial-memory",
             "Memory per rank vs micro-batch",
-            CAPTIONS["trial-memory"].format(capacity=line),
+            CAPTIONS["trial-memory"].format(capacity=line) + " Provenance: measured (trials).",
             svg,
         )
     else:
@@ -540,7 +549,12 @@ def comm_section(folder: Path) -> Section:
         points.assign(backend=points["backend"].map(labels)), fit_curves(fits, labels)
     )
     items: list[Item] = [
-        FigureItem("bandwidth", "Collective bus bandwidth vs message size", CAPTIONS["bandwidth"], svg)
+        FigureItem(
+            "bandwidth",
+            "Collective bus bandwidth vs message size",
+            CAPTIONS["bandwidth"] + " Provenance: measured (sdzero comm) and the fit to it.",
+            svg,
+        )
     ]
     if fits:
         items.append(

@@ -4,6 +4,7 @@ its LR, the errors, and whether the recommended config was measured. Reads recom
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -39,16 +40,23 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
             str(n), str(row["config_id"]), f"{row['micro_batch']} x {row['grad_accum']}",
             f"{row['samples_per_s']:.4g}", f"{row['step_time_s']:.4g}", _percent(row.get("efficiency")),
             _percent(row.get("exposed_comm_share")), str(row.get("limiting_link", "-")), " ".join(marks),
-            str(row.get("provenance", "")),
+            short_provenance(str(row.get("provenance", ""))),
             style="bold" if n == rec.get("node_count") else None,
         )  # fmt: skip
     return table
 
 
+def short_provenance(text: str) -> str:
+    """The scaling row's provenance in a few words (the full sentence is in the JSON and the report)."""
+    words = "measured config" if "from a measured config" in text else "config not measured"
+    return words + ("; inter-node link assumed" if "assumed" in text else "")
+
+
 def print_advice(rec: dict[str, Any], trials_run: int, full_grid: int, out_dir: Any, report: Any,
                  console: Console | None = None) -> None:  # fmt: skip
     """Everything a user needs to act on, on stdout."""
-    out = console or Console()
+    # piped (CI logs, files): wide enough for the table instead of rich's 80 columns
+    out = console or Console(width=None if sys.stdout.isatty() else 200)
     prov = rec.get("provenance", {})
     if prov.get("headline"):
         out.print(("[bold yellow]" if prov.get("target_differs") else "") + prov["headline"], highlight=False)
