@@ -47,6 +47,8 @@ class CommResult:
     table: pd.DataFrame
     fits: list[AlphaBetaFit]
     log_paths: dict[str, Path] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Backends left out because this machine lacks them (only when none were named): why, per backend."""
 
     @property
     def all_correct(self) -> bool:
@@ -129,6 +131,21 @@ def deepspeed_launcher() -> str:
             "--backend torch needs the `deepspeed` launcher; install it with `pip install deepspeed`"
         )
     return found
+
+
+def available_backends() -> tuple[tuple[str, ...], dict[str, str]]:
+    """What `sdzero comm` measures when no --backend is named: every backend whose launcher is here,
+    and for each one left out, why (the UserError it would raise)."""
+    found, skipped = [], {}
+    for backend, check in (("torch", deepspeed_launcher), ("mpi", mpirun_launcher)):
+        try:
+            check()
+            found.append(backend)
+        except UserError as exc:
+            skipped[backend] = str(exc)
+    if not found:
+        raise UserError(f"no collectives backend is installed: {'; '.join(skipped.values())}")
+    return tuple(found), skipped
 
 
 def mpirun_launcher() -> str:
@@ -298,7 +315,7 @@ def run_comm(
     out_dir: Path,
     num_ranks: int = 2,
     hostfile: Path | None = None,
-    backends: Sequence[str] = BACKENDS,
+    backends: Sequence[str] | None = None,
     min_bytes: int = 4096,
     max_bytes: int = 256 * MIB,
     budget_s: float = 120.0,
@@ -310,11 +327,18 @@ def run_comm(
 
     num_ranks is ranks per node (the whole job without a hostfile). budget_s is the measuring time for all
     backends together, split evenly; starting the ranks comes on top. Prerequisites of every requested
-    backend are checked before anything starts, so a missing mpirun fails fast with a UserError.
+    backend are checked before anything starts, so a missing mpirun fails fast with a UserError; with
+    `backends` None, every backend installed here is measured and each missing one is skipped, and said so.
     """
     say = log or (lambda message: None)
     out_dir = Path(out_dir)
-    chosen = check_backends(backends)
+    skipped: dict[str, str] = {}
+    if backends is None:
+        chosen, skipped = available_backends()
+        for backend, why in skipped.items():
+            say(f"{backend}: skipped ({why})")
+    else:
+        chosen = check_backends(backends)
     hosts = read_hostfile(hostfile) if hostfile else ()
     check_sweep(num_ranks, min_bytes, max_bytes, budget_s, len(hosts))
     if torch_backend not in ("auto", "gloo", "nccl"):
@@ -344,7 +368,7 @@ def run_comm(
     write_csv_atomic(table, csv_path)
     meta = _meta(plan, chosen, (min_bytes, max_bytes, budget_s), table)
     write_json_atomic(fit_path, fits_payload(fits, meta))
-    return CommResult(csv_path, fit_path, table, fits, logs)
+    return CommResult(csv_path, fit_path, table, fits, logs, skipped)
 
 
 def _meta(
@@ -399,7 +423,10 @@ def comm_command(
     backend: Annotated[
         list[str] | None,
         typer.Option(
-            "--backend", "-b", help="torch (deepspeed launcher: nccl/gloo) and/or mpi (mpirun); repeat."
+            "--backend",
+            "-b",
+            help="torch (deepspeed launcher: nccl/gloo) and/or mpi (mpirun); repeat. "
+            "Default: every one installed here (a missing one is skipped, and said so).",
         ),
     ] = None,
     min_bytes: Annotated[str, typer.Option(help="Smallest message, e.g. 4KiB.")] = "4KiB",
@@ -419,7 +446,7 @@ def comm_command(
         out_dir=out,
         num_ranks=ranks,
         hostfile=hostfile,
-        backends=backend or list(BACKENDS),
+        backends=backend or None,  # none named: what is installed here
         min_bytes=parse_bytes(min_bytes, "--min-bytes"),
         max_bytes=parse_bytes(max_bytes, "--max-bytes"),
         budget_s=budget_s,
@@ -428,6 +455,8 @@ def comm_command(
     )
     console.print(largest_size_table(result.table))
     console.print(fits_table(result.fits))
+    for name, why in result.skipped.items():
+        console.print(f"[yellow]{name}: not measured: {why}[/yellow]")
     console.print(f"wrote {result.csv_path} and {result.fit_path}")
     if result.noisy_fraction > 0.1:
         console.print(

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from advisor.measure import collectives_launch as comm_module
-from advisor.model.alphabeta import COLLECTIVES, bus_factor, load_fits
+from advisor.measure.collectives_launch import CommResult, parse_bytes, run_comm
 from advisor.measure.collectives_rank import CSV_COLUMNS, SweepSettings, Topology, _check_once, sweep
 from advisor.measure.communicators import Buffers, input_pattern, make_buffers
-from advisor.measure.collectives_launch import CommResult, parse_bytes, run_comm
+from advisor.model.alphabeta import COLLECTIVES, bus_factor, load_fits
 from sdzero.errors import UserError
 
 HAVE_MPIRUN = shutil.which("mpirun") is not None
@@ -29,9 +29,9 @@ MAX_BYTES = 4 * 2**20
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> CommResult:
-    backends = ["torch", "mpi"] if HAVE_MPIRUN else ["torch"]
     out = tmp_path_factory.mktemp("comm")
-    return run_comm(out, num_ranks=2, backends=backends, min_bytes=4096, max_bytes=MAX_BYTES, budget_s=8.0)
+    # No backends named: what `sdzero comm` does with no flags (every backend installed here).
+    return run_comm(out, num_ranks=2, min_bytes=4096, max_bytes=MAX_BYTES, budget_s=8.0)
 
 
 def _backend_rows(result: CommResult, backend: str) -> pd.DataFrame:
@@ -202,6 +202,24 @@ def test_topology_levels() -> None:
     assert Topology.from_hostnames(["a", "b"]).levels() == ["inter"]
 
 
+@pytest.mark.dist
+def test_no_flags_measure_what_is_installed_and_name_what_was_skipped(result: CommResult) -> None:
+    measured = set(result.table["backend"])
+    assert "torch" in measured and measured.isdisjoint(result.skipped)
+    assert measured | set(result.skipped) == {"torch", "mpi"}
+    if "mpi" in result.skipped:
+        assert "mpirun" in result.skipped["mpi"] or "mpi4py" in result.skipped["mpi"]
+
+
+def test_without_mpirun_the_default_is_torch_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_which = comm_module.shutil.which
+    monkeypatch.setattr(
+        comm_module.shutil, "which", lambda name: None if name == "mpirun" else real_which(name)
+    )
+    chosen, skipped = comm_module.available_backends()
+    assert chosen == ("torch",) and "--backend mpi needs `mpirun`" in skipped["mpi"]
+
+
 def test_missing_mpirun_is_a_clear_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(comm_module.shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="--backend mpi needs `mpirun`"):
@@ -259,6 +277,8 @@ def test_command_parses_options_and_delegates(monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(outcome.exception, UserError)
     assert seen["num_ranks"] == 4 and seen["backends"] == ["mpi"]
     assert seen["min_bytes"] == 8192 and seen["max_bytes"] == 2**20 and seen["budget_s"] == 5.0
+    CliRunner().invoke(app, [])
+    assert seen["backends"] is None  # no flags: what is installed, not a demand for every backend
 
 
 def test_a_hung_launch_is_killed_with_its_children(tmp_path: Path) -> None:
