@@ -225,6 +225,7 @@ def run_advise(
     inter_node_gbps: float | None = None,
     inter_node_latency_us: float | None = None,
     preset: str | None = None,
+    nics_per_node: int | None = None,
     global_batch: str | None = None,
     headroom: float = 0.1,
     device_memory_gib: float | None = None,
@@ -252,8 +253,9 @@ def run_advise(
     user_args = check_train_args(train_args)
     # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
     build_network(
-        None, 1 if gpus_per_node is None else gpus_per_node, preset, inter_node_gbps, inter_node_latency_us
-    )
+        None, 1 if gpus_per_node is None else gpus_per_node, preset, inter_node_gbps, inter_node_latency_us,
+        nics_per_node,
+    )  # fmt: skip
     asked = BatchTarget.parse(global_batch)
     base = load_base_config(Path(deepspeed_config) if deepspeed_config else shipped_config("zero2_bf16.json"))
     device = device_support()
@@ -291,7 +293,7 @@ def run_advise(
     fit_path = comm_dir / "comm_fit.json"
     measured_net, net_notes = build_network(fit_path, ranks)
     target_net, target_notes = build_network(
-        fit_path, target_gpus, preset, inter_node_gbps, inter_node_latency_us
+        fit_path, target_gpus, preset, inter_node_gbps, inter_node_latency_us, nics_per_node
     )
     notes += [n for n in target_notes if n not in notes]
     if memory_given:
@@ -483,7 +485,13 @@ def advise_command(
     ] = None,
     inter_node_gbps: Annotated[
         float | None,
-        typer.Option(help="achievable inter-node bandwidth per node, Gbit/s (describes the target network)."),
+        typer.Option(help="achievable inter-node bandwidth per NIC, Gbit/s (describes the target network)."),
+    ] = None,
+    nics_per_node: Annotated[
+        int | None,
+        typer.Option(
+            help="inter-node NICs per node (rail-optimised: one per GPU); default: preset's, else 1."
+        ),
     ] = None,
     inter_node_latency_us: Annotated[
         float | None, typer.Option(help="inter-node latency per ring hop, microseconds.")
@@ -543,6 +551,7 @@ def advise_command(
         max_nodes=max_nodes, model=model, data=data, deepspeed_config=deepspeed_config, out_dir=out,
         budget_minutes=budget_minutes, hostfile=hostfile, gpus_per_node=gpus_per_node,
         inter_node_gbps=inter_node_gbps, inter_node_latency_us=inter_node_latency_us, preset=preset,
+        nics_per_node=nics_per_node,
         global_batch=global_batch, headroom=headroom, device_memory_gib=device_memory_gib, lr_scaling=lr_scaling,
         log=lambda message: console.print(f"[dim]{message}[/dim]"), train_args=check_train_args(train_args),
         min_efficiency=min_efficiency, nodes=nodes, target_gpu=target_gpu, lr_reference_batch=lr_reference_batch,

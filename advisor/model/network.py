@@ -9,7 +9,7 @@ latencies are per ring hop in seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from advisor.model.alphabeta import AlphaBetaFit, load_fits
@@ -22,21 +22,42 @@ GB = 1e9
 class Preset:
     line_gbit_s: float
     busbw_gbyte_s: float
+    """Per NIC: the bus bandwidth nccl-tests reach through one NIC of this kind, not the line rate."""
     hop_latency_us: float
     source: str
+    nics_per_node: int = 1
+    """NICs a node's ranks spread their inter-node traffic over (rail-optimised nodes: one per GPU)."""
 
 
+# Where the figures come from:
+# [nic-200] NCCL's maintainer, NVIDIA/nccl-tests#119 (2022-11-17): "24GB/s is the peak performance per
+#   200G NIC (12 GB/s for 100G NICs)"; the thread's 4 x HDR nodes measure 95-96 GB/s busbw (= 4 x 24).
+# [nic-400] NVIDIA, NVIDIA/nccl-tests#267 (2025-01-23): "CX-7 NICs at NDR rate (400Gbps) should achieve
+#   up to 48-49GB/s per NIC".
+# [hop] NCCL's tuning model (src/graph/tuning.cc, hwLat[NET][Ring][Simple]) charges 6.6-9.6 us per
+#   network hop on top of an 8.4 us base; 14 us per hop (base and hop together) is used here for IB.
+# [dgx] NVIDIA's DGX A100 and DGX H100 user guides: 8 single-port compute NICs per node, one per GPU
+#   (ConnectX-6 HDR 200 Gb/s on A100, ConnectX-7 NDR 400 Gb/s on H100): rail-optimised.
+# [eth] No measured source: Ethernet over TCP sockets (no RDMA) is assumed at ~90% of line rate with a
+#   few times IB's latency. Measure the real link instead (`sdzero comm --hostfile`, or `advise --hostfile`).
 PRESETS: dict[str, Preset] = {
-    # One NIC per node. busbw is the achieved rate nccl-tests threads report, not the line rate; latency is
-    # NCCL's own default per network hop (src/graph/tuning.cc, ~14 us) for InfiniBand.
-    "ib-100": Preset(100, 11.5, 14.0, "HDR100 InfiniBand: ~92% of 12.5 GB/s line rate"),
-    "ib-200": Preset(200, 22.5, 14.0, "HDR InfiniBand: 86-91 GB/s busbw over 4 HDR NICs in nccl-tests, /4"),
-    "ib-400": Preset(400, 47.0, 14.0, "NDR InfiniBand: 46-48 GB/s busbw per NDR NIC in nccl-tests"),
-    # Ethernet: RoCE-less TCP sockets reach ~90% of line rate with a few times InfiniBand's latency.
-    "eth-25": Preset(25, 2.8, 50.0, "25 GbE, TCP: ~90% of 3.125 GB/s line rate, ~50 us per hop"),
-    "eth-100": Preset(100, 11.0, 30.0, "100 GbE (RoCE): ~88% of 12.5 GB/s line rate, ~30 us per hop"),
+    "ib-100": Preset(100, 12.0, 14.0, "HDR100 InfiniBand, 1 NIC: 12 GB/s [nic-200], 14 us/hop [hop]"),
+    "ib-200": Preset(200, 24.0, 14.0, "HDR InfiniBand, 1 NIC: 24 GB/s [nic-200], 14 us/hop [hop]"),
+    "ib-400": Preset(400, 48.0, 14.0, "NDR InfiniBand, 1 NIC: 48 GB/s [nic-400], 14 us/hop [hop]"),
+    "dgx-a100": Preset(
+        200, 24.0, 14.0, "DGX A100: 8 x HDR 200G, one per GPU [dgx], 24 GB/s each [nic-200]", 8
+    ),
+    "dgx-h100": Preset(
+        400, 48.0, 14.0, "DGX H100: 8 x NDR 400G, one per GPU [dgx], 48 GB/s each [nic-400]", 8
+    ),
+    "eth-25": Preset(25, 2.8, 50.0, "25 GbE over TCP, 1 NIC: assumed 90% of 3.125 GB/s, 50 us/hop [eth]"),
+    "eth-100": Preset(100, 11.0, 30.0, "100 GbE over TCP, 1 NIC: assumed 88% of 12.5 GB/s, 30 us/hop [eth]"),
 }
+"""Sources in the comment above (keys in brackets); advisor.model.network's module doc says how NICs count."""
 DEFAULT_PRESET = "ib-200"
+ASSUMED_INTRA_GBYTE_S = 188.0
+"""An unmeasured node's inside link: conservative for NVLink (nccl-tests threads show ~230 GB/s busbw on
+8 x A100 in one node), with NCCL's NVLink ring hop of 3.4 us (tuning.cc hwLat[NVLINK][Ring])."""
 
 
 @dataclass(frozen=True)
@@ -73,12 +94,26 @@ class Network:
     gpus_per_node: int
     intra: Link
     inter: Link
+    """The node's inter-node link: its NICs together (see `scaled_link`)."""
+    nics_per_node: int = 1
 
     def describe(self) -> str:
         return (f"{self.gpus_per_node} ranks per node; intra-node {self.intra.busbw_bytes_s / GB:.2f} GB/s, "
                 f"{self.intra.hop_latency_s * 1e6:.1f} us/hop ({self.intra.source}); inter-node "
                 f"{self.inter.busbw_bytes_s / GB:.2f} GB/s, {self.inter.hop_latency_s * 1e6:.1f} us/hop "
                 f"({self.inter.source})")  # fmt: skip
+
+
+def scaled_link(link: Link, nics: int, gpus_per_node: int) -> Link:
+    """A node's inter-node link from one NIC's figures: the hierarchical collectives leave each of the
+    node's g ranks 1/g of the buffer to move across nodes, so with one NIC per rank (rail-optimised) the
+    g transfers run side by side on their own NICs and the node's bandwidth is min(NICs, g) times one
+    NIC's; with fewer NICs than ranks the ranks share them. Latency per hop does not change."""
+    rails = max(1, min(nics, gpus_per_node))
+    if rails == 1:
+        return link
+    own = tuple(replace(f, busbw_bytes_s=f.busbw_bytes_s * rails) for f in link.per_collective)
+    return Link(link.busbw_bytes_s * rails, link.hop_latency_s, f"{link.source}; x{rails} NICs", own)
 
 
 def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = None) -> Link | None:
@@ -105,8 +140,13 @@ def build_network(
     preset: str | None = None,
     inter_node_gbps: float | None = None,
     inter_node_latency_us: float | None = None,
+    nics_per_node: int | None = None,
 ) -> tuple[Network, list[str]]:
-    """The network to predict with, and notes saying where each figure came from."""
+    """The network to predict with, and notes saying where each figure came from. Preset, described and
+    measured inter-node figures are one NIC's (`sdzero comm --hostfile` runs one rank per host); the node's
+    link is `nics_per_node` of them (default: the preset's, else 1), see `scaled_link`."""
+    if nics_per_node is not None and nics_per_node < 1:
+        raise UserError(f"--nics-per-node {nics_per_node}: must be at least 1 (rail-optimised: one per GPU)")
     if gpus_per_node < 1:
         raise UserError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
     if preset is not None and preset not in PRESETS:
@@ -119,7 +159,7 @@ def build_network(
     notes: list[str] = []
     intra = link_from_fits(fits, "intra")
     if intra is None:
-        intra = Link(PRESETS["ib-400"].busbw_gbyte_s * GB * 4, 3.4e-6, "assumed NVLink-class, no measurement")
+        intra = Link(ASSUMED_INTRA_GBYTE_S * GB, 3.4e-6, "assumed NVLink-class, no measurement")
         notes.append("intra-node link not measured: assumed 188 GB/s busbw, 3.4 us per hop")
     measured_inter = link_from_fits(fits, "inter")
     named = PRESETS[preset or DEFAULT_PRESET]
@@ -139,4 +179,7 @@ def build_network(
             notes.append(f"inter-node link neither measured nor described: assumed preset {DEFAULT_PRESET} "
                          "(pass --hostfile, --preset or --inter-node-gbps)")  # fmt: skip
         inter = Link(bandwidth, latency, what)
-    return Network(gpus_per_node, intra, inter), notes
+    nics = nics_per_node or (named.nics_per_node if preset is not None and inter_node_gbps is None else 1)
+    if nics > gpus_per_node:
+        notes.append(f"{nics} NICs per node but {gpus_per_node} ranks: only {gpus_per_node} carry traffic")
+    return Network(gpus_per_node, intra, scaled_link(inter, nics, gpus_per_node), nics), notes

@@ -224,7 +224,7 @@ def test_inter_node_figures_from_flags_and_presets():
     assert net.inter.busbw_bytes_s == pytest.approx(25e9) and net.inter.hop_latency_s == pytest.approx(5e-6)
     slow, fast = build_network(None, 8, "eth-25")[0], build_network(None, 8, "ib-400")[0]
     assert slow.inter.busbw_bytes_s < fast.inter.busbw_bytes_s
-    assert set(PRESETS) == {"ib-100", "ib-200", "ib-400", "eth-25", "eth-100"}
+    assert set(PRESETS) == {"ib-100", "ib-200", "ib-400", "dgx-a100", "dgx-h100", "eth-25", "eth-100"}
 
 
 # ---------------------------------------------------------------------------------------- recommendation
