@@ -305,10 +305,11 @@ def _register_advisor_commands() -> None:
     from advisor.measure.collectives_launch import comm_command
     from advisor.measure.profile import profile_command
     from advisor.report.build import report_command
+    from sdzero.processes import ending_children_on_signals as ends_children  # their ranks: on signals too
 
-    command("advise")(advise_command)
-    command("comm")(comm_command)
-    command("profile")(profile_command)
+    command("advise")(ends_children(advise_command))
+    command("comm")(ends_children(comm_command))
+    command("profile")(ends_children(profile_command))
     command("report")(report_command)
 
 

@@ -8,6 +8,7 @@ and link level (advisor.model.alphabeta), and writes `<out>/comm_fit.json`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -250,6 +251,9 @@ def launch(command: list[str], log_path: Path, timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             _kill_session(process)
             raise CommRunError(f"{command[0]} did not finish in {timeout_s:.0f} s; see {log_path}") from None
+        finally:
+            if process.poll() is None:  # interrupted (Ctrl-C, SIGTERM, SIGHUP: sdzero.processes)
+                _kill_session(process)
     if returncode != 0:
         raise CommRunError(
             f"{Path(command[0]).name} exited with {returncode}; see {log_path}:\n{_tail(log_path)}"
@@ -257,16 +261,15 @@ def launch(command: list[str], log_path: Path, timeout_s: float) -> None:
 
 
 def _kill_session(process: subprocess.Popen[bytes]) -> None:
-    # the launcher's children (the ranks) share its session; stop them all, politely first
+    """The launcher's whole session (its ranks share it): SIGTERM, a grace, then SIGKILL for whatever is
+    left, also when the launcher itself has exited (ranks can outlive it)."""
     for sig, grace_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(process.pid, sig)
-            process.wait(timeout=grace_s)
-            return
         except ProcessLookupError:
             return
-        except subprocess.TimeoutExpired:
-            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=grace_s)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from advisor.measure.grid import TrialSpec
+from sdzero.checkpoint import CHECKPOINTS
 from sdzero.launch import deepspeed_command
 
 GIB = 2**30
@@ -164,6 +166,8 @@ def run_trial(
         finally:
             if process.poll() is None:  # interrupted (Ctrl-C) or an error here: leave no ranks behind
                 kill_session(process)
+            # A killed trial's ranks save a preemption checkpoint on SIGTERM: no result, only disk used.
+            shutil.rmtree(trial_dir / "run" / CHECKPOINTS, ignore_errors=True)
     wall_s = time.monotonic() - started
     return classify_trial(process.returncode, killed_for, log_path, profile_path, settings, wall_s)
 

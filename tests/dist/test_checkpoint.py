@@ -241,3 +241,45 @@ def test_validation_writes_images(runs, stage):
         for path in images:
             with Image.open(path) as img:
                 assert img.size == (32, 32) and img.mode == "RGB"
+
+
+def test_zero3_bf16_export_loads_as_is_and_resume_refuses_what_it_cannot_continue(runs, tmp_path):
+    """A ZeRO-3 bf16 run: `sdzero export` and --export-final both load with a bare from_pretrained and
+    generate; a resume under another micro-batch and prediction type is refused in one line naming both;
+    changing only what is safe (steps, cadence, validation) continues."""
+    import json
+
+    from diffusers import DiffusionPipeline
+    from launch import CONFIGS
+    from typer.testing import CliRunner
+
+    from sdzero.cli import app
+
+    bf16 = json.loads((CONFIGS / "zero3_bf16.json").read_text())
+    config = write_config(tmp_path / "zero3_bf16.json", bf16)
+    out = tmp_path / "run"
+    ok(run(config, runs.model, runs.data, out, "--checkpoint-every", "2", "--export-final", steps=2))
+    result = CliRunner().invoke(app, ["export", str(out), str(tmp_path / "pipe")])
+    assert result.exit_code == 0, result.output
+    for folder in (tmp_path / "pipe", out / "final"):
+        dtypes = {t.dtype for f in folder.rglob("*.safetensors") for t in load_file(f).values()}
+        assert dtypes == {torch.float32}, folder
+        pipe = DiffusionPipeline.from_pretrained(folder)  # no torch_dtype: what users try first
+        image = pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np").images[0]
+        assert image.shape == (32, 32, 3) and image.std() > 0
+
+    smaller = write_config(tmp_path / "micro2.json", {**bf16, "train_micro_batch_size_per_gpu": 2})
+    code, log = run(smaller, runs.model, runs.data, out, "--resume", "auto", "--prediction-type", "v_prediction",
+                    steps=4)  # fmt: skip
+    assert code == 2, log[-3000:]
+    errors = [line for line in log.splitlines() if "sdzero: error:" in line]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert (
+        "micro-batch (DeepSpeed JSON) 4 -> 2" in errors[0]
+        and "--prediction-type epsilon -> v_prediction" in errors[0]
+    )
+    assert [m.step for _, m in ck.complete_checkpoints(ck.checkpoint_root(out))] == [2]  # nothing written
+
+    log = ok(run(config, runs.model, runs.data, out, "--resume", "auto", "--checkpoint-every", "1",
+                 *PROMPTS, "--validation-every", "3", steps=3))  # fmt: skip
+    assert f"resumed from {step_dir(out, 2)} (step 2)" in log and [r["step"] for r in metrics(out)] == [3]
