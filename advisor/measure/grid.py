@@ -56,6 +56,9 @@ class TrialSpec:
     overlap_comm: bool | None = None
     reduce_bucket_size: int | None = None
     allgather_bucket_size: int | None = None
+    grad_accum: int | None = None
+    """Gradient accumulation steps; None: as in the base JSON. A trial at accumulation > 1 is what tells
+    once-per-step costs (the optimizer step, ZeRO-1's boundary reduction) from per-micro-step ones."""
 
     @property
     def trial_id(self) -> str:
@@ -68,6 +71,8 @@ class TrialSpec:
             parts.append(f"rb{self.reduce_bucket_size}")
         if self.allgather_bucket_size is not None:
             parts.append(f"ag{self.allgather_bucket_size}")
+        if self.grad_accum is not None:
+            parts.append(f"ga{self.grad_accum}")
         return "-".join(parts)
 
     @property
@@ -94,6 +99,8 @@ class GridRequest:
     overlap_comm: tuple[bool, ...] = ()
     reduce_bucket_sizes: tuple[int, ...] = ()
     allgather_bucket_sizes: tuple[int, ...] = ()
+    grad_accums: tuple[int, ...] = ()
+    """Gradient accumulation steps to try; empty: the base JSON's."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
@@ -107,6 +114,8 @@ class GridRequest:
             raise UserError(f"--offload {', '.join(bad_o) or '(none)'}: choose from {', '.join(OFFLOADS)}")
         if any(m < 1 for m in self.micro_batches) or self.max_micro_batch < 1:
             raise UserError("--micro-batch and --max-micro-batch must be positive integers")
+        if any(a < 1 for a in self.grad_accums):
+            raise UserError(f"--grad-accum {list(self.grad_accums)}: accumulation steps must be at least 1")
         if any(r < 1 for r in self.ranks_per_node):
             raise UserError("--ranks must be at least 1 (ranks per node)")
         for flag, sizes in (("--reduce-bucket-size", self.reduce_bucket_sizes),
@@ -157,11 +166,22 @@ def plan_grid(request: GridRequest, supported: dict[str, bool]) -> GridPlan:
                     continue
                 for ranks in sorted(set(request.ranks_per_node or (2,))):
                     for knobs in _comm_knobs(request):
-                        base = TrialSpec(stage, precision, 0, offload, ranks, *knobs)
-                        ladders.append([replace(base, micro_batch=m) for m in request.ladder()])
+                        for accum in request.grad_accums or (None,):
+                            base = TrialSpec(stage, precision, 0, offload, ranks, *knobs, grad_accum=accum)
+                            ladders.append([replace(base, micro_batch=m) for m in request.ladder()])
     if not ladders:
         raise UserError("the grid is empty after the skips above; widen --stage/--precision/--offload")
     return GridPlan(ladders, notes)
+
+
+ACCUMULATION_CHECK = 4
+"""The accumulation of the check trial that `accumulation_check` makes."""
+
+
+def accumulation_check(spec: TrialSpec, grad_accum: int = ACCUMULATION_CHECK) -> TrialSpec:
+    """The same config at accumulation `grad_accum`: a trial the time model did not see when fitted on
+    accumulation-1 trials, which checks its split of once-per-step from per-micro-step costs."""
+    return replace(spec, grad_accum=grad_accum)
 
 
 def _comm_knobs(request: GridRequest) -> Iterator[tuple[bool | None, int | None, int | None]]:
@@ -194,7 +214,8 @@ def trial_ds_config(base: dict[str, Any], spec: TrialSpec) -> dict[str, Any]:
     # The global batch follows micro-batch x accumulation x world size; a fixed one would contradict it.
     config.pop("train_batch_size", None)
     config["train_micro_batch_size_per_gpu"] = spec.micro_batch
-    config["gradient_accumulation_steps"] = int(base.get("gradient_accumulation_steps", 1))
+    accum = spec.grad_accum if spec.grad_accum is not None else base.get("gradient_accumulation_steps", 1)
+    config["gradient_accumulation_steps"] = int(accum)
     _set_precision(config, spec.precision)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = spec.zero_stage

@@ -386,6 +386,10 @@ def profile_command(
     allgather_bucket_size: Annotated[
         list[int] | None, typer.Option(help="elements, ZeRO-1/2; repeat. [default: as in the base JSON]")
     ] = None,
+    grad_accum: Annotated[
+        list[int] | None,
+        typer.Option(help="gradient accumulation steps; repeat. [default: as in the base JSON]"),
+    ] = None,
     steps: Annotated[int, typer.Option(help="measured optimizer steps per trial.")] = 5,
     warmup_steps: Annotated[int, typer.Option(help="steps per trial before measuring (not counted).")] = 2,
     trial_timeout: Annotated[
@@ -425,6 +429,7 @@ def profile_command(
         "overlap_comm": tuple(parse_switch(v, "--overlap-comm") for v in overlap_comm or ()),
         "reduce_bucket_sizes": tuple(reduce_bucket_size or ()),
         "allgather_bucket_sizes": tuple(allgather_bucket_size or ()),
+        "grad_accums": tuple(grad_accum or ()),
     }
     try:
         result = run_profile(

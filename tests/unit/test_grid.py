@@ -225,3 +225,18 @@ def test_setup_id_changes_with_anything_that_changes_results():
     assert setup_id(parts) == setup_id(json.loads(json.dumps(parts)))
     assert setup_id(parts) != setup_id({**parts, "steps": 6})
     assert setup_id(parts) != setup_id({**parts, "base": {"zero_optimization": {"stage": 3}}})
+
+
+def test_an_accumulation_check_trial_has_its_own_id_and_json():
+    from advisor.measure.grid import accumulation_check
+
+    base = load_base_config(CONFIGS / "zero2_bf16.json")
+    spec = TrialSpec(2, "bf16", 4, "none", 2)
+    check = accumulation_check(spec)
+    assert check.trial_id == spec.trial_id + "-ga4" and check.ladder_key != spec.ladder_key
+    assert trial_ds_config(base, check)["gradient_accumulation_steps"] == 4
+    assert trial_ds_config(base, spec)["gradient_accumulation_steps"] == base["gradient_accumulation_steps"]
+    plan = plan_grid(GridRequest(stages=(1,), micro_batches=(1,), grad_accums=(1, 4)), CPU)
+    assert [s.grad_accum for ladder in plan.ladders for s in ladder] == [1, 4]
+    with pytest.raises(UserError, match="--grad-accum"):
+        GridRequest(grad_accums=(0,))
