@@ -172,10 +172,15 @@ def recommendation_section(folder: Path, rec: dict[str, Any] | None) -> Section:
     rows = [_summary_row(rec, "recommended")]
     rows += [_summary_row(other, str(i)) for i, other in enumerate(rec.get("runners_up") or [], start=2)]
     caption = CAPTIONS["recommendation"] + " " + held_out_sentence(rec)
+    table_item = scaling_table_item(rec)  # the answer first: how it scales, where the knee is
     items: list[Item] = [
-        frame_table("recommendation", "Recommended config and runners-up", caption, pd.DataFrame(rows))
+        *([table_item] if table_item else []),
+        frame_table("recommendation", "Recommended config and runners-up", caption, pd.DataFrame(rows)),
     ]
-    items += [NoteItem(f"recommendation-{key}", text) for key, text in recommendation_notes(rec)]
+    why = dict(recommendation_notes(rec))
+    if why:
+        items.append(mapping_table("recommendation-why", "How it was chosen", "The node-count rule, the global "
+                                   "batch, the learning rate and whether the config was measured.", why))  # fmt: skip
     if rec.get("launch_command"):
         items.append(
             CodeItem("launch", "Launch command", "Runs the recommendation as is.", str(rec["launch_command"]))
@@ -216,24 +221,25 @@ def held_out_sentence(rec: dict[str, Any]) -> str:
 
 
 def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
-    """The node-count rule, the LR and how it was reached, and the budget note, each one line."""
+    """The node-count rule, the global batch, the LR and how it was reached, and the budget note."""
     notes = []
     choice = rec.get("node_choice") or {}
     if choice:
-        notes.append(("nodes", f"Node count: {choice.get('chosen')} ({choice.get('rule')}); fastest "
-                               f"{choice.get('fastest')} nodes, most efficient {choice.get('most_efficient')}; "
-                               f"global batch {rec.get('global_batch_rule', rec.get('global_batch'))}."))  # fmt: skip
+        notes.append(("node count", f"{choice.get('chosen')} ({choice.get('rule')}); fastest "
+                                    f"{choice.get('fastest')} nodes, most efficient {choice.get('most_efficient')}"))  # fmt: skip
+    if rec.get("global_batch_rule"):
+        notes.append(("global batch", f"{rec.get('global_batch')}: {rec['global_batch_rule']}"))
     if rec.get("lr_rule"):
         notes.append(
             (
-                "lr",
-                f"Learning rate: {rec['lr_rule']}."
-                + (f" Warning: {rec['lr_warning']}." if rec.get("lr_warning") else ""),
+                "learning rate",
+                str(rec["lr_rule"]) + (f". Warning: {rec['lr_warning']}" if rec.get("lr_warning") else ""),
             )
         )
     measured = rec.get("measured") or {}
-    if measured and not measured.get("recommended_config_measured", True):
-        notes.append(("measured", f"Not measured: {measured['message']}"))
+    if measured:
+        notes.append(("measured", "yes: the recommended config ran as a trial" if measured.get("recommended_config_measured")
+                      else f"no: {measured.get('message')}"))  # fmt: skip
     return notes
 
 
@@ -336,9 +342,7 @@ def scaling_section(folder: Path, rec: dict[str, Any] | None, trials: pd.DataFra
     if best.empty:
         return absent("scaling", title, "scaling", f"{path} holds no feasible prediction to draw.")
     chosen, which = breakdown_config(predictions, rec)
-    table_item = scaling_table_item(rec)
     items: list[Item] = [
-        *([table_item] if table_item else []),
         FigureItem(
             "scaling",
             "Predicted throughput vs nodes",
