@@ -247,6 +247,24 @@ def k8s(
     typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
 
 
+@command("doctor")
+def doctor(
+    hostfile: Annotated[
+        Path | None, typer.Option(help="DeepSpeed hostfile: check these nodes over ssh (default: this one)")
+    ] = None,
+    output_dir: Annotated[
+        Path, typer.Option(help="the run's output folder: free disk, shared by all?")
+    ] = Path("."),
+    data: Annotated[Path | None, typer.Option(help="the image folder: the same on every node?")] = None,
+    probe_mib: Annotated[float, typer.Option(help="all-reduce size of the pair bandwidth probe")] = 16,
+) -> None:
+    """Pre-flight check of the nodes: hardware, versions, shared storage, links; exit 1 on a blocker."""
+    from sdzero.doctor import diagnose, render_report
+
+    facts, _, pairs, found = diagnose(hostfile, output_dir, data, size_mib=probe_mib)
+    raise typer.Exit(render_report(facts, pairs, found))
+
+
 @command("demo")
 def demo(
     out: Annotated[Path, typer.Option(help="work folder for model, data and run")] = Path("demo"),

@@ -56,6 +56,7 @@ from sdzero.speed import (
 )
 from sdzero.step_hooks import StepHooks, adopt_checkpoint_seed
 from sdzero.step_log import PendingStep, StepLog, launch_step_stats
+from sdzero.storage import check_shared_storage
 from sdzero.timing import PhaseTimer, timing_mode
 
 log = logging.getLogger("sdzero")
@@ -330,6 +331,7 @@ def run(cfg: TrainConfig) -> RunSummary:
     # init_distributed does not pick this rank's GPU (the engine does, later): without this, every rank's
     # early collectives (resume discovery, the image census) and frozen models would land on cuda:0.
     accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    check_shared_storage(cfg.output_dir, cfg.data, rank, world)  # a node without them: one clear error
     point = find_resume(cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, world)  # all ranks agree
     adopt_checkpoint_seed(cfg, point, rank)
     device = torch.device(accel.current_device_name())
