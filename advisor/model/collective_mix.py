@@ -60,6 +60,15 @@ class Collective:
     """Bytes of the whole buffers of all calls per occurrence (an all-gather's output)."""
     per_micro_step: bool
     what: str
+    overlapped: bool = False
+    """Issued while compute goes on (overlap_comm's reductions in backward, ZeRO-3's prefetched gathers),
+    so all but one call can hide behind it; the last bucket and the first prefetch cannot. Collectives at
+    the boundary or after the step have nothing left to overlap with."""
+
+    @property
+    def exposed_share(self) -> float:
+        """The part of its cost that cannot hide behind compute."""
+        return 1.0 / max(self.calls, 1) if self.overlapped else 1.0
 
     @property
     def kind(self) -> str:
@@ -136,7 +145,7 @@ def collective_mix(
         return [
             Collective("all_reduce", "backward" if stage == 2 else "boundary",
                        bucket_calls(order, zero.reduce_bucket_size), psi * element_bytes, stage == 2,
-                       "gradient reduction"),
+                       "gradient reduction", stage == 2 and zero.overlap_comm),
             Collective("all_gather_into_tensor", "step", 1, padded * element_bytes, False,
                        "updated 16-bit partitions"),
             *scalars,
@@ -146,14 +155,16 @@ def collective_mix(
     again = regathered(gathered, zero)
     mix = [
         Collective("all_gather_into_tensor", "forward", prefetch_calls(gathered, zero.prefetch_bucket_size),
-                   sum(_padded(n, world) for n in gathered) * element_bytes, True, "parameter gathers"),
+                   sum(_padded(n, world) for n in gathered) * element_bytes, True, "parameter gathers",
+                   zero.prefetch_bucket_size > 0),
         Collective("reduce_scatter_tensor", "backward", bucket_calls(list(reversed(numels)), zero.reduce_bucket_size),
-                   sum(_padded(n, world) for n in numels) * element_bytes, True, "gradient reduce-scatter"),
+                   sum(_padded(n, world) for n in numels) * element_bytes, True, "gradient reduce-scatter",
+                   zero.overlap_comm),
     ]  # fmt: skip
     if again:
         mix.append(Collective("all_gather_into_tensor", "backward", prefetch_calls(again, zero.prefetch_bucket_size),
                               sum(_padded(n, world) for n in again) * element_bytes, True,
-                              "parameters gathered again in backward"))  # fmt: skip
+                              "parameters gathered again in backward", zero.prefetch_bucket_size > 0))  # fmt: skip
     if persistent:
         mix.append(Collective("all_gather_into_tensor", "step", len(persistent),
                               sum(_padded(n, world) for n in persistent) * element_bytes, False,

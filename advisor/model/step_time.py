@@ -70,6 +70,8 @@ class CommOp:
     time spent in the op; older trials logged the async calls' launch only (see BURST_CALLS)."""
     phase: str = ""
     """When in the step (advisor.model.collective_mix.PHASES), where the derived mix says; "" unknown."""
+    exposed_share: float = 1.0
+    """The part of its cost that cannot hide behind compute (collective_mix.Collective.exposed_share)."""
 
     @property
     def burst(self) -> bool:
@@ -108,7 +110,17 @@ def ops_from_trial(comm_ops: str | dict | None, stage: int, world: int, grad_acc
 def ops_from_mix(mix: list[Collective]) -> list[CommOp]:
     """The derived collectives (advisor.model.collective_mix) as ops to cost: what a stage issues where no
     trial logged it (an unmeasured stage, or one measured on a single rank, where DeepSpeed skips them)."""
-    return [CommOp(c.kind, float(c.calls), float(c.full_bytes), c.per_micro_step, phase=c.phase) for c in mix]
+    return [
+        CommOp(
+            c.kind,
+            float(c.calls),
+            float(c.full_bytes),
+            c.per_micro_step,
+            phase=c.phase,
+            exposed_share=c.exposed_share,
+        )
+        for c in mix
+    ]
 
 
 def ops_by_mix(
@@ -135,8 +147,9 @@ def ops_by_mix(
         for c in mine:
             repeat = grad_accum if c.per_micro_step else 1
             share = c.full_bytes * repeat / total
-            out.append(CommOp(c.kind, c.calls * count_scale, c.full_bytes * bytes_scale, c.per_micro_step,
-                              logged * share / repeat, waited, c.phase))  # fmt: skip
+            calls = c.calls * count_scale
+            out.append(CommOp(c.kind, calls, c.full_bytes * bytes_scale, c.per_micro_step, logged * share / repeat,
+                              waited, c.phase, 1.0 / max(calls, 1.0) if c.overlapped else 1.0))  # fmt: skip
     return out
 
 
@@ -232,6 +245,18 @@ class TimeModel:
             return 0.0
         return min(_closest(self.once_per_step_s, (stage, precision, offload)), per_micro_s)
 
+    def unhideable_inter_s(
+        self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
+    ) -> float:
+        """The across-nodes seconds per step that cannot hide behind compute whatever the overlap: the
+        collectives at the boundary and after the step, and one call (the last bucket, the first prefetch)
+        of those issued during compute."""
+        floor = 0.0
+        for op in self.ops.get(stage, []):
+            repeat = grad_accum if op.per_micro_step else 1
+            floor += op_seconds(op, ranks_per_node, nodes, net)[1] * op.exposed_share * repeat
+        return floor
+
     def comm_seconds(
         self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
     ) -> tuple[float, float]:
@@ -250,7 +275,16 @@ class TimeModel:
         compute = once + grad_accum * (per_micro - once)
         intra, inter = self.comm_seconds(stage, grad_accum, net.gpus_per_node, nodes, net)
         comm = intra + inter
-        exposed = intra * self.comm_factor.get(stage, 1.0) + inter * self.inter_factor.get(stage, 1.0)
+        # Across nodes the measured share (1, all exposed, without multi-node trials) never goes below
+        # what cannot hide. Within the node no such floor: there the factor also carries the transport's
+        # speed (shared memory, NVLink) against the benchmark's, not only overlap.
+        hidden_inter = inter * self.inter_factor.get(stage, 1.0)
+        floor = (
+            self.unhideable_inter_s(stage, grad_accum, net.gpus_per_node, nodes, net)
+            if hidden_inter < inter
+            else 0.0
+        )
+        exposed = intra * self.comm_factor.get(stage, 1.0) + max(hidden_inter, floor)
         step = compute + exposed
         world = nodes * net.gpus_per_node
         return StepPrediction(compute, comm, exposed, step, micro_batch * grad_accum * world / step)

@@ -92,3 +92,23 @@ def test_the_optimizer_step_runs_once_per_step_whatever_the_accumulation():
     four = one_rank_zero3_trial(grad_accum=4, step_time_s=step, step_time_median_s=step)
     refit = fit_time_model(pd.DataFrame([four]), NET, NUMELS, ZERO)
     assert refit.compute_per_micro_s(3, "bf16", 2) == pytest.approx(per_micro)
+
+
+def test_what_cannot_hide_stays_exposed_across_nodes():
+    """Even where multi-node trials showed the across-nodes communication hidden (factor 0), the boundary
+    reduction of ZeRO-0 and the last reduce bucket of ZeRO-2 with overlap_comm stay exposed."""
+    from advisor.model.step_time import TimeModel
+
+    overlap = ZeroSettings(reduce_bucket_size=1000, overlap_comm=True)
+    ops = {s: ops_from_mix(collective_mix(NUMELS, s, 2, overlap)) for s in (0, 2)}
+    model = TimeModel(
+        {(s, "bf16", "none"): 0.1 for s in (0, 2)}, {"bf16": 0.0}, ops, inter_factor={0: 0.0, 2: 0.0}
+    )
+    across = {s: model.comm_seconds(s, 1, 1, 4, NET)[1] for s in (0, 2)}
+    assert model.predict(0, "bf16", 1, 1, 4, NET).exposed_comm_s == pytest.approx(across[0])  # all of it
+    reduction, gather, *scalars = ops[2]
+    assert reduction.count == 4 and reduction.exposed_share == pytest.approx(1 / 4)
+    last_bucket = op_seconds(reduction, 1, 4, NET)[1] / 4
+    rest = sum(op_seconds(op, 1, 4, NET)[1] for op in (gather, *scalars))
+    assert model.predict(2, "bf16", 1, 1, 4, NET).exposed_comm_s == pytest.approx(last_bucket + rest)
+    assert last_bucket + rest < across[2]
