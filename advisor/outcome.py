@@ -145,9 +145,9 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
     measured = measured_ids(o.trials)
     table = scaling_table(o.predictions, o.node_list, o.min_efficiency, o.target_net.inter.source, measured)
     batch_rule = (
-        f"--global-batch {o.target.describe()}"
+        f"{o.target.describe()} (--global-batch)"
         if o.target_asked
-        else f"fixed at the base config's {o.base_batch} (strong scaling; --global-batch to change it)"
+        else f"{o.base_batch}, the base config's, held fixed (strong scaling; --global-batch changes it)"
     )
     held_out = o.errors["held_out"]
     return {

@@ -228,7 +228,7 @@ def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
         notes.append(("node count", f"{choice.get('chosen')} ({choice.get('rule')}); fastest "
                                     f"{choice.get('fastest')} nodes, most efficient {choice.get('most_efficient')}"))  # fmt: skip
     if rec.get("global_batch_rule"):
-        notes.append(("global batch", f"{rec.get('global_batch')}: {rec['global_batch_rule']}"))
+        notes.append(("global batch", str(rec["global_batch_rule"])))
     if rec.get("lr_rule"):
         notes.append(
             (
