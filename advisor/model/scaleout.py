@@ -73,6 +73,8 @@ class ScaleoutRow:
     measured_comm_s: float = float("nan")
     """Time the multi-host run's ranks spent in collectives (logged plus waited), per step."""
     one_host_comm_s: float = float("nan")
+    flat_ring_step_s: float = float("nan")
+    """With several ranks per host: the step costed as one flat ring over all ranks (see flat_ring_step_s)."""
 
     @property
     def error(self) -> float:
@@ -121,6 +123,7 @@ def check_config(spec: TrialSpec, base: dict[str, Any], local: TrialSettings, re
         remote_spec, remote, base, work_dir / f"{remote_spec.trial_id}-{hosts}hosts", nodes=hosts
     )
     accum = int(one_host["grad_accum"].iloc[0])
+    flat = flat_ring_step_s(one_host, fit_path, hosts, slots) if slots > 1 else float("nan")
     return (
         ScaleoutRow(
             config=f"ZeRO-{spec.zero_stage} {spec.precision} mb{spec.micro_batch}"
@@ -136,9 +139,19 @@ def check_config(spec: TrialSpec, base: dict[str, Any], local: TrialSettings, re
             predicted_compute_s=predicted - comm,
             measured_comm_s=_comm_s(measured),
             one_host_comm_s=_comm_s(one_host),
+            flat_ring_step_s=flat,
         ),
         one_host,
     )
+
+
+def flat_ring_step_s(one_host: pd.DataFrame, fit_path: Path, hosts: int, slots: int) -> float:
+    """The step at `hosts` x `slots` if every collective is one ring over all hosts x slots ranks in rank
+    order, as gloo runs them (it knows no hosts): each step of the ring waits for its slowest hop, a hop
+    across hosts, and each host's link carries the ring's crossing edge, 2(W-1)/W of the buffer for an
+    all-reduce over W ranks, not the 2(H-1)/H of a within-host-then-across-hosts hierarchy. That is what
+    W hosts x 1 rank cost on the inter-host link."""
+    return predict_from_one_host(one_host, fit_path, hosts * slots, 1)[0]
 
 
 def _comm_s(trial: pd.DataFrame) -> float:

@@ -78,3 +78,34 @@ def test_slower_link_adds_its_communication_time(fit_file):
     slow, slow_comm, net = predict_from_one_host(one_host_trial(), fit_file(10.0), hosts=2, slots=1)
     assert slow > fast and slow - fast == pytest.approx(slow_comm - fast_comm, rel=1e-6)
     assert net.inter.busbw_bytes_s < net.intra.busbw_bytes_s
+
+
+def test_merged_probes_hold_both_links(fit_file, tmp_path):
+    """An intra and an inter probe (two comm_fit.json files) merge into the one network the check predicts with."""
+    from advisor.model.scaleout import merge_fits
+
+    both = json.loads(fit_file(10.0).read_text())["fits"]
+    paths = []
+    for level in ("intra", "inter"):
+        path = tmp_path / level / "comm_fit.json"
+        path.parent.mkdir()
+        write_json_atomic(path, {"schema": FIT_SCHEMA, "fits": [f for f in both if f["link_level"] == level]})
+        paths.append(path)
+    net, _ = build_network(merge_fits(paths, tmp_path / "merged.json"), 2)
+    assert "measured" in net.inter.source and "measured" in net.intra.source
+    assert net.inter.busbw_bytes_s == pytest.approx(net.intra.busbw_bytes_s / 10)
+
+
+def test_two_by_two_as_a_flat_ring_crosses_hosts_more(fit_file):
+    """gloo's ring over 2 hosts x 2 ranks crosses the slow link with 2(W-1)/W of the buffer (W = 4 ranks),
+    not the hierarchy's 2(H-1)/H (H = 2 hosts): the flat-ring figure is the 4 hosts x 1 prediction."""
+    from advisor.model.scaleout import flat_ring_step_s
+
+    path = fit_file(10.0)
+    trial = one_host_trial().assign(ranks_per_node=4, world_size=4)
+    net4, _ = build_network(path, 4)  # the 1-host collectives ran at the benchmark's speed
+    trial = trial.assign(comm_s=fit_time_model(trial, net4).comm_seconds(2, 1, 4, 1, net4)[0])
+    hierarchy, _, _ = predict_from_one_host(trial, path, hosts=2, slots=2)
+    flat = flat_ring_step_s(trial, path, hosts=2, slots=2)
+    assert flat > hierarchy
+    assert flat == pytest.approx(predict_from_one_host(trial, path, hosts=4, slots=1)[0], rel=1e-9)
