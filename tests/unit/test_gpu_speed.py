@@ -46,11 +46,13 @@ def syncs(monkeypatch):
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
     """A one-rank gloo group, for the loop's collectives."""
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         store = tmp_path_factory.mktemp("pg") / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 def test_timing_mode_events_on_cuda_sync_only_when_asked_host_on_cpu():
