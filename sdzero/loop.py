@@ -336,7 +336,7 @@ def run(cfg: TrainConfig) -> RunSummary:
     adopt_checkpoint_seed(cfg, point, rank)
     device = torch.device(accel.current_device_name())
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
-    apply_backend_flags(cfg)  # TF32
+    apply_backend_flags(cfg, device.type)  # TF32 (CUDA only)
 
     # From a cache, the VAE and text encoders are never loaded (validation/export load them when due).
     comps = load_components(cfg.model, ds.dtype, device, frozen=cache is None,

@@ -72,8 +72,11 @@ def check_speed_options(cfg: Any, ds: Any) -> None:
         )
 
 
-def apply_backend_flags(cfg: Any) -> None:
-    """Process-wide torch switches: TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN)."""
+def apply_backend_flags(cfg: Any, device_type: str) -> None:
+    """Process-wide torch switches: TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN). Left alone
+    off CUDA: the matmul flag also sets torch's global float32_matmul_precision, which CPU backends read."""
+    if device_type != "cuda":
+        return
     torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
     torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
 

@@ -252,15 +252,19 @@ def test_attention_kernel_is_probed_and_an_impossible_one_refused():
         speed.check_attention(options(attention="efficient"), unet, torch.float32, torch.device("cpu"))
 
 
-def test_tf32_flag_sets_both_torch_switches():
+def test_tf32_flag_sets_both_torch_switches_on_cuda_and_leaves_the_cpu_alone():
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    precision = torch.get_float32_matmul_precision()
     try:
-        speed.apply_backend_flags(options(tf32=True))
+        speed.apply_backend_flags(options(tf32=True), "cpu")
+        assert torch.get_float32_matmul_precision() == precision  # a CPU run's matmuls are untouched
+        speed.apply_backend_flags(options(tf32=True), "cuda")
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-        speed.apply_backend_flags(options(tf32=False))
+        speed.apply_backend_flags(options(tf32=False), "cuda")
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        torch.set_float32_matmul_precision(precision)
 
 
 def test_compile_goes_through_deepspeeds_engine_compile_and_wraps_the_module_in_place():
