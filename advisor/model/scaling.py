@@ -34,7 +34,17 @@ def link_provenance(source: str) -> str:
         return MEASURED
     if source.startswith("described by"):
         return f"{ASSUMED} (user figure)"
+    if source.startswith(ASSUMED):
+        return f"{ASSUMED} ({source.removeprefix(ASSUMED).strip().split(',')[0]})"
     return f"{ASSUMED} ({source.split(' (')[0]})"
+
+
+def short_provenance(text: str) -> str:
+    """A scaling row's provenance in a few words, for table cells (the full sentence is in the JSON)."""
+    if not text:
+        return ""
+    words = "measured" if "from a measured config" in text else "not measured"
+    return words + (", link assumed" if ASSUMED in text else "")
 
 
 def limiting_link(row: pd.Series) -> str:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from advisor.model.alphabeta import AlphaBetaFit, bus_factor, load_fits
 from advisor.model.error import ERROR_EXPLAINED, is_check
+from advisor.model.scaling import short_provenance
 from advisor.report import figures
 from advisor.report.page import (
     CodeItem,
@@ -60,9 +61,11 @@ CAPTIONS = {
     "recommendation": "The fastest config that fits in memory with the headroom at the chosen node count, and "
     "the runners-up at that count with why each lost.",
     "scaling-table": "Per node count, the fastest config that fits and keeps the global batch; efficiency is "
-    "samples/s per node against the smallest node count; exposed comm is the share of the step spent in "
-    "communication not hidden behind compute, and 'limited by' the link that share mostly waits on. "
-    "The knee is the largest node count keeping the minimum efficiency.",
+    "samples/s per node against the smallest node count; comm is the share of the step spent in "
+    "communication not hidden behind compute, and link the limiting link (intra- or inter-node): the one that "
+    "share mostly waits on. The knee is the largest node count keeping the minimum efficiency. Provenance: every "
+    "row is modelled; 'measured' when a trial ran that config, 'link assumed' when the inter-node "
+    "link is a preset or your figure.",
     "scaling": "Best feasible config per ZeRO stage and precision; dotted lines are linear scaling from the "
     "smallest node count and circles the best measured trial: the gap below a dotted line is time lost to "
     "communication.",
@@ -260,10 +263,21 @@ def provenance_section(rec: dict[str, Any] | None) -> Section | None:
     return Section("provenance", "Where the figures come from", items)
 
 
-SCALING_SHOWN = {"node_count": "nodes", "status": "status", "config_id": "config", "micro_batch": "micro-batch",
-                 "grad_accum": "accumulation", "global_batch": "global batch", "samples_per_s": "samples/s",
-                 "step_time_s": "step time (s)", "efficiency": "efficiency", "exposed_comm_share": "exposed comm",
-                 "limiting_link": "limited by", "provenance": "provenance"}  # fmt: skip
+SCALING_SHOWN = ("nodes", "config", "accum", "samples/s", "step (s)", "efficiency", "comm",
+                 "link", "provenance")  # fmt: skip
+
+
+def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
+    n = row["node_count"]
+    if row["status"] != "ok":
+        why = "global batch unreachable" if row["status"] == "unreachable" else "out of memory"
+        return [n, why, *[""] * (len(SCALING_SHOWN) - 2)]
+    marks = [m for m, on in (("recommended", n == rec.get("node_count")), ("knee", bool(row.get("knee"))),
+                             ("fastest", n == (rec.get("node_choice") or {}).get("fastest"))) if on]  # fmt: skip
+    return [f"{n} ({', '.join(marks)})" if marks else n, row["config_id"], row["grad_accum"],
+            row["samples_per_s"], row["step_time_s"], _percent(row.get("efficiency")),
+            _percent(row.get("exposed_comm_share")), row.get("limiting_link", ""),
+            short_provenance(str(row.get("provenance") or ""))]  # fmt: skip
 
 
 def modelled_note(rec: dict[str, Any] | None) -> str:
@@ -271,26 +285,17 @@ def modelled_note(rec: dict[str, Any] | None) -> str:
     prov = (rec or {}).get("provenance") or {}
     if not prov:
         return " Provenance: modelled."
-    return (f" Provenance: modelled from trials on {prov.get('trials_ran_on')}; intra-node link "
-            f"{prov.get('intra_node_link', '?').split(':')[0]}, inter-node link {prov.get('inter_node_link', '?').split(':')[0]}.")  # fmt: skip
+    intra, inter = (str(prov.get(k, "?")).split(":")[0] for k in ("intra_node_link", "inter_node_link"))
+    return f" Provenance: modelled from trials on {prov.get('trials_ran_on')}; intra-node link {intra}, inter-node link {inter}."
 
 
 def scaling_table_item(rec: dict[str, Any] | None) -> Item | None:
     rows = (rec or {}).get("scaling_table")
-    if not rows:
+    if not rec or not rows:
         return None
-    table = pd.DataFrame(rows)
-    marks = []
-    for _, row in table.iterrows():
-        mark = "recommended" if row["node_count"] == rec.get("node_count") else ""  # type: ignore[union-attr]
-        if row.get("knee"):
-            mark = (mark + ", knee") if mark else "knee"
-        marks.append(mark)
-    for column in ("efficiency", "exposed_comm_share"):
-        table[column] = table[column].map(lambda v: "" if pd.isna(v) else f"{v:.1%}")
-    table = table[[c for c in SCALING_SHOWN if c in table]].rename(columns=SCALING_SHOWN).assign(mark=marks)
-    title = f"Scaling table (global batch {rec.get('global_batch_rule', '')})"  # type: ignore[union-attr]
-    return frame_table("scaling-table", title, CAPTIONS["scaling-table"], table.astype(object).fillna(""))
+    table = pd.DataFrame([_scaling_cells(row, rec) for row in rows], columns=list(SCALING_SHOWN))
+    title = f"Scaling table (global batch {rec.get('global_batch_rule', '')})"
+    return frame_table("scaling-table", title, CAPTIONS["scaling-table"], table)
 
 
 def best_per_group(predictions: pd.DataFrame) -> pd.DataFrame:

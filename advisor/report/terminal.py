@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from advisor.model.scaling import short_provenance
+
 GIB = 2**30
 
 
@@ -44,12 +46,6 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
             style="bold" if n == rec.get("node_count") else None,
         )  # fmt: skip
     return table
-
-
-def short_provenance(text: str) -> str:
-    """The scaling row's provenance in a few words (the full sentence is in the JSON and the report)."""
-    words = "measured config" if "from a measured config" in text else "config not measured"
-    return words + ("; inter-node link assumed" if "assumed" in text else "")
 
 
 def print_advice(rec: dict[str, Any], trials_run: int, full_grid: int, out_dir: Any, report: Any,

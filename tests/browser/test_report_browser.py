@@ -113,3 +113,23 @@ def test_the_harness_sees_errors_broken_images_and_fetches(tmp_path):
     assert "missing" in facts["broken"] and facts["scripts"] == 1
     assert any("deliberate" in e for e in errors) and any("undefined_function" in e for e in errors)
     assert any(u.startswith("http://127.0.0.1:9/") for u in requests)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "reports" / "tiny-default-advise.html"
+
+
+def test_the_example_advise_report_leads_with_provenance_and_the_scaling_table():
+    """reports/tiny-default-advise.html (a real `sdzero advise --max-nodes 32` run): where the figures come
+    from at the top, the scaling table with its knee and unreachable node counts, the one held-out error
+    and the LR with its rule, on a laptop's width without sideways scrolling."""
+    with Chromium() as browser:
+        browser.open(EXAMPLE.as_uri(), *LAPTOP)
+        facts = browser.evaluate(PAGE_FACTS)
+        headings = browser.evaluate("[...document.querySelectorAll('h2')].map(h => h.innerText)")
+    assert headings[:2] == ["Where the figures come from", "Recommendation"], headings
+    text = facts["text"]
+    assert "Trials ran on a CPU" in text and "assumed (preset ib-200)" in text
+    assert "Scaling table" in text and "knee" in text and "unreachable" in text and "limiting link" in text
+    assert "Held-out error" in text or "No held-out error" in text
+    assert "Leave-one-out refits" in text and ("rule: global batch" in text or "base LR unchanged" in text)
+    assert facts["overflow_x"] <= 0, "the page scrolls sideways at a laptop's width"
