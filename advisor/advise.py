@@ -226,6 +226,7 @@ def run_advise(
     inter_node_latency_us: float | None = None,
     preset: str | None = None,
     nics_per_node: int | None = None,
+    tune_buckets: bool = False,
     global_batch: str | None = None,
     headroom: float = 0.1,
     device_memory_gib: float | None = None,
@@ -279,7 +280,13 @@ def run_advise(
     settings = trial_settings(model, data, steps, warmup, 900.0, 300.0, None, None, train_args)
     plan = plan_for_device(grid or (CPU_GRID if on_cpu else GridRequest()), device)
     micro_batches = [s.micro_batch for ladder in plan.ladders for s in ladder]
-    check_reachable(micro_batches, target_gpus, node_list, target)
+    try:
+        check_reachable(micro_batches, target_gpus, node_list, target)
+    except UserError as exc:
+        if asked is not None:
+            raise
+        raise UserError(f"the base config's global batch {base_batch} (kept at every node count unless "
+                        f"--global-batch says otherwise) is out of reach: {exc}") from None  # fmt: skip
     notes = list(plan.notes)
     started = time.monotonic()
 
@@ -361,6 +368,14 @@ def run_advise(
     best, config, runners, lr = recommend(
         predictions, base, usable, lr_scaling, reference, nodes, min_efficiency
     )
+    if tune_buckets:  # overlap_comm and bucket size, measured only where the model says they matter
+        from advisor.model.knobs import knob_choices
+        from advisor.model.knobs import tune_buckets as run_tuning
+
+        choices = knob_choices(models.timing, numels, zero, int(best["zero_stage"]), str(best["dtype"]),
+                               int(best["micro_batch"]), int(best["grad_accum"]), int(best["node_count"]),
+                               target_net, str(best["offload"]), models.memory, usable)  # fmt: skip
+        notes += run_tuning(best, choices, runner, ranks)
     config_path = out_dir / "recommended_ds_config.json"
     write_json_atomic(config_path, config)
     elapsed_s = time.monotonic() - started
@@ -487,6 +502,12 @@ def advise_command(
         float | None,
         typer.Option(help="achievable inter-node bandwidth per NIC, Gbit/s (describes the target network)."),
     ] = None,
+    tune_buckets: Annotated[
+        bool,
+        typer.Option(
+            help="also try overlap_comm and reduce bucket sizes, measured only where predicted to matter."
+        ),
+    ] = False,
     nics_per_node: Annotated[
         int | None,
         typer.Option(
@@ -551,7 +572,7 @@ def advise_command(
         max_nodes=max_nodes, model=model, data=data, deepspeed_config=deepspeed_config, out_dir=out,
         budget_minutes=budget_minutes, hostfile=hostfile, gpus_per_node=gpus_per_node,
         inter_node_gbps=inter_node_gbps, inter_node_latency_us=inter_node_latency_us, preset=preset,
-        nics_per_node=nics_per_node,
+        nics_per_node=nics_per_node, tune_buckets=tune_buckets,
         global_batch=global_batch, headroom=headroom, device_memory_gib=device_memory_gib, lr_scaling=lr_scaling,
         log=lambda message: console.print(f"[dim]{message}[/dim]"), train_args=check_train_args(train_args),
         min_efficiency=min_efficiency, nodes=nodes, target_gpu=target_gpu, lr_reference_batch=lr_reference_batch,

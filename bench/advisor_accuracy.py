@@ -29,7 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", type=Path, default=None, help="folder for everything (reuses a finished grid)")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="folder for everything (reuses a finished grid and its link fit)",
+    )
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="advisor_accuracy_"))
@@ -52,8 +57,12 @@ def main() -> None:
     grid = CPU_GRID.__class__(**{**CPU_GRID.__dict__, "ranks_per_node": (2,)})
     full = run_profile(model, data, work / "full", grid=grid, base_config=base_path, steps=args.steps,
                        warmup_steps=1, train_args=["--num-workers", "1"], log=print).table  # fmt: skip
-    comm = run_comm(work / "comm", num_ranks=2, backends=("torch",), max_bytes=16 * 2**20, budget_s=15.0)
-    net, _ = build_network(comm.fit_path, 2)
+    fit_path = work / "comm" / "comm_fit.json"
+    if not fit_path.is_file():  # a rerun on the same --work compares models on the very same measurements
+        fit_path = run_comm(
+            work / "comm", num_ranks=2, backends=("torch",), max_bytes=16 * 2**20, budget_s=15.0
+        ).fit_path
+    net, _ = build_network(fit_path, 2)
     numels = trained_numels(model)
     zero = ZeroSettings.from_config(load_base_config(base_path))
     plan = plan_grid(grid, {"bf16": True, "fp16": False})
