@@ -17,8 +17,14 @@ import pandas as pd
 
 from advisor.model.alphabeta import AlphaBetaFit, bus_factor, load_fits
 from advisor.model.error import ERROR_EXPLAINED, is_check
-from advisor.model.scaling import short_provenance
 from advisor.report import figures
+from advisor.report.answer import (
+    held_out_sentence,
+    modelled_note,
+    provenance_section,
+    recommendation_notes,
+    scaling_table_item,
+)
 from advisor.report.page import (
     CodeItem,
     FigureItem,
@@ -60,12 +66,6 @@ MODEL = "the performance model (sdzero advise)"
 CAPTIONS = {
     "recommendation": "The fastest config that fits in memory with the headroom at the chosen node count, and "
     "the runners-up at that count with why each lost.",
-    "scaling-table": "Per node count, the fastest config that fits and keeps the global batch; efficiency is "
-    "samples/s per node against the smallest node count; comm is the share of the step spent in "
-    "communication not hidden behind compute, and link the limiting link (intra- or inter-node): the one that "
-    "share mostly waits on. The knee is the largest node count keeping the minimum efficiency. Provenance: every "
-    "row is modelled; 'measured' when a trial ran that config, 'link assumed' when the inter-node "
-    "link is a preset or your figure.",
     "scaling": "Best feasible config per ZeRO stage and precision; dotted lines are linear scaling from the "
     "smallest node count and circles the best measured trial: the gap below a dotted line is time lost to "
     "communication.",
@@ -212,90 +212,7 @@ def recommendation_section(folder: Path, rec: dict[str, Any] | None) -> Section:
     return Section("recommendation", title, items)
 
 
-def held_out_sentence(rec: dict[str, Any]) -> str:
-    """The one held-out error, as the terminal and recommendation.json give it."""
-    error = rec.get("error") or {}
-    if error.get("trials"):
-        return (f"Held-out error on {error['trials']} configs run after the fit: step time "
-                f"{_percent(error.get('step_time_mape'))}, memory {_percent(error.get('memory_mape'))}.")  # fmt: skip
-    if error.get("step_time_mape") is not None:  # a recommendation.json from before the trial count
-        return f"Prediction error on held-out trials: step time {_percent(error['step_time_mape'])}."
-    return "No held-out error: no check trial ran within the budget (see Predicted vs measured)."
-
-
-def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
-    """The node-count rule, the global batch, the LR and how it was reached, and the budget note."""
-    notes = []
-    choice = rec.get("node_choice") or {}
-    if choice:
-        notes.append(("node count", f"{choice.get('chosen')} ({choice.get('rule')}); fastest "
-                                    f"{choice.get('fastest')} nodes, most efficient {choice.get('most_efficient')}"))  # fmt: skip
-    if rec.get("global_batch_rule"):
-        notes.append(("global batch", str(rec["global_batch_rule"])))
-    if rec.get("lr_rule"):
-        notes.append(
-            (
-                "learning rate",
-                str(rec["lr_rule"]) + (f". Warning: {rec['lr_warning']}" if rec.get("lr_warning") else ""),
-            )
-        )
-    measured = rec.get("measured") or {}
-    if measured:
-        notes.append(("measured", "yes: the recommended config ran as a trial" if measured.get("recommended_config_measured")
-                      else f"no: {measured.get('message')}"))  # fmt: skip
-    return notes
-
-
 # --------------------------------------------------------------------------------------------- scaling
-
-
-def provenance_section(rec: dict[str, Any] | None) -> Section | None:
-    """At the top: what was measured, what is modelled, what is assumed, and whether the target differs."""
-    prov = (rec or {}).get("provenance")
-    if not prov:
-        return None
-    rows = {k.replace("_", " "): v for k, v in prov.items() if k not in {"headline", "target_differs"}}
-    items: list[Item] = [
-        NoteItem("provenance-headline", str(prov.get("headline", ""))),
-        mapping_table("provenance", "Where each figure comes from", "measured: a trial or the benchmark ran "
-                      "it; modelled: fitted to those measurements; assumed: a preset or a figure you gave.", rows),
-    ]  # fmt: skip
-    return Section("provenance", "Where the figures come from", items)
-
-
-SCALING_SHOWN = ("nodes", "config", "accum", "samples/s", "step (s)", "efficiency", "comm",
-                 "link", "provenance")  # fmt: skip
-
-
-def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
-    n = row["node_count"]
-    if row["status"] != "ok":
-        why = "global batch unreachable" if row["status"] == "unreachable" else "out of memory"
-        return [n, why, *[""] * (len(SCALING_SHOWN) - 2)]
-    marks = [m for m, on in (("recommended", n == rec.get("node_count")), ("knee", bool(row.get("knee"))),
-                             ("fastest", n == (rec.get("node_choice") or {}).get("fastest"))) if on]  # fmt: skip
-    return [f"{n} ({', '.join(marks)})" if marks else n, row["config_id"], row["grad_accum"],
-            row["samples_per_s"], row["step_time_s"], _percent(row.get("efficiency")),
-            _percent(row.get("exposed_comm_share")), row.get("limiting_link", ""),
-            short_provenance(str(row.get("provenance") or ""))]  # fmt: skip
-
-
-def modelled_note(rec: dict[str, Any] | None) -> str:
-    """The provenance of a predicted figure, one sentence."""
-    prov = (rec or {}).get("provenance") or {}
-    if not prov:
-        return " Provenance: modelled."
-    intra, inter = (str(prov.get(k, "?")).split(":")[0] for k in ("intra_node_link", "inter_node_link"))
-    return f" Provenance: modelled from trials on {prov.get('trials_ran_on')}; intra-node link {intra}, inter-node link {inter}."
-
-
-def scaling_table_item(rec: dict[str, Any] | None) -> Item | None:
-    rows = (rec or {}).get("scaling_table")
-    if not rec or not rows:
-        return None
-    table = pd.DataFrame([_scaling_cells(row, rec) for row in rows], columns=list(SCALING_SHOWN))
-    title = f"Scaling table (global batch {rec.get('global_batch_rule', '')})"
-    return frame_table("scaling-table", title, CAPTIONS["scaling-table"], table)
 
 
 def best_per_group(predictions: pd.DataFrame) -> pd.DataFrame:
