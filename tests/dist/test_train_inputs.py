@@ -22,7 +22,8 @@ def test_loss_falls_and_unreadable_images_are_skipped(tiny_model, synth_data, tm
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "t"}
     cfg = write_config(tmp_path / "ds.json", config)
     out = tmp_path / "run"
-    proc = run_trainer(cfg, tiny_model, data, out, "--lr", "1e-3", "--lr-scaling", "sqrt", steps=24)
+    proc = run_trainer(cfg, tiny_model, data, out, "--lr", "1e-3", "--lr-scaling", "sqrt",
+                        "--lr-reference-batch", "4", steps=24)  # fmt: skip
     check_ok(proc)
     rows = metrics(out)
     assert len(rows) == 24
@@ -31,7 +32,7 @@ def test_loss_falls_and_unreadable_images_are_skipped(tiny_model, synth_data, tm
     # 61 readable images, global batch 8: 7 steps per epoch, so 24 steps cross three epoch boundaries.
     assert [r["epoch"] for r in rows[6:8]] == [0, 1] and rows[-1]["epoch"] == 3
     assert "61 images (3 unreadable skipped)" in proc.stderr + proc.stdout
-    assert rows[0]["lr"] == pytest.approx(1e-3 * 2**0.5)  # sqrt(global 8 / one rank's 4)
+    assert rows[0]["lr"] == pytest.approx(1e-3 * 2**0.5)  # sqrt(global 8 / reference 4)
     environment = json.loads((out / "environment.json").read_text())
     assert environment["world_size"] == 2 and environment["versions"]["deepspeed"]
     # DeepSpeed's own monitor section works as documented: its lr events, plus the loss we add.
