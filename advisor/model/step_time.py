@@ -7,21 +7,27 @@ network's work per sample does not depend on the stage). A trial's compute is it
 time its ranks spent inside collectives (DeepSpeed's comms_logger, plus the time they then waited for
 async calls, which the trial times itself: sdzero.profiling.WaitMeter).
 
-Communication is the op mix each stage really issued in the trials (comms_logger: all-reduce of gradients
-at ZeRO-1/2 in this DeepSpeed, not the paper's reduce-scatter; per-parameter all-gathers at ZeRO-3, ...),
-each op's size converted to its full buffer and costed at the target world size with the alpha-beta
-figures of advisor.model.network, hierarchically: inside the node first, then across nodes, where the node's
-ranks share its link. Which ops repeat per accumulation micro-step follows the stage: gradient reductions
-at ZeRO-2/3 run inside every backward, ZeRO-3's parameter gathers in every forward and backward; ZeRO-1
-reduces once at the boundary and stages 1/2 gather updated partitions once per step.
+Once-per-step compute (the optimizer step, less the collectives inside it) is measured per group from
+the trials' optimizer phase and charged once per step; the rest of a micro-step's compute is charged per
+micro-step (see docs/performance-model.md).
+
+Communication is the op mix each stage issues: derived from the network's parameter sizes and the JSON
+(advisor.model.collective_mix) and, where a trial at 2+ ranks logged the stage, scaled to the logged
+volumes (comms_logger). Each op's size is its full buffer, costed at the target world size with the
+alpha-beta figures of advisor.model.network, hierarchically: inside the node first, then across nodes,
+where the node's ranks share its NICs. The mix says which ops repeat per accumulation micro-step
+(ZeRO-2's reductions, ZeRO-3's gathers and reduce-scatters) and which run once per step (ZeRO-0/1's
+boundary reduction, the gathers after the optimizer step).
 
 Overlap: per stage, the ratio of the communication time the trials measured to what the alpha-beta model
 says the same ops cost at the measured world size. Below 1, part was hidden behind compute (or the
 trial's collectives used a faster transport than the benchmark's, e.g. shared memory); above 1, the
 trial's collectives ran slower than the benchmark's (contention with compute). It is measured and applied
 per link level: the ratio of 1-node trials to the within-node part, that of multi-node trials (when there
-are any) to the across-nodes part, which is otherwise costed in full (nothing assumed hidden). The model
-thus reproduces the measured step time at the measured node count exactly.
+are any) to the across-nodes part, which is otherwise costed in full (nothing assumed hidden), and never
+below what cannot hide there (collectives at the boundary and after the step, the last bucket, the first
+prefetch: `TimeModel.unhideable_inter_s`). The model thus reproduces the measured step time at the
+measured node count exactly.
 """
 
 from __future__ import annotations
