@@ -73,7 +73,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--comm-budget-s", type=float, default=8.0, help="per link probe")
     p.add_argument("--round", type=int, default=1, help="round label of this chunk's cases in scaleout.csv")
     p.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
-    p.add_argument("--table-only", action="store_true", help="print the cases in <work>/scaleout.csv")
+    p.add_argument("--table", default="scaleout.csv", help="the CSV in --work that the cases go to")
+    p.add_argument("--table-only", action="store_true", help="print the cases in <work>/<table>")
     p.add_argument("--overlap", action="store_true",
                    help="the overlap check: every case with ZeRO's overlap_comm on and then off; the table "
                         "compares the predicted with the measured difference")  # fmt: skip
@@ -84,7 +85,7 @@ def main() -> int:
     args = parse_args()
     work = (args.work or Path(tempfile.mkdtemp(prefix="sdzero-scaleout-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    csv = work / "scaleout.csv"
+    csv = work / args.table
     if args.table_only:
         print_table(pd.read_csv(csv))
         return 0
@@ -125,7 +126,7 @@ def run_layout(args: argparse.Namespace, work: Path, model: Path, data: Path, ba
               f"{share and share * slots or 'no'} cores per host", flush=True)  # fmt: skip
 
         def local_share():  # the 1-host trials and probes: the same share per rank as the hosts' ranks
-            return cluster.local_share(share * hosts * slots) if share else nullcontext()
+            return cluster.local_share(share * hosts * slots, hosts * slots) if share else nullcontext()
 
         # Probes already in this round's folder (an earlier chunk of the same layout) are used again.
         intra = here / "comm-intra" / "comm_fit.json"

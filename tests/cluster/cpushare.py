@@ -8,8 +8,14 @@ fractional machine whether it runs alone or with three others, as long as the qu
 the cores. The 1-host reference trial runs under the same share (`joined`).
 
 The quota is refilled every PERIOD_US; a short period keeps the throttling fine-grained (a rank that used
-its 0.4 ms of a 1 ms period waits 0.6 ms, not 60 ms of a 100 ms one), so the host behaves like a slower
-CPU rather than one that stops for long stretches between collectives.
+its 0.8 ms of a 2 ms period waits 1.2 ms, not 60 ms of a 100 ms one), so the host behaves like a slower
+CPU rather than one that stops for long stretches between collectives. That holds for a group of ONE
+rank. A group whose processes run on several cores at once (a host with 2 ranks, the 1-host trial) must
+not have a short period: each core takes its runtime from the group's pool in slices of
+`kernel.sched_cfs_bandwidth_slice_us` (5 ms), so with 3.2 ms per 2 ms period one core takes it all and
+the other's ranks wait (measured: a 1-host trial's 4 ranks computed 1.4x slower than the same ranks on 4
+hosts). Such a group gets LONG_PERIOD_US, a cap over 100 ms, and each rank its own short-period group
+inside it (rankshare/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PERIOD_US = 2000
-"""Quota refill period: 2 ms (the kernel allows 1 ms to 1 s; the default 100 ms throttles in long gaps)."""
+"""Quota refill period of a one-rank group: 2 ms (the kernel allows 1 ms to 1 s; its default is 100 ms)."""
+LONG_PERIOD_US = 100_000
+"""Period of a group whose processes run on several cores at once (see the module doc)."""
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
 
@@ -60,13 +68,14 @@ def detect(v1_root: Path = V1_ROOT, v2_root: Path = V2_ROOT) -> CgroupFs:
     )
 
 
-def period_us_for(cpus: float) -> int:
-    """PERIOD_US, or longer where the quota would fall under the kernel's 1 ms minimum."""
-    return max(PERIOD_US, round(1000 / cpus))
+def period_us_for(cpus: float, parallel: int = 1) -> int:
+    """PERIOD_US for one rank (longer where the quota would fall under the kernel's 1 ms minimum);
+    LONG_PERIOD_US for a group of `parallel` > 1 ranks."""
+    return LONG_PERIOD_US if parallel > 1 else max(PERIOD_US, round(1000 / cpus))
 
 
-def create(fs: CgroupFs, name: str, cpus: float, exist_ok: bool = False) -> Path:
-    """A new cgroup `name` (a path under the root) limited to `cpus` cores; its path."""
+def create(fs: CgroupFs, name: str, cpus: float, exist_ok: bool = False, parallel: int = 1) -> Path:
+    """A new cgroup `name` (a path under the root) limited to `cpus` cores for `parallel` ranks; its path."""
     if fs.version == 2:
         # v2 distributes `cpu` to children only where the parent enables it for its subtree.
         control = fs.root / "cgroup.subtree_control"
@@ -74,7 +83,7 @@ def create(fs: CgroupFs, name: str, cpus: float, exist_ok: bool = False) -> Path
             control.write_text("+cpu")
     group = fs.root / name
     group.mkdir(exist_ok=exist_ok)
-    for file, value in fs.quota_files(cpus, period_us_for(cpus)).items():
+    for file, value in fs.quota_files(cpus, period_us_for(cpus, parallel)).items():
         (group / file).write_text(value)
     return group
 
@@ -117,12 +126,12 @@ def throttled_periods(group: Path) -> int:
 
 
 @contextlib.contextmanager
-def joined(name: str, cpus: float, fs: CgroupFs | None = None) -> Iterator[Path]:
+def joined(name: str, cpus: float, fs: CgroupFs | None = None, parallel: int = 1) -> Iterator[Path]:
     """Run this process, and what it starts meanwhile, under a `cpus`-core quota; moved back and the group
     removed afterwards (also on failure). The 1-host reference trial runs inside this, so it gets the same
     share per rank as a cluster host's ranks."""
     fs = fs or detect()
-    group = create(fs, name, cpus)
+    group = create(fs, name, cpus, parallel=parallel)
     home = own_group(fs)
     try:
         join(group, os.getpid())

@@ -200,7 +200,7 @@ class Cluster:
                 path = fs.root / f"sdz-{self.tag}-n{h.index}"
                 self.cgroups.append(str(path))
                 self._save()  # recorded before it exists, as everything else
-                cpushare.create(fs, path.name, self.cpus_per_host)
+                cpushare.create(fs, path.name, self.cpus_per_host, parallel=self.slots)
         except (cpushare.CpuShareUnavailable, OSError) as exc:
             raise ClusterUnavailable(f"cannot give each host a CPU quota: {exc}") from exc
 
@@ -209,16 +209,16 @@ class Cluster:
         return Path(self.cgroups[h.index - 1]) if self.cpus_per_host is not None else None
 
     @contextlib.contextmanager
-    def local_share(self, cpus: float):
-        """This process, and what it starts meanwhile, under a `cpus`-core quota: the 1-host reference trial
-        gets the same share per rank as a host's ranks. Recorded in the state, so a killed run's group goes
-        with the cluster."""
+    def local_share(self, cpus: float, ranks: int = 1):
+        """This process, and what it starts meanwhile (`ranks` ranks), under a `cpus`-core quota: the 1-host
+        reference trial gets the same share per rank as a host's ranks. Recorded in the state, so a killed
+        run's group goes with the cluster."""
         fs = cpushare.detect()
         path = fs.root / f"sdz-{self.tag}-local{len(self.cgroups)}"
         self.cgroups.append(str(path))
         self._save()
         try:
-            with cpushare.joined(path.name, cpus, fs) as group:
+            with cpushare.joined(path.name, cpus, fs, parallel=ranks) as group:
                 yield group
         finally:
             self.cgroups.remove(str(path))

@@ -56,6 +56,15 @@ def test_small_share_lengthens_the_period_not_the_quota(tmp_path):
     assert quota >= 1000 and quota / period == pytest.approx(0.2)
 
 
+def test_a_group_of_several_ranks_gets_the_long_period(tmp_path):
+    """Cores take runtime from a group in 5 ms slices: a 2 ms period would let one core take a 2-rank
+    group's whole quota; the long period keeps the cap without that (each rank has its own short one)."""
+    fs = cpushare.detect(fake_v1(tmp_path), tmp_path / "none")
+    group = cpushare.create(fs, "two-ranks", 0.8, parallel=2)
+    quota, period = (int((group / f).read_text()) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+    assert period == cpushare.LONG_PERIOD_US and quota / period == pytest.approx(0.8)
+
+
 @pytest.mark.parametrize("cpus", [0.0, -1.0])
 def test_non_positive_share_is_refused(cpus):
     with pytest.raises(ValueError, match="positive"):
