@@ -344,8 +344,8 @@ def run(cfg: TrainConfig) -> RunSummary:
     prediction_type = resolve_prediction_type(comps, cfg.prediction_type)  # "flow_matching" for SD3
     dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
     dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
+    attention = check_attention(cfg, comps.unet, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
     engine, config = init_engine(cfg, ds, comps)
-    attention = check_attention(cfg, engine.module, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
     speed = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)
     hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, preemption)
     state = hooks.restore(point)  # a collective when resuming
