@@ -47,10 +47,10 @@ def test_comm_ends_its_ranks_on_a_signal(sig, tmp_path):
         ranks = rank_processes(root, "collectives_rank", 2)
         started = [root, *root.children(recursive=True)]
         proc.send_signal(sig)
-        _, alive = psutil.wait_procs(started, timeout=15)
+        gone, alive = psutil.wait_procs(started, timeout=15)  # reaps the command: its code is read here
         assert alive == [], [p.pid for p in alive]
         assert all(not r.is_running() for r in ranks)
-        assert proc.wait(timeout=5) == 128 + sig
+        assert {p.pid: p.returncode for p in gone}[proc.pid] == 128 + sig
     finally:
         for p in (
             [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
