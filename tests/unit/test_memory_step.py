@@ -114,3 +114,23 @@ def test_zero1_and_2_step_frees_buckets_and_other_ranks_gradients():
     kept = ZeroSettings(reduce_bucket_size=10_000, persistence_threshold=0, contiguous_gradients=False)
     model = MemoryModel(numels, kept, frozen_bytes=0.0, activations=ActivationFit(0.0, 0.0))
     assert model.step_bytes(2, "bf16", "none", 2)["resident"] == 2 * 2400 + 4800 + 9600 + 20_000
+
+
+def test_zero0_holds_everything_everywhere_and_casts_each_gradient_to_fp32_at_the_step():
+    """ZeRO-0 (DeepSpeed's FP16_Optimizer, also for bf16): states of 16 bytes per parameter at any world
+    size, no reduce buckets; its step casts each 16-bit gradient to fp32 and flattens the copies into one
+    fp32 tensor while the 16-bit gradients still live: 2 + 4 + 4 bytes per parameter on top."""
+    zero = ZeroSettings.from_config(shipped("zero0_bf16.json"), device="cuda")
+    model = sd15_model(zero)
+    psi = SD15_UNET_PARAMS
+    for world in (1, 8, 64):
+        assert sum(model.state_bytes(0, "bf16", world).values()) == 16 * psi
+    assert model.bucket_bytes(0) == 0
+    step = model.step_bytes(0, "bf16", "none", 8)
+    assert step["transient"] == (2 + 4 + 4) * psi  # FusedAdam: no temporaries of its own
+    assert step["resident"] == (2 + 4 + 8) * psi + model.frozen_bytes
+    # ZeRO-1 at the same world holds a fraction of the optimizer states: far less at the step
+    assert (
+        model.per_rank_bytes(1, "bf16", 1, "none", 8)["total"]
+        < model.per_rank_bytes(0, "bf16", 1, "none", 8)["total"]
+    )
