@@ -336,7 +336,9 @@ _register_advisor_commands()
 
 def main() -> None:
     try:
-        app()
+        from sdzero.launch import decode_argv
+
+        app(args=decode_argv(sys.argv[1:]))  # `sdzero cache` ranks through pdsh get one base64 word
     except UserError as exc:
         print(f"sdzero: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

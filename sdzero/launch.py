@@ -83,8 +83,9 @@ def deepspeed_command(
         if num_gpus < 1:
             raise UserError(f"--num-gpus must be at least 1, got {num_gpus}")
         cmd += ["--num_gpus", str(num_gpus)]
-    if hostfile is not None and entry is None:
-        train_args = shell_proof_args(train_args)  # remote ranks start through pdsh's shell
+    if hostfile is not None:
+        # Remote ranks start through pdsh's shell; train.py and `python -m sdzero.cli` decode the word.
+        train_args = shell_proof_args(train_args)
     cmd += ["--master_port", str(master_port or free_port()), *(entry or [str(TRAIN_SCRIPT)]), *train_args]
     return cmd
 

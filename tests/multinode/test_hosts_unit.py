@@ -262,3 +262,19 @@ def test_trainer_options_survive_a_remote_shell(tmp_path):
         "--max-steps", "3", "--output-dir", "/runs/a_b-1"]  # fmt: skip
     with pytest.raises(UserError, match="--sdzero-argv-b64"):
         decode_argv(["--sdzero-argv-b64", "not base64!"])
+
+
+def test_cache_build_options_are_shell_proof_too(tmp_path):
+    """`sdzero cache --hostfile` starts `python -m sdzero.cli cache ARGS` on every node through pdsh."""
+    import sys
+
+    from sdzero.launch import deepspeed_command, shell_proof_args
+
+    hosts_path = hostfile(tmp_path, "127.0.0.1 slots=1\n")
+    args = [str(tmp_path / "it's $HOME"), "--images", "2"]
+    cmd = deepspeed_command(args, hostfile=hosts_path, entry=["--module", "sdzero.cli", "synth-data"])
+    assert cmd[-2:] == shell_proof_args(args) and cmd[-2] == "--sdzero-argv-b64"
+    line = " ".join([sys.executable, "-m", "sdzero.cli", "synth-data", *cmd[-2:]])
+    done = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "it's $HOME" / "metadata.jsonl").is_file()
