@@ -28,8 +28,13 @@ def claim_output_dir(output_dir: Path) -> Path:
     path = output_dir / LOCK_NAME
     if output_dir in _held:
         return path
-    output_dir.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")  # noqa: SIM115 (kept open: the lock lives as long as the file is open)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")  # noqa: SIM115 (kept open: the lock lives as long as the file is open)
+    except OSError as exc:  # on rank 0 only: an error here must reach every rank as a UserError
+        raise UserError(
+            f"--output-dir {output_dir}: cannot write there ({exc.strerror}); choose another"
+        ) from None
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

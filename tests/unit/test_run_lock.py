@@ -41,3 +41,10 @@ def test_a_live_run_holds_the_folder_and_a_dead_ones_lock_is_taken_over(tmp_path
         assert json.loads((out / LOCK_NAME).read_text()) == {"host": socket.gethostname(), "pid": os.getpid()}
     finally:
         release_output_dir(out)
+
+
+def test_an_unwritable_output_dir_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UserError, match="cannot write there"):
+        claim_output_dir(blocker / "run")
