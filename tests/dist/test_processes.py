@@ -26,7 +26,10 @@ def rank_processes(
         found = []
         for child in root.children(recursive=True):
             try:
-                if any(marker in part for part in child.cmdline()):
+                cmdline = child.cmdline()  # the ranks themselves, not the launchers naming the module
+                if any(marker in part for part in cmdline) and not any(
+                    "deepspeed" in part for part in cmdline
+                ):
                     found.append(child)
             except psutil.Error:
                 continue
