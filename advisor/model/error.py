@@ -133,3 +133,15 @@ def error_summary(validation: pd.DataFrame) -> dict[str, dict[str, float | int |
                     "memory_mape": mape(validation, "mem_per_rank_bytes", which=which),
                     "trials": int(rows["config_id"].nunique())}  # fmt: skip
     return out
+
+
+def error_by(validation: pd.DataFrame, column: str, quantity: str = "step_time_s") -> pd.DataFrame:
+    """Held-out MAPE of one quantity per value of `column` (micro_batch, grad_accum or node_count): where
+    the model errs, not only how much. Columns: the value, mape, trials."""
+    rows = validation[(validation["quantity"] == quantity) & validation["held_out"].astype(bool)]
+    rows = rows[(rows["measured"] > 0) & rows.get(column, pd.Series(dtype=float)).notna()]
+    if rows.empty:
+        return pd.DataFrame(columns=[column, "mape", "trials"])
+    err = (rows["predicted"] / rows["measured"] - 1).abs()
+    out = err.groupby(rows[column]).agg(["mean", "size"]).reset_index()
+    return out.rename(columns={"mean": "mape", "size": "trials"})

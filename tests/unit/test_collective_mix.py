@@ -112,3 +112,19 @@ def test_what_cannot_hide_stays_exposed_across_nodes():
     rest = sum(op_seconds(op, 1, 4, NET)[1] for op in (gather, *scalars))
     assert model.predict(2, "bf16", 1, 1, 4, NET).exposed_comm_s == pytest.approx(last_bucket + rest)
     assert last_bucket + rest < across[2]
+
+
+def test_the_error_is_given_by_micro_batch_accumulation_and_node_count():
+    from advisor.model.error import error_by
+
+    validation = pd.DataFrame(
+        {
+            "quantity": "step_time_s", "held_out": [True, True, True, False],
+            "predicted": [1.1, 2.0, 4.4, 9.0], "measured": [1.0, 2.0, 4.0, 1.0],
+            "micro_batch": [1, 1, 2, 2], "grad_accum": [1, 1, 4, 4], "node_count": [1, 1, 1, 2],
+        }
+    )  # fmt: skip
+    by_accum = error_by(validation, "grad_accum").set_index("grad_accum")
+    assert by_accum.loc[1, "mape"] == pytest.approx(0.05) and by_accum.loc[4, "mape"] == pytest.approx(0.1)
+    assert list(by_accum["trials"]) == [2, 1]  # the row fitted on (held_out false) does not count
+    assert list(error_by(validation, "node_count")["node_count"]) == [1]
