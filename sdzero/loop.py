@@ -41,6 +41,7 @@ from sdzero.models import (
     resolve_prediction_type,
     tokenize,
 )
+from sdzero.monitoring import finish_wandb_run
 from sdzero.objectives import denoising_loss
 from sdzero.preemption import PreemptionFlag, ignore_preemption_signals
 from sdzero.profiling import start_probe
@@ -424,6 +425,7 @@ def train_steps(
     metrics_path = str(cfg.output_dir / "metrics.jsonl")
     if writer is not None:
         writer.close()
+        finish_wandb_run()
     if cfg.export_final:
         export_final(cfg, engine, comps, rank, hooks.ema)
     # The first step includes one-off warm-up (allocations, JIT, workers).

@@ -55,7 +55,7 @@ def test_tensorboard_and_wandb_record_sdzero_scalars_from_parquet_data(
     losses = [r["loss"] for r in metrics(out)]
     assert len(losses) == STEPS
 
-    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    events = EventAccumulator(str(tmp_path / "tb" / "t")).Reload()  # output_path/job_name
     scalars = [e.value for e in events.Scalars(LOSS_TAG)]
     assert scalars == pytest.approx(losses, rel=1e-6), events.Tags()["scalars"]
 
