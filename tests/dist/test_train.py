@@ -128,3 +128,26 @@ def test_export_final_is_a_loadable_pipeline(fp32_runs, tiny_model):
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)
     image = pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np").images[0]
     assert image.shape == (32, 32, 3)
+
+
+def test_speed_options_reach_a_real_run_and_an_impossible_kernel_is_refused(tiny_model, synth_data, tmp_path):
+    """One rank, two steps: the fast-path options as a user passes them, read back from environment.json;
+    then an SDPA kernel the CPU lacks, refused with one line and exit 2 before any step."""
+    config = CONFIGS / "zero2_bf16.json"
+    out = tmp_path / "run"
+    proc = run_trainer(config, tiny_model, synth_data, out, "--channels-last", "--attention", "math",
+                       "--sync-timing", "--no-tf32", ranks=1)  # fmt: skip
+    check_ok(proc)
+    used = json.loads((out / "environment.json").read_text())["speed"]
+    assert used["channels_last"] is True and used["attention_requested"] == "math"
+    assert used["attention_kernel_by_head_size"] == {"8": "math"}
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    refused = run_trainer(config, tiny_model, synth_data, tmp_path / "refused", "--attention", "efficient",
+                          ranks=1)  # fmt: skip
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("sdzero: error:")]
+    assert errors == [
+        "sdzero: error: --attention efficient: that SDPA kernel cannot run here for head size 8 in "
+        "torch.bfloat16 on cpu; use --attention auto (or flash/math on a CPU)"
+    ]
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
