@@ -188,7 +188,6 @@ def print_table(table: pd.DataFrame) -> None:
               f"| {r['inter_busbw_gbit_s']:.3f} Gbit/s | {r['one_host_step_s']:.3f} s "
               f"| {r['predicted_step_s']:.3f} s ({r['predicted_compute_s']:.3f} + {r['predicted_comm_s']:.3f}) "
               f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%} |")  # fmt: skip
-    print("\n| round | cases | within 10% | median |error| | largest |error| |\n|---|---|---|---|---|")
     flat = table[table["slots"] > 1] if "flat_ring_step_s" in table else table.iloc[:0]
     if len(flat):
         print("\n| round | hosts x ranks | link | config | hierarchy predicted | flat ring predicted | measured "
@@ -197,6 +196,7 @@ def print_table(table: pd.DataFrame) -> None:
             print(f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']} | {r['config']} "
                   f"| {r['predicted_step_s']:.3f} s | {r['flat_ring_step_s']:.3f} s | {r['measured_step_s']:.3f} s "
                   f"| {r['error']:+.1%} | {r['flat_ring_step_s'] / r['measured_step_s'] - 1:+.1%} |")  # fmt: skip
+    print("\n| round | cases | within 10% | median |error| | largest |error| |\n|---|---|---|---|---|")
     for round_, rows in table.groupby("round"):
         size = rows["error"].abs()
         print(f"| {round_} | {len(rows)} | {(size <= 0.10).sum()} | {size.median():.1%} | {size.max():.1%} |")

@@ -8,6 +8,9 @@ its quota freely: a rank whose peers wait in a collective runs faster than its s
 compute would be faster than the same ranks' compute on hosts of their own. Processes the rank starts
 (DataLoader workers) inherit its group. Anything that fails (not root, cgroup v2, whose groups with
 processes cannot have children with controllers) leaves the rank where it was: its host's share still holds.
+
+Works for the 1-host trial's ranks. A namespace host's ranks do not see the cgroup mounts (`ip netns exec`
+mounts a fresh /sys), so on a host with several ranks they share the host's quota (see docs/multinode.md).
 """
 
 from __future__ import annotations
