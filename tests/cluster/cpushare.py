@@ -83,9 +83,14 @@ def create(fs: CgroupFs, name: str, cpus: float, exist_ok: bool = False, paralle
             control.write_text("+cpu")
     group = fs.root / name
     group.mkdir(exist_ok=exist_ok)
+    limit(fs, group, cpus, parallel)
+    return group
+
+
+def limit(fs: CgroupFs, group: Path, cpus: float, parallel: int = 1) -> None:
+    """Set (or change) an existing group's quota to `cpus` cores for `parallel` ranks."""
     for file, value in fs.quota_files(cpus, period_us_for(cpus, parallel)).items():
         (group / file).write_text(value)
-    return group
 
 
 def join(group: Path, pid: int) -> None:

@@ -108,10 +108,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.cpus_per_host is not None:
-            cores = len(os.sched_getaffinity(0))
-            if not 0 < self.cpus_per_host * self.hosts <= cores:
-                raise ValueError(f"cpus_per_host={self.cpus_per_host} x {self.hosts} hosts: the quotas must "
-                                 f"be positive and add up to at most this machine's {cores} cores")  # fmt: skip
+            _check_share(self.cpus_per_host, self.hosts)
 
     @property
     def state_dir(self) -> Path:
@@ -203,6 +200,17 @@ class Cluster:
                 cpushare.create(fs, path.name, self.cpus_per_host, parallel=self.slots)
         except (cpushare.CpuShareUnavailable, OSError) as exc:
             raise ClusterUnavailable(f"cannot give each host a CPU quota: {exc}") from exc
+
+    def set_cpus_per_host(self, cpus: float) -> None:
+        """Change every host's quota (a cluster made with one): e.g. more cores for a start-up-bound run."""
+        if self.cpus_per_host is None:
+            raise ValueError("this cluster was made without CPU quotas (cpus_per_host=None)")
+        _check_share(cpus, self.hosts)
+        fs = cpushare.detect()
+        for h in self.members:
+            cpushare.limit(fs, Path(self.cgroups[h.index - 1]), cpus, self.slots)
+        self.cpus_per_host = cpus
+        self._save()
 
     def cpu_group(self, h: Host) -> Path | None:
         """Host h's cgroup (None without a quota): its sshd and everything started over ssh belong to it."""
@@ -417,6 +425,13 @@ class Cluster:
         tmp = self.state_dir / "state.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.state_dir / "state.json")
+
+
+def _check_share(cpus_per_host: float, hosts: int) -> None:
+    cores = len(os.sched_getaffinity(0))
+    if not 0 < cpus_per_host * hosts <= cores:
+        raise ValueError(f"cpus_per_host={cpus_per_host} x {hosts} hosts: the quotas must be positive and "
+                         f"add up to at most this machine's {cores} cores")  # fmt: skip
 
 
 # -- teardown: by recorded state, so it also works for a cluster whose owner died ---------------------
