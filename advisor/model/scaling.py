@@ -118,7 +118,9 @@ def options_beside(table: pd.DataFrame) -> dict[str, int | None]:
 def table_records(table: pd.DataFrame) -> list[dict[str, Any]]:
     """JSON-ready rows (NaN -> None, numpy scalars -> plain)."""
     out = []
+    whole = ("node_count", "micro_batch", "grad_accum", "global_batch")  # ints, not NaN-widened floats
     for record in table.to_dict("records"):
+        record = {k: (int(v) if k in whole and pd.notna(v) else v) for k, v in record.items()}
         out.append(
             {k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v)) for k, v in record.items()}
         )

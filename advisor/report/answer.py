@@ -83,7 +83,7 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         return [n, why, *[""] * (len(SCALING_SHOWN) - 2)]
     marks = [m for m, on in (("recommended", n == rec.get("node_count")), ("knee", bool(row.get("knee"))),
                              ("fastest", n == (rec.get("node_choice") or {}).get("fastest"))) if on]  # fmt: skip
-    return [f"{n} ({', '.join(marks)})" if marks else n, row["config_id"], row["grad_accum"],
+    return [f"{int(n)} ({', '.join(marks)})" if marks else int(n), row["config_id"], int(row["grad_accum"]),
             row["samples_per_s"], row["step_time_s"], _percent(row.get("efficiency")),
             _percent(row.get("exposed_comm_share")), row.get("limiting_link", ""),
             short_provenance(str(row.get("provenance") or ""))]  # fmt: skip

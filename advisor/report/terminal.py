@@ -39,7 +39,7 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
             table.add_row(str(n), f"[dim]{why}[/dim]", *[""] * 8)
             continue
         table.add_row(
-            str(n), str(row["config_id"]), f"{row['micro_batch']} x {row['grad_accum']}",
+            str(n), str(row["config_id"]), f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
             f"{row['samples_per_s']:.4g}", f"{row['step_time_s']:.4g}", _percent(row.get("efficiency")),
             _percent(row.get("exposed_comm_share")), str(row.get("limiting_link", "-")), " ".join(marks),
             short_provenance(str(row.get("provenance", ""))),
