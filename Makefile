@@ -43,7 +43,7 @@ test: venv
 	$(BIN)/pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 test-unit: venv
-	$(BIN)/pytest -q -m "not dist and not multinode" tests
+	$(BIN)/pytest -q tests/unit
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

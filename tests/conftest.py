@@ -12,6 +12,18 @@ from sdzero.tiny import write_synthetic_dataset, write_tiny_model
 # process and so for every process it starts (sdzero.use_venv_build_tools).
 
 
+# The folder is the tier: every test under tests/<tier>/ carries that marker, so `-m "not dist"` and the
+# folders always agree (tests/unit runs in one process in seconds; the others start ranks, hosts or a browser).
+TIERS = ("dist", "multinode", "browser")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "sd15")

@@ -7,11 +7,8 @@ results). The `dist` test at the end renders a real 2-rank fp16 run of the train
 
 from __future__ import annotations
 
-import base64
 import json
 import re
-import xml.etree.ElementTree as ET
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
@@ -28,65 +25,24 @@ from report_fixtures import (
     write_training_run,
     write_trials,
 )
+from report_page_reader import (
+    ACTIVE_TAGS,
+    ADVISE_CODE,
+    ADVISE_FIGURES,
+    ADVISE_TABLES,
+    SVG_NS,
+    TRAINING_CODE,
+    TRAINING_FIGURES,
+    TRAINING_TABLES,
+    Page,
+    svg_of,
+)
 from typer.testing import CliRunner
 
 from advisor.report import figures
 from advisor.report.build import default_output, report_command, write_advise_report, write_training_report
 from advisor.report.train_page import ema, load_run
 from sdzero.errors import UserError
-
-TRAINING_FIGURES = {"loss", "throughput", "loss-scale", "memory"}
-TRAINING_TABLES = {"phases", "checkpoints", "run-options", "environment"}
-TRAINING_CODE = {"ds-config"}
-ADVISE_FIGURES = {"scaling", "efficiency", "breakdown", "validation", "trial-memory", "bandwidth"}
-ADVISE_TABLES = {"recommendation", "recommendation-details", "validation-errors", "trials", "alpha-beta"}
-ADVISE_TABLES |= {"comm-meta", "environment"}
-ADVISE_CODE = {"launch", "recommended-ds-config"}
-SVG_NS = "{http://www.w3.org/2000/svg}"
-# Elements and attributes that could fetch or run something; a report has none of them.
-ACTIVE_TAGS = {"script", "link", "iframe", "object", "embed", "base", "form", "audio", "video", "source"}
-
-
-class Page(HTMLParser):
-    """Every tag with its attributes, the text, and the CSS of a rendered report."""
-
-    def __init__(self, html: str) -> None:
-        super().__init__(convert_charrefs=True)
-        self.tags: list[tuple[str, dict[str, str]]] = []
-        self.text: list[str] = []
-        self.css: list[str] = []
-        self._in: list[str] = []
-        self.html = html
-        self.feed(html)
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self.tags.append((tag, {k: v or "" for k, v in attrs}))
-        self._in.append(tag)
-
-    def handle_endtag(self, tag: str) -> None:
-        if self._in and self._in[-1] == tag:
-            self._in.pop()
-
-    def handle_data(self, data: str) -> None:
-        (self.css if self._in and self._in[-1] == "style" else self.text).append(data)
-
-    def ids(self, prefix: str) -> set[str]:
-        return {a["id"][len(prefix) :] for _, a in self.tags if a.get("id", "").startswith(prefix)}
-
-    def images(self) -> list[dict[str, str]]:
-        return [a for t, a in self.tags if t == "img"]
-
-    def raw_title(self) -> str:
-        """The <title> as written in the file (escaped), not as the parser decodes it."""
-        match = re.search(r"<title>(.*?)</title>", self.html, re.DOTALL)
-        assert match, "no <title>"
-        return match.group(1)
-
-
-def svg_of(img: dict[str, str]) -> ET.Element:
-    prefix = "data:image/svg+xml;base64,"
-    assert img["src"].startswith(prefix), img["src"][:40]
-    return ET.fromstring(base64.b64decode(img["src"][len(prefix) :]))
 
 
 @pytest.fixture(scope="module")
@@ -459,35 +415,3 @@ def test_cli_wants_exactly_one_input(tmp_path, args):
     result = CliRunner().invoke(cli(), args)
     assert isinstance(result.exception, UserError)
     assert "either ADVISE_OUT" in str(result.exception)
-
-
-# ------------------------------------------------------------------------- a real run of the trainer
-
-
-@pytest.fixture(scope="module")
-def real_fp16_run(tiny_model: Path, synth_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real 2-rank ZeRO-2 fp16 run (fp16 patched onto the CPU for tests): 6 steps, checkpoints at 3 and 6."""
-    from launch import CONFIGS, check_ok, run_trainer
-
-    out = tmp_path_factory.mktemp("report-run") / "fp16-run"
-    proc = run_trainer(CONFIGS / "zero2_fp16.json", tiny_model, synth_data, out, "--checkpoint-every", "3",
-                       steps=6, fp16_on_cpu=True, timeout=600)  # fmt: skip
-    check_ok(proc)
-    return out
-
-
-@pytest.mark.dist
-def test_report_of_a_real_fp16_run(real_fp16_run, tmp_path):
-    out = write_training_report(real_fp16_run, tmp_path / "real.html")
-    page = Page(out.read_text())
-    assert page.ids("fig-") == TRAINING_FIGURES  # the loss scale is there: a real fp16 run
-    assert page.ids("table-") == TRAINING_TABLES and page.ids("code-") == TRAINING_CODE
-    for img in page.images():
-        assert svg_of(img).tag == f"{SVG_NS}svg"
-    run = load_run(real_fp16_run)
-    assert run.metrics["step"].tolist() == [1, 2, 3, 4, 5, 6]
-    assert run.metrics["loss_scale"].notna().all()
-    assert run.checkpoints["step"].tolist() == [3, 6]
-    assert run.checkpoints["state"].tolist() == ["committed", "committed, latest"]
-    text = " ".join(page.text)
-    assert "ZeRO-2 fp16" in text and "2 ranks × 4 × 1 = 8" in text
