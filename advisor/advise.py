@@ -29,6 +29,7 @@ from advisor.measure.grid import (
     GridPlan,
     GridRequest,
     TrialSpec,
+    accumulation_check,
     finished_trials,
     load_base_config,
     setup_id,
@@ -317,9 +318,9 @@ def run_advise(
     runner = trial_runner(settings, base, out_dir / "profile", setup, say)
     total_s = (budget_minutes or (5.0 if on_cpu else 30.0)) * 60
     budget_s = total_s - (time.monotonic() - started)
-    # The search aims at the largest node count the global batch reaches (beyond it nothing runs).
+    # The search judges each config at every node count the global batch reaches (beyond them nothing runs).
     reach = [n for n in node_list if any(grad_accum_for(m, n * target_gpus, target) for m in micro_batches)]
-    search = run_search(plan, runner, numels, zero, measured_net, target_net, max(reach), usable, target,
+    search = run_search(plan, runner, numels, zero, measured_net, target_net, reach, usable, target,
                         budget_s, log=say)  # fmt: skip
     trials = search.trials
     ok = trials[trials["status"] == "ok"]
@@ -329,6 +330,10 @@ def run_advise(
     # Check trials: configs the model predicts before they run and never fitted on: the held-out error.
     validation = validation_table(trials, numels, zero, measured_net)
     checks = check_specs(plan, trials, numels, zero, measured_net, usable)
+    if checks:
+        # The model's fastest check config again at accumulation 4: every fitted trial ran at accumulation
+        # 1, so this is what tests the split of once-per-step from per-micro-step costs.
+        checks.append(accumulation_check(checks[0]))
     check_ids: list[str] = []
     per_trial = float(pd.to_numeric(trials["wall_s"], errors="coerce").mean())
     if checks and total_s - (time.monotonic() - started) > per_trial * len(checks):

@@ -16,13 +16,13 @@ full grid through the very same choices.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
 from advisor.measure.grid import GridPlan, TrialSpec
-from advisor.model.error import fit_models
+from advisor.model.error import Models, fit_models
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate, grad_accum_for
@@ -68,14 +68,55 @@ def _blocked(spec: TrialSpec, trials: pd.DataFrame) -> bool:
     return False
 
 
+def _rate(
+    models: Models, c: Candidate, nodes: int, target_net: Network, target: BatchTarget | None
+) -> float | None:
+    """Predicted samples/s of `c` at `nodes` nodes, or None where the global batch is out of its reach."""
+    accum = grad_accum_for(c.micro_batch, nodes * target_net.gpus_per_node, target)
+    if accum is None:
+        return None
+    step = models.timing.predict(
+        c.zero_stage, c.precision, c.micro_batch, accum, nodes, target_net, c.offload
+    )
+    return step.samples_per_s
+
+
+def _best_measured(models: Models, trials: pd.DataFrame, nodes: int, target_net: Network,
+                   target: BatchTarget | None) -> float:  # fmt: skip
+    rates = [
+        _rate(
+            models,
+            Candidate(
+                int(r["zero_stage"]),
+                str(r["precision"]),
+                int(r["micro_batch"]),
+                str(r.get("offload", "none")),
+            ),
+            nodes,
+            target_net,
+            target,
+        )  # fmt: skip
+        for _, r in trials[trials["status"] == "ok"].iterrows()
+    ]
+    return max((r for r in rates if r is not None), default=0.0)
+
+
 def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings,
-                measured_net: Network, target_net: Network, target_nodes: int, usable_bytes: float,
-                target: BatchTarget | None) -> tuple[TrialSpec | None, str]:  # fmt: skip
-    """The next grid point to measure, or None and why the search is done."""
+                measured_net: Network, target_net: Network, target_nodes: int | Sequence[int],
+                usable_bytes: float, target: BatchTarget | None) -> tuple[TrialSpec | None, str]:  # fmt: skip
+    """The next grid point to measure, or None and why the search is done.
+
+    Each candidate is judged at every node count in `target_nodes` where the global batch is within its
+    reach, against the best measured config at that same node count: under a fixed batch the largest
+    node count admits only the smallest micro-batch, so judging there alone would leave every other
+    micro-batch unmeasured (and the model's compute slope unfitted). The pick leads its node count's best
+    measured config by the widest margin."""
     if (trials["status"] == "ok").sum() == 0:
         return None, "no trial succeeded, nothing to fit"
+    node_counts = (target_nodes,) if isinstance(target_nodes, int) else tuple(target_nodes)
     models = fit_models(trials, numels, zero, measured_net)
-    scored = []
+    best = {n: _best_measured(models, trials, n, target_net, target) for n in node_counts}
+    scored: list[tuple[float, float, int, TrialSpec]] = []
     for spec in (s for ladder in plan.ladders for s in ladder):
         if _blocked(spec, trials):
             continue
@@ -83,35 +124,26 @@ def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], z
         trial_mem = models.memory.per_rank_bytes(
             c.zero_stage, c.precision, c.micro_batch, c.offload, spec.ranks_per_node
         )
-        world = target_nodes * target_net.gpus_per_node
-        accum = grad_accum_for(c.micro_batch, world, target)
-        if accum is None:
-            continue
-        target_mem = models.memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
-        if max(trial_mem["total"], target_mem["total"]) > usable_bytes:
-            continue
-        step = models.timing.predict(
-            c.zero_stage, c.precision, c.micro_batch, accum, target_nodes, target_net, c.offload
-        )
-        scored.append((step.samples_per_s, spec))
-    measured_ok = trials[trials["status"] == "ok"]
-    best_measured = 0.0
-    for _, row in measured_ok.iterrows():
-        accum = grad_accum_for(int(row["micro_batch"]), target_nodes * target_net.gpus_per_node, target)
-        if accum is not None:
-            step = models.timing.predict(int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"]), accum,
-                                         target_nodes, target_net, str(row.get("offload", "none")))  # fmt: skip
-            best_measured = max(best_measured, step.samples_per_s)
+        for n in node_counts:
+            rate = _rate(models, c, n, target_net, target)
+            world = n * target_net.gpus_per_node
+            target_mem = models.memory.per_rank_bytes(
+                c.zero_stage, c.precision, c.micro_batch, c.offload, world
+            )
+            if rate is None or max(trial_mem["total"], target_mem["total"]) > usable_bytes:
+                continue
+            scored.append((rate / best[n] if best[n] > 0 else float("inf"), rate, n, spec))
     if not scored:
         return None, "every unmeasured grid point is measured, predicted not to fit, or above an OOM"
     scored.sort(key=lambda t: -t[0])
-    top_rate, top = scored[0]
+    lead, top_rate, nodes, top = scored[0]
     # While a precision has a single micro-batch measured its compute is taken as proportional to the
     # micro-batch, which cannot tell the micro-batches apart: measure the pick to learn the slope.
-    if not models.timing.proportional and top_rate <= (1 + DOMINATED_MARGIN) * best_measured:
-        return None, (f"no unmeasured config is predicted faster than the best measured one at {target_nodes} "
-                      f"nodes ({top.trial_id}: {top_rate:.1f} vs {best_measured:.1f} samples/s)")  # fmt: skip
-    return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {target_nodes} nodes"
+    if not models.timing.proportional and lead <= 1 + DOMINATED_MARGIN:
+        return None, (f"no unmeasured config is predicted faster than the best measured one at any of "
+                      f"{', '.join(map(str, node_counts))} nodes ({top.trial_id} at {nodes}: {top_rate:.1f} vs "
+                      f"{best[nodes]:.1f} samples/s)")  # fmt: skip
+    return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {nodes} nodes"
 
 
 def run_search(
@@ -121,7 +153,7 @@ def run_search(
     zero: ZeroSettings,
     measured_net: Network,
     target_net: Network,
-    target_nodes: int,
+    target_nodes: int | Sequence[int],
     usable_bytes: float,
     target: BatchTarget | None,
     budget_s: float,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_advisor_model import BASE, NUMELS, ZERO, grid_trials
+from test_advisor_model import BASE, NUMELS, ZERO, grid_trials, with_accumulation_checks
 from typer.testing import CliRunner
 
 from advisor.model import recommend as recommend_module
@@ -113,7 +113,7 @@ def _advise(monkeypatch, tmp_path: Path, tiny_model, synth_data, wall_s: float =
     import advisor.measure.collectives_launch
     import advisor.measure.profile
 
-    full = grid_trials().assign(wall_s=wall_s).set_index("trial_id")
+    full = with_accumulation_checks(grid_trials()).assign(wall_s=wall_s).set_index("trial_id")
 
     def fake_runner(*_args):
         measured: list[str] = []

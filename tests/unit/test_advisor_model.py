@@ -91,6 +91,19 @@ def grid_trials(noise: bool = True) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def with_accumulation_checks(trials: pd.DataFrame, accum: int = 4) -> pd.DataFrame:
+    """`trials` plus each config at accumulation `accum` (the advise check trial): compute repeats per
+    micro-step, the stage's collectives once per step (a synthetic rule, not the model's)."""
+    rows = trials.copy()
+    compute = rows["step_time_s"] - rows["comm_s"]
+    rows["step_time_s"] = accum * compute + rows["comm_s"]
+    rows["grad_accum"] = accum
+    rows["global_batch"] = rows["global_batch"] * accum
+    rows["samples_per_s"] = rows["global_batch"] / rows["step_time_s"]
+    rows["trial_id"] = rows["trial_id"] + f"-ga{accum}"
+    return pd.concat([trials, rows], ignore_index=True)
+
+
 def nets(gpus: int = 2, preset: str = "ib-200"):
     return build_network(None, 2)[0], build_network(None, gpus, preset)[0]
 
@@ -462,7 +475,7 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
     from advisor.report.advise_page import build_advise_report
     from advisor.report.page import NoteItem
 
-    full = grid_trials().set_index("trial_id")
+    full = with_accumulation_checks(grid_trials()).set_index("trial_id")
 
     def fake_runner(*_args):
         measured: list[str] = []
@@ -503,6 +516,9 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
     assert rec["trials_run"] < rec["full_grid"] == 12
     assert rec["error"]["memory_mape"] < 0.05 and rec["error"]["step_time_mape"] < 0.5
     assert any("collectives benchmark failed" in note for note in rec["notes"])
+    validation = pd.read_csv(tmp_path / "out" / "validation.csv")
+    accum_checks = validation[(validation["grad_accum"] == 4) & validation["check"]]
+    assert accum_checks["config_id"].nunique() == 1  # the accumulation check trial, predicted before it ran
     for name in ("predictions.csv", "validation.csv", "recommendation.json", "recommended_ds_config.json",
                  "trials.csv", "environment.json", "report.html"):  # fmt: skip
         assert (tmp_path / "out" / name).is_file(), name
@@ -512,3 +528,31 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
     for key in ("recommendation", "scaling", "validation"):
         assert key in notes and not notes[key], (key, notes.get(key))
     assert rec["config_id"] in repr(report)
+
+
+def test_under_a_fixed_batch_the_search_looks_past_the_node_count_only_micro_batch_1_reaches():
+    """Global batch 8 on 2-rank nodes: 4 nodes admit micro-batch 1 only. Judged there alone, no other
+    micro-batch can be picked and the search stops at its seeds; judged at each of 1, 2, 4 nodes it goes on
+    to the micro-batches that fit the batch at fewer nodes, as the recommendation may well choose."""
+    from advisor.model.predict import BatchTarget
+
+    full = grid_trials(noise=False).set_index("trial_id")
+    plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
+                                 ranks_per_node=(2,)), {"bf16": True, "fp16": True})  # fmt: skip
+    seeds = {ladder[0].trial_id for ladder in plan.ladders}
+
+    def searched(target_nodes):
+        measured: list[str] = []
+
+        def replay(specs):
+            measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
+            return full.loc[measured].reset_index()
+
+        measured_net, target_net = nets(gpus=2)
+        result = run_search(plan, replay, NUMELS, ZERO, measured_net, target_net, target_nodes, 1e12,
+                            BatchTarget(8, 8), budget_s=600)  # fmt: skip
+        return set(result.trials["trial_id"]) - seeds
+
+    assert searched(4) == set()  # the old aim: nothing beyond the seeds
+    beyond = searched([1, 2, 4])
+    assert beyond and all("mb1-" not in t for t in beyond)
