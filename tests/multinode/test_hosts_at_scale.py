@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from statistics import median
 
 import pytest
 from cluster import Cluster, ClusterUnavailable, cpushare, unavailable_reason
@@ -26,9 +25,10 @@ HOSTS = 4
 CPUS_PER_HOST = 0.3
 """4 x 0.3 = 1.2 of the 2 cores: well below the total (other jobs share the machine), so a host alone and
 a host among four get the same."""
-SHARE_RTOL = 0.25
+SHARE_RTOL = 0.5
 """A host's time for the same work with all 4 hosts busy vs alone. Without quotas it is ~2x on 2 cores
-(4 hosts); with them it stays within this, the rest being the machine's other load (shared cores)."""
+(4 hosts); with them ~1x. The bound sits half-way, so the machine's other load (shared cores, CI
+neighbours) cannot make a working quota fail it nor a missing one pass it."""
 WORK = (
     "import time\nt = time.perf_counter()\nx = 0\n"
     "for i in range(1_000_000): x += i * i\n"  # ~0.08 CPU-s: ~0.27 s at 0.3 of a core
@@ -59,8 +59,9 @@ def timed_work(cluster: Cluster, hosts: list) -> list[float]:
 
 def test_one_host_computes_as_fast_alone_as_among_four(cluster4):
     first = cluster4.members[0]
-    alone = median(timed_work(cluster4, [first])[0] for _ in range(3))
-    together = median(timed_work(cluster4, cluster4.members)[0] for _ in range(3))
+    # The fastest of 3: other load only ever slows a run down, so the minimum is the least disturbed.
+    alone = min(timed_work(cluster4, [first])[0] for _ in range(3))
+    together = min(timed_work(cluster4, cluster4.members)[0] for _ in range(3))
     assert together / alone < 1 + SHARE_RTOL, f"host 1: {alone:.3f} s alone, {together:.3f} s among {HOSTS}"
     # The quota really acts: host 1 alone is throttled to its share, not given both cores.
     assert cpushare.throttled_periods(cluster4.cpu_group(first)) > 0
