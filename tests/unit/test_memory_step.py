@@ -1,6 +1,6 @@
 """The memory model's optimizer-step peak (advisor/model/memory.py `MemoryModel.step_bytes`).
 
-The first test checks the formula against a recorded GPU measurement: the README's "On a GPU (H200)" table
+The first test checks the formula against a recorded GPU measurement: docs/measurements.md's "On a GPU (H200)" table
 (bench/gpu_check.py, one H200, an SD 1.5-sized UNet, 1 rank, ZeRO-2 bf16, torch's AdamW via
 `"torch_adam": true`). A CPU run cannot check this term: there sdzero's profile has no allocator to read,
 and its `device_peak_bytes` is the sum of the forward/backward parts, not a measurement of the step.
@@ -17,8 +17,8 @@ from advisor.model.memory import ActivationFit, MemoryModel, ZeroSettings, large
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parents[2]
-SD15_UNET_PARAMS = 859_520_964  # trained parameters, README "On a GPU (H200)"
-# README table, micro-batch -> torch.cuda.max_memory_allocated (GiB) and the old model's figure
+SD15_UNET_PARAMS = 859_520_964  # trained parameters, docs/measurements.md "On a GPU (H200)"
+# docs/measurements.md table, micro-batch -> torch.cuda.max_memory_allocated (GiB) and the old model's figure
 H200_PEAK_GIB = {1: 18.006, 2: 18.009}
 H200_OLD_MODEL_GIB = {1: 14.182, 2: 15.054}
 
@@ -45,7 +45,7 @@ def test_step_peak_matches_the_recorded_h200_measurement():
     zero = ZeroSettings.from_config(shipped("zero2_bf16.json", torch_adam=True), device="cuda")
     assert zero.optimizer_impl("none") == "torch_foreach"
     model = sd15_model(zero)
-    # the inputs reproduce the README's parts
+    # the inputs reproduce docs/measurements.md's parts
     states = {k: round(v / GIB, 3) for k, v in model.state_bytes(2, "bf16", 1).items()}
     assert states == {"params": 1.601, "grads": 1.601, "master": 3.202, "optimizer": 6.404}
     assert round(model.bucket_bytes(2) / GIB, 3) == 0.186
