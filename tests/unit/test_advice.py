@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_advisor_model import BASE, NUMELS, ZERO, grid_trials, with_accumulation_checks
+from test_advisor_model import BASE, advise_on_synthetic_trials
 from typer.testing import CliRunner
 
 from advisor.model import recommend as recommend_module
@@ -107,42 +106,8 @@ def test_provenance_labels_name_the_source_of_each_link():
 # ---------------------------------------------------------------------------------- the whole pipeline
 
 
-def _advise(monkeypatch, tmp_path: Path, tiny_model, synth_data, wall_s: float = 10.0, **options):
-    """run_advise with trials answered from synthetic rows (tests/unit/test_advisor_model.py) and no benchmark."""
-    import advisor.advise as advise
-    import advisor.measure.collectives_launch
-    import advisor.measure.profile
-
-    full = with_accumulation_checks(grid_trials()).assign(wall_s=wall_s).set_index("trial_id")
-
-    def fake_runner(*_args):
-        measured: list[str] = []
-
-        def run(specs):
-            measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
-            return full.loc[measured].reset_index()
-
-        return run
-
-    def no_comm(*_args, **_kwargs):
-        raise advisor.measure.collectives_launch.CommRunError("skipped in this test")
-
-    monkeypatch.setattr(advise, "trial_runner", fake_runner)
-    monkeypatch.setattr(advise, "trained_numels", lambda model: NUMELS)
-    monkeypatch.setattr(advisor.measure.collectives_launch, "run_comm", no_comm)
-    monkeypatch.setattr(advisor.measure.profile, "device_support",
-                        lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False})  # fmt: skip
-    base = {**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_size": ZERO.reduce_bucket_size,
-                                          "overlap_comm": False, "stage3_param_persistence_threshold": 0}}  # fmt: skip
-    base_path = tmp_path / "base.json"
-    base_path.write_text(json.dumps(base))
-    options = {"max_nodes": 32, "device_memory_gib": 1.0} | options
-    return advise.run_advise(model=str(tiny_model), data=synth_data, out_dir=tmp_path / "out",
-                             deepspeed_config=base_path, **options)  # fmt: skip
-
-
 def test_global_batch_is_held_fixed_unless_asked(monkeypatch, tmp_path, tiny_model, synth_data):
-    rec = _advise(monkeypatch, tmp_path, tiny_model, synth_data).recommendation
+    rec = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data).recommendation
     table = pd.DataFrame(rec["scaling_table"])
     reachable = table[table["status"] == "ok"]
     assert (reachable["global_batch"] == 8).all()  # micro 4 x accumulation 1 x 2 ranks, at every node count
@@ -157,7 +122,9 @@ def test_global_batch_is_held_fixed_unless_asked(monkeypatch, tmp_path, tiny_mod
     assert "strong scaling" in rec["global_batch_rule"]
     assert "not reachable" not in rec["launch_command"] and "--lr-warmup-steps" not in rec["launch_command"]
 
-    grown = _advise(monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64").recommendation
+    grown = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
+    ).recommendation
     assert grown["global_batch"] == 64 and grown["lr_factor"] == pytest.approx(8**0.5)
     assert grown["lr"] == pytest.approx(1e-4 * 8**0.5) and "sqrt rule" in grown["launch_command"]
     config = json.loads((tmp_path / "out" / "recommended_ds_config.json").read_text())
@@ -169,7 +136,9 @@ def test_provenance_at_the_top_and_errors_that_agree(monkeypatch, tmp_path, tiny
     from advisor.report.advise_page import build_advise_report
     from advisor.report.terminal import error_line
 
-    rec = _advise(monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64").recommendation
+    rec = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
+    ).recommendation
     prov = rec["provenance"]
     assert prov["inter_node_link"].startswith("assumed (preset ib-200)")
     assert "Trials ran on a CPU" in prov["headline"] and prov["device_memory"].startswith("1 GiB, assumed")
@@ -188,11 +157,13 @@ def test_a_different_target_needs_its_device_memory(monkeypatch, tmp_path, tiny_
     from sdzero.cli import app
 
     with pytest.raises(UserError, match="--device-memory-gib"):
-        _advise(monkeypatch, tmp_path, tiny_model, synth_data, gpus_per_node=8, device_memory_gib=None)
+        advise_on_synthetic_trials(
+            monkeypatch, tmp_path, tiny_model, synth_data, gpus_per_node=8, device_memory_gib=None
+        )
     assert not (tmp_path / "out" / "recommendation.json").exists()  # refused before anything ran
     result = CliRunner().invoke(app, ["advise", "--gpus-per-node", "8", "--out", str(tmp_path / "cli")])
     assert result.exit_code == 2 and "--device-memory-gib" in result.output
-    rec = _advise(monkeypatch, tmp_path, tiny_model, synth_data, gpus_per_node=8, device_memory_gib=None,
+    rec = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, gpus_per_node=8, device_memory_gib=None,
                   target_gpu="a100-80gb", global_batch="256").recommendation  # fmt: skip
     assert rec["provenance"]["target_differs"] and "a100-80gb" in rec["provenance"]["device_memory"]
     assert rec["usable_memory_bytes"] == pytest.approx(80 * 2**30 * 0.9)
@@ -204,7 +175,7 @@ def test_the_budget_note_when_the_recommended_config_was_not_measured(monkeypatc
 
     # one ladder, every trial 60 s of a 1-minute budget: its two seeds (micro-batch 1 and 4) run, nothing else
     ladder = GridRequest(stages=(2,), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
-    result = _advise(monkeypatch, tmp_path, tiny_model, synth_data, wall_s=60.0, budget_minutes=1.0,
+    result = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, wall_s=60.0, budget_minutes=1.0,
                      global_batch="64", grid=ladder)  # fmt: skip
     rec = result.recommendation
     note = rec["measured"]

@@ -450,11 +450,7 @@ def test_search_measures_a_fraction_of_the_grid_and_finds_the_best():
     full = grid_trials(noise=False).set_index("trial_id")
     plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
                                  ranks_per_node=(2,)), {"bf16": True, "fp16": True})  # fmt: skip
-    measured: list[str] = []
-
-    def replay(specs):
-        measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
-        return full.loc[measured].reset_index()
+    replay = replayer(full)
 
     measured_net, target = nets(gpus=2)
     result = run_search(plan, replay, NUMELS, ZERO, measured_net, target, 32, 1e12, None, budget_s=600)
@@ -467,50 +463,51 @@ def test_search_measures_a_fraction_of_the_grid_and_finds_the_best():
 # ------------------------------------------------------------------------------------- the whole pipeline
 
 
-def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_path, tiny_model, synth_data):
-    """run_advise with trials answered from synthetic rows and no benchmark: the files the report reads."""
+def replayer(full: pd.DataFrame):
+    """A trial runner answering from `full` (indexed by trial_id): the table of everything asked so far."""
+    measured: list[str] = []
+
+    def run(specs):
+        measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
+        return full.loc[measured].reset_index()
+
+    return run
+
+
+def advise_on_synthetic_trials(monkeypatch, tmp_path: Path, tiny_model, synth_data, wall_s: float = 10.0,
+                               **options):  # fmt: skip
+    """run_advise with trials answered from the synthetic grid (accumulation checks included) and no
+    collectives benchmark."""
     import advisor.advise as advise
     import advisor.measure.collectives_launch
     import advisor.measure.profile
-    from advisor.report.advise_page import build_advise_report
-    from advisor.report.page import NoteItem
 
-    full = with_accumulation_checks(grid_trials()).set_index("trial_id")
-
-    def fake_runner(*_args):
-        measured: list[str] = []
-
-        def run(specs):
-            measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
-            return full.loc[measured].reset_index()
-
-        return run
+    full = with_accumulation_checks(grid_trials()).assign(wall_s=wall_s).set_index("trial_id")
 
     def no_comm(*_args, **_kwargs):
         raise advisor.measure.collectives_launch.CommRunError("skipped in this test")
 
-    monkeypatch.setattr(advise, "trial_runner", fake_runner)
+    monkeypatch.setattr(advise, "trial_runner", lambda *_args: replayer(full))
     monkeypatch.setattr(advise, "trained_numels", lambda model: NUMELS)
     monkeypatch.setattr(advisor.measure.collectives_launch, "run_comm", no_comm)
-    monkeypatch.setattr(
-        advisor.measure.profile,
-        "device_support",
-        lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False},
-    )
-    base = {
-        **BASE,
-        "zero_optimization": {
-            "stage": 2,
-            "reduce_bucket_size": ZERO.reduce_bucket_size,
-            "overlap_comm": False,
-            "stage3_param_persistence_threshold": 0,
-        },
-    }
+    monkeypatch.setattr(advisor.measure.profile, "device_support",
+                        lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False})  # fmt: skip
+    base = {**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_size": ZERO.reduce_bucket_size,
+                                          "overlap_comm": False, "stage3_param_persistence_threshold": 0}}  # fmt: skip
     base_path = tmp_path / "base.json"
     base_path.write_text(json.dumps(base))
-    result = advise.run_advise(max_nodes=64, model=str(tiny_model), data=synth_data, out_dir=tmp_path / "out",
-                               deepspeed_config=base_path,
-                               global_batch="512-2048", lr_scaling="sqrt", device_memory_gib=1.0)  # fmt: skip
+    options = {"max_nodes": 32, "device_memory_gib": 1.0} | options
+    return advise.run_advise(model=str(tiny_model), data=synth_data, out_dir=tmp_path / "out",
+                             deepspeed_config=base_path, **options)  # fmt: skip
+
+
+def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_path, tiny_model, synth_data):
+    """run_advise with trials answered from synthetic rows and no benchmark: the files the report reads."""
+    from advisor.report.advise_page import build_advise_report
+    from advisor.report.page import NoteItem
+
+    result = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, max_nodes=64,
+                                        global_batch="512-2048", lr_scaling="sqrt")  # fmt: skip
     rec = result.recommendation
     assert 512 <= rec["global_batch"] <= 2048 and rec["lr_scaling"] == "sqrt"
     assert rec["trials_run"] < rec["full_grid"] == 12
@@ -542,14 +539,8 @@ def test_under_a_fixed_batch_the_search_looks_past_the_node_count_only_micro_bat
     seeds = {ladder[0].trial_id for ladder in plan.ladders}
 
     def searched(target_nodes):
-        measured: list[str] = []
-
-        def replay(specs):
-            measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
-            return full.loc[measured].reset_index()
-
         measured_net, target_net = nets(gpus=2)
-        result = run_search(plan, replay, NUMELS, ZERO, measured_net, target_net, target_nodes, 1e12,
+        result = run_search(plan, replayer(full), NUMELS, ZERO, measured_net, target_net, target_nodes, 1e12,
                             BatchTarget(8, 8), budget_s=600)  # fmt: skip
         return set(result.trials["trial_id"]) - seeds
 
