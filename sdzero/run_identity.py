@@ -12,7 +12,6 @@ Options that do not change the trajectory may change freely on resume (SAFE_TO_C
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -55,12 +54,12 @@ def data_fingerprint(data: Path, cache_dir: Path | None) -> str:
         from sdzero.cache import INDEX_NAME, read_index, spec_from
 
         return "cache:" + spec_from(read_index(Path(cache_dir) / INDEX_NAME)["spec"]).digest
-    from sdzero.cache import data_files
+    from sdzero import cache
     from sdzero.data import read_metadata
 
     records = read_metadata(Path(data))
-    rows = [[name, size] for name, size, _mtime in data_files(Path(data), records)]
-    return hashlib.sha256(json.dumps([rows, [r.text for r in records]]).encode()).hexdigest()
+    rows = [[name, size] for name, size, _mtime in cache.data_files(Path(data), records)]
+    return cache.data_fingerprint(rows, records)  # the cache's digest, of rows without mtimes
 
 
 def objective_settings(cfg: Any, ds: Any, family: str) -> dict[str, Any]:
