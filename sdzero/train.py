@@ -6,7 +6,9 @@ Parses the run options and hands them to `sdzero.loop.run`; everything else live
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 import traceback
 from typing import NoReturn
 
@@ -34,6 +36,28 @@ def crash_exit() -> NoReturn:
     os._exit(1)
 
 
+# How long a rank other than 0 waits before reporting a bad input itself; see report_user_error.
+PEER_ERROR_GRACE_S = 10.0
+
+
+def report_user_error(exc: UserError, rank: int, grace_s: float = PEER_ERROR_GRACE_S) -> None:
+    """One line for a bad input, from rank 0 when every rank found it.
+
+    Every rank usually finds the same bad input, but the launcher kills all ranks as soon as any one
+    exits non-zero: if rank 1 exited first, rank 0 could be killed before printing, and the user would see
+    only "exits with return code = 2". So other ranks wait a while; when rank 0 found the error too, the
+    launcher kills them during the wait (SIGTERM's default action is restored for it, since the preemption
+    handler may already be installed). A rank that is still alive afterwards found an error rank 0 did not
+    (a file missing on its node only) and reports it under its own rank.
+    """
+    if rank == 0:
+        print(f"sdzero: error: {exc}", file=sys.stderr, flush=True)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(grace_s)
+    print(f"sdzero: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
@@ -43,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stop:
         exit_now(int(stop.code))  # the checkpoint is committed; no teardown that could hang
     except UserError as exc:
-        # Every rank finds the same bad input; one line from rank 0 is enough.
-        if rank_from_env() == 0:
-            print(f"sdzero: error: {exc}", file=sys.stderr)
+        report_user_error(exc, rank_from_env())
         return EXIT_USER_ERROR
     except Exception:
         crash_exit()

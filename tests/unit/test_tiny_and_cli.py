@@ -88,3 +88,30 @@ def test_advisor_commands_report_bad_input_through_the_cli(tmp_path):
     assert "--run" in result.output and "no such folder" in result.output
     result = runner.invoke(app, ["comm", "--ranks", "0", "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and "sdzero: error:" in result.output
+
+
+def test_a_bad_input_on_another_rank_waits_for_rank_0_then_names_its_rank(tmp_path):
+    """The launcher kills every rank once one exits non-zero: rank 1 must not beat rank 0's message."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # A SIGTERM handler that ignores the signal stands for the trainer's preemption flag.
+    script = (
+        "import signal, sys; from sdzero.errors import UserError; from sdzero.train import report_user_error; "
+        "signal.signal(signal.SIGTERM, lambda *_: None); print('ready', flush=True); "
+        "report_user_error(UserError('bad batch'), int(sys.argv[1]), grace_s=float(sys.argv[2]))"
+    )
+    rank0 = subprocess.run([sys.executable, "-c", script, "0", "30"], capture_output=True, text=True, timeout=60)
+    assert rank0.stderr == "sdzero: error: bad batch\n"  # at once: the grace is not rank 0's
+    alone = subprocess.run([sys.executable, "-c", script, "1", "0.2"], capture_output=True, text=True, timeout=60)
+    assert alone.stderr == "sdzero: error: rank 1: bad batch\n"  # rank 0 did not find it: rank 1 says so
+    # Rank 0 found it too, so the launcher SIGTERMs rank 1 during its wait: it dies silently.
+    waiting = subprocess.Popen([sys.executable, "-c", script, "1", "60"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert waiting.stdout.readline() == "ready\n"
+    time.sleep(0.5)  # into the wait
+    waiting.send_signal(signal.SIGTERM)
+    _, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == -signal.SIGTERM and "error" not in err
