@@ -103,9 +103,13 @@ def test_a_bad_input_on_another_rank_waits_for_rank_0_then_names_its_rank(tmp_pa
         "signal.signal(signal.SIGTERM, lambda *_: None); print('ready', flush=True); "
         "report_user_error(UserError('bad batch'), int(sys.argv[1]), grace_s=float(sys.argv[2]))"
     )
-    rank0 = subprocess.run([sys.executable, "-c", script, "0", "30"], capture_output=True, text=True, timeout=60)
+    rank0 = subprocess.run(
+        [sys.executable, "-c", script, "0", "30"], capture_output=True, text=True, timeout=60
+    )
     assert rank0.stderr == "sdzero: error: bad batch\n"  # at once: the grace is not rank 0's
-    alone = subprocess.run([sys.executable, "-c", script, "1", "0.2"], capture_output=True, text=True, timeout=60)
+    alone = subprocess.run(
+        [sys.executable, "-c", script, "1", "0.2"], capture_output=True, text=True, timeout=60
+    )
     assert alone.stderr == "sdzero: error: rank 1: bad batch\n"  # rank 0 did not find it: rank 1 says so
     # Rank 0 found it too, so the launcher SIGTERMs rank 1 during its wait: it dies silently.
     waiting = subprocess.Popen([sys.executable, "-c", script, "1", "60"], stdout=subprocess.PIPE,
