@@ -71,15 +71,32 @@ class AdviseResult:
     notes: list[str] = field(default_factory=list)
 
 
-TARGET_GPUS = {"a100-40gb": 40.0, "a100-80gb": 80.0, "h100-80gb": 80.0, "h100-94gb": 94.0, "h200": 141.0,
-               "l40s": 48.0, "a10g": 24.0, "l4": 24.0, "v100-32gb": 32.0, "rtx4090": 24.0}  # fmt: skip
+TARGET_GPUS = {
+    "a100-40gb": 40.0,
+    "a100-80gb": 80.0,
+    "h100-80gb": 80.0,
+    "h100-94gb": 94.0,
+    "h200": 141.0,
+    "l40s": 48.0,
+    "a10g": 24.0,
+    "l4": 24.0,
+    "v100-32gb": 32.0,
+    "rtx4090": 24.0,
+}
 """--target-gpu names and their memory in GiB (the vendors' nominal figure; the usable part is smaller,
 which --headroom accounts for)."""
 
 
-def check_options(max_nodes: int, headroom: float, device_memory_gib: float | None, lr_scaling: str,
-                  budget_minutes: float | None, min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
-                  fixed_nodes: int | None = None, target_gpu: str | None = None) -> list[int]:  # fmt: skip
+def check_options(
+    max_nodes: int,
+    headroom: float,
+    device_memory_gib: float | None,
+    lr_scaling: str,
+    budget_minutes: float | None,
+    min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
+    fixed_nodes: int | None = None,
+    target_gpu: str | None = None,
+) -> list[int]:
     """The node counts to predict (1, 2, 4, ... --max-nodes, and --nodes); bad values raise UserError."""
     nodes = node_counts(max_nodes)
     if not 0 <= headroom < 1:
@@ -92,16 +109,19 @@ def check_options(max_nodes: int, headroom: float, device_memory_gib: float | No
     if not 0 < min_efficiency <= 1:
         raise UserError(f"--min-efficiency {min_efficiency}: a fraction in (0, 1], e.g. 0.8")
     if target_gpu is not None and target_gpu.lower() not in TARGET_GPUS:
-        raise UserError(f"--target-gpu {target_gpu!r}: unknown; choose from {', '.join(TARGET_GPUS)} "
-                        "or give --device-memory-gib")  # fmt: skip
+        raise UserError(
+            f"--target-gpu {target_gpu!r}: unknown; choose from {', '.join(TARGET_GPUS)} "
+            "or give --device-memory-gib"
+        )
     if fixed_nodes is not None:
         node_counts(fixed_nodes)  # the same bounds as --max-nodes
         nodes = sorted({*nodes, fixed_nodes})
     return nodes
 
 
-def target_differs(device: dict[str, Any], ranks: int, gpus_per_node: int | None,
-                   target_gpu: str | None) -> str | None:  # fmt: skip
+def target_differs(
+    device: dict[str, Any], ranks: int, gpus_per_node: int | None, target_gpu: str | None
+) -> str | None:
     """Why the trials' device is not the target's (None when the target is nodes like this one)."""
     here = "a CPU" if device["device"] == "cpu" else f"{ranks} {device['device']} device(s)"
     if target_gpu is not None:
@@ -113,16 +133,19 @@ def target_differs(device: dict[str, Any], ranks: int, gpus_per_node: int | None
     return None
 
 
-def target_memory(differs: str | None, device_memory_gib: float | None,
-                  target_gpu: str | None) -> tuple[float, str] | None:  # fmt: skip
+def target_memory(
+    differs: str | None, device_memory_gib: float | None, target_gpu: str | None
+) -> tuple[float, str] | None:
     """(GiB, where it comes from) for a target unlike this machine; refuses when nothing gives it."""
     if device_memory_gib:
         return device_memory_gib, "assumed (user figure: --device-memory-gib)"
     if target_gpu:
         return TARGET_GPUS[target_gpu.lower()], f"assumed (--target-gpu {target_gpu.lower()} nominal memory)"
     if differs:
-        raise UserError(f"{differs}: give the target's device memory with --device-memory-gib (or --target-gpu "
-                        f"{'/'.join(TARGET_GPUS)}) so memory is predicted for it, not for this machine")  # fmt: skip
+        raise UserError(
+            f"{differs}: give the target's device memory with --device-memory-gib (or --target-gpu "
+            f"{'/'.join(TARGET_GPUS)}) so memory is predicted for it, not for this machine"
+        )
     return None
 
 
@@ -137,8 +160,16 @@ def device_memory_bytes(device: dict[str, Any], ranks_per_node: int) -> tuple[fl
     return float(total) / ranks_per_node, f"host memory / {ranks_per_node} ranks (no accelerator)"
 
 
-ADVISOR_OWNED = ("--deepspeed_config", "--model", "--data", "--output-dir", "--max-steps", "--profile-out",
-                 "--profile-warmup-steps", "--local_rank")  # fmt: skip
+ADVISOR_OWNED = (
+    "--deepspeed_config",
+    "--model",
+    "--data",
+    "--output-dir",
+    "--max-steps",
+    "--profile-out",
+    "--profile-warmup-steps",
+    "--local_rank",
+)
 """Trainer options every trial sets itself: --train-args may not change them."""
 
 
@@ -171,8 +202,9 @@ def default_inputs(out_dir: Path, model: str | None, data: Path | None) -> tuple
     return model, Path(data)
 
 
-def trial_runner(settings: Any, base: dict[str, Any], profile_dir: Path, setup: str,
-                 say: Callable[[str], None]) -> Callable[[list[TrialSpec]], pd.DataFrame]:  # fmt: skip
+def trial_runner(
+    settings: Any, base: dict[str, Any], profile_dir: Path, setup: str, say: Callable[[str], None]
+) -> Callable[[list[TrialSpec]], pd.DataFrame]:
     """Run specs not yet in <profile_dir>/trials.csv with advisor.measure.profile's own pieces; return the table."""
     from advisor.measure.profile import append_row, latest_rows, read_trials, trial_row
     from advisor.measure.trials import run_trial
@@ -189,8 +221,10 @@ def trial_runner(settings: Any, base: dict[str, Any], profile_dir: Path, setup: 
             say(f"trial {spec.trial_id} ...")
             outcome = run_trial(spec, settings, ds_config, trial_dir)
             append_row(csv_path, trial_row(spec, outcome, setup, settings, trial_dir))
-            say(f"trial {spec.trial_id}: {outcome.status} in {outcome.wall_s:.0f} s"
-                + (f" ({outcome.reason})" if outcome.reason else ""))  # fmt: skip
+            say(
+                f"trial {spec.trial_id}: {outcome.status} in {outcome.wall_s:.0f} s"
+                + (f" ({outcome.reason})" if outcome.reason else "")
+            )
         return latest_rows(read_trials(csv_path), setup)
 
     return run
@@ -201,8 +235,11 @@ def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:
     oom = trials[trials["status"] == "oom"]
     out = []
     for spec in (s for ladder in plan.ladders for s in ladder):
-        same = oom[(oom["zero_stage"] == spec.zero_stage) & (oom["precision"] == spec.precision)
-                   & (oom["offload"] == spec.offload)]  # fmt: skip
+        same = oom[
+            (oom["zero_stage"] == spec.zero_stage)
+            & (oom["precision"] == spec.precision)
+            & (oom["offload"] == spec.offload)
+        ]
         if same.empty or spec.micro_batch < same["micro_batch"].min():
             out.append(Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload))
     return list(dict.fromkeys(out))
@@ -248,16 +285,21 @@ def run_advise(
     from sdzero.launch import shipped_config
 
     say = log or (lambda message: None)
-    node_list = check_options(max_nodes, headroom, device_memory_gib, lr_scaling, budget_minutes,
-                              min_efficiency, nodes, target_gpu)  # fmt: skip
+    node_list = check_options(
+        max_nodes, headroom, device_memory_gib, lr_scaling, budget_minutes, min_efficiency, nodes, target_gpu
+    )
     if lr_reference_batch is not None and lr_reference_batch < 1:
         raise UserError(f"--lr-reference-batch {lr_reference_batch}: must be at least 1")
     user_args = check_train_args(train_args)
     # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
     build_network(
-        None, 1 if gpus_per_node is None else gpus_per_node, preset, inter_node_gbps, inter_node_latency_us,
+        None,
+        1 if gpus_per_node is None else gpus_per_node,
+        preset,
+        inter_node_gbps,
+        inter_node_latency_us,
         nics_per_node,
-    )  # fmt: skip
+    )
     asked = BatchTarget.parse(global_batch)
     base = load_base_config(Path(deepspeed_config) if deepspeed_config else shipped_config("zero2_bf16.json"))
     device = device_support()
@@ -286,16 +328,24 @@ def run_advise(
     except UserError as exc:
         if asked is not None:
             raise
-        raise UserError(f"the base config's global batch {base_batch} (kept at every node count unless "
-                        f"--global-batch says otherwise) is out of reach: {exc}") from None  # fmt: skip
+        raise UserError(
+            f"the base config's global batch {base_batch} (kept at every node count unless "
+            f"--global-batch says otherwise) is out of reach: {exc}"
+        ) from None
     notes = list(plan.notes)
     started = time.monotonic()
 
     comm_dir = out_dir / "comm"
     try:
-        run_comm(comm_dir, num_ranks=ranks, hostfile=hostfile, backends=("torch",),
-                 max_bytes=(16 if on_cpu else 256) * 2**20,
-                 budget_s=comm_budget_s or (15.0 if on_cpu else 60.0), log=say)  # fmt: skip
+        run_comm(
+            comm_dir,
+            num_ranks=ranks,
+            hostfile=hostfile,
+            backends=("torch",),
+            max_bytes=(16 if on_cpu else 256) * 2**20,
+            budget_s=comm_budget_s or (15.0 if on_cpu else 60.0),
+            log=say,
+        )
     except CommRunError as exc:
         notes.append(f"collectives benchmark failed ({exc}); network figures assumed")
     fit_path = comm_dir / "comm_fit.json"
@@ -313,15 +363,25 @@ def run_advise(
 
     numels = trained_numels(model)
     zero = ZeroSettings.from_config(base)
-    setup = setup_id({"base": base, "model": settings.model, "data": str(settings.data), "steps": steps,
-                      "warmup": warmup, "train_args": list(train_args), "hosts": settings.hosts})  # fmt: skip
+    setup = setup_id(
+        {
+            "base": base,
+            "model": settings.model,
+            "data": str(settings.data),
+            "steps": steps,
+            "warmup": warmup,
+            "train_args": list(train_args),
+            "hosts": settings.hosts,
+        }
+    )
     runner = trial_runner(settings, base, out_dir / "profile", setup, say)
     total_s = (budget_minutes or (5.0 if on_cpu else 30.0)) * 60
     budget_s = total_s - (time.monotonic() - started)
     # The search judges each config at every node count the global batch reaches (beyond them nothing runs).
     reach = [n for n in node_list if any(grad_accum_for(m, n * target_gpus, target) for m in micro_batches)]
-    search = run_search(plan, runner, numels, zero, measured_net, target_net, reach, usable, target,
-                        budget_s, log=say)  # fmt: skip
+    search = run_search(
+        plan, runner, numels, zero, measured_net, target_net, reach, usable, target, budget_s, log=say
+    )
     trials = search.trials
     ok = trials[trials["status"] == "ok"]
     if ok.empty:
@@ -377,24 +437,64 @@ def run_advise(
         from advisor.model.knobs import knob_choices
         from advisor.model.knobs import tune_buckets as run_tuning
 
-        choices = knob_choices(models.timing, numels, zero, int(best["zero_stage"]), str(best["dtype"]),
-                               int(best["micro_batch"]), int(best["grad_accum"]), int(best["node_count"]),
-                               target_net, str(best["offload"]), models.memory, usable)  # fmt: skip
+        choices = knob_choices(
+            models.timing,
+            numels,
+            zero,
+            int(best["zero_stage"]),
+            str(best["dtype"]),
+            int(best["micro_batch"]),
+            int(best["grad_accum"]),
+            int(best["node_count"]),
+            target_net,
+            str(best["offload"]),
+            models.memory,
+            usable,
+        )
         notes += run_tuning(best, choices, runner, ranks)
     config_path = out_dir / "recommended_ds_config.json"
     write_json_atomic(config_path, config)
     elapsed_s = time.monotonic() - started
     outcome = Outcome(
-        best=best, runners=runners, lr=lr, trials=trials, predictions=predictions, node_list=node_list,
-        min_efficiency=min_efficiency, fixed_nodes=nodes, target=target, target_asked=asked is not None,
-        base_batch=base_batch, target_net=target_net, measured_net=measured_net, trial_device=device,
-        trial_ranks=ranks, differs=differs, memory_bytes=memory_bytes, memory_source=memory_source,
-        usable_bytes=usable, errors=error_summary(validation), check_ids=check_ids, search=search,
-        elapsed_s=elapsed_s, budget_s=total_s, per_trial_s=per_trial, notes=notes,
-    )  # fmt: skip
+        best=best,
+        runners=runners,
+        lr=lr,
+        trials=trials,
+        predictions=predictions,
+        node_list=node_list,
+        min_efficiency=min_efficiency,
+        fixed_nodes=nodes,
+        target=target,
+        target_asked=asked is not None,
+        base_batch=base_batch,
+        target_net=target_net,
+        measured_net=measured_net,
+        trial_device=device,
+        trial_ranks=ranks,
+        differs=differs,
+        memory_bytes=memory_bytes,
+        memory_source=memory_source,
+        usable_bytes=usable,
+        errors=error_summary(validation),
+        check_ids=check_ids,
+        search=search,
+        elapsed_s=elapsed_s,
+        budget_s=total_s,
+        per_trial_s=per_trial,
+        notes=notes,
+    )
     recommendation = build_recommendation(outcome)
-    recommendation["launch_command"] = launch_command(config_path, model, data, int(best["node_count"]),
-                                                      target_gpus, hostfile, out_dir / "run", user_args, lr)  # fmt: skip
+    recommendation["launch_command"] = launch_command(
+        config_path,
+        model,
+        data,
+        int(best["node_count"]),
+        target_gpus,
+        hostfile,
+        out_dir / "run",
+        user_args,
+        lr,
+    )
     recommendation["error_explained"] = ERROR_EXPLAINED
     if len(hosts) >= 2:
         recommendation["scaleout_check"] = scaleout_check(
@@ -424,8 +524,16 @@ def prepare_hostfile(hostfile: Path | None, say: Callable[[str], None]) -> list[
     return entries
 
 
-def scaleout_check(best: Any, base: dict[str, Any], settings: Any, hostfile: Path, hosts: list[Any],
-                   fit_path: Path, out_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+def scaleout_check(
+    best: Any,
+    base: dict[str, Any],
+    settings: Any,
+    hostfile: Path,
+    hosts: list[Any],
+    fit_path: Path,
+    out_dir: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     """Predict the recommended config on the hostfile's hosts from a 1-host trial plus the measured link,
     then run it there: the prediction's error, measured, in recommendation.json and scaleout.csv."""
     from dataclasses import replace
@@ -448,13 +556,16 @@ def scaleout_check(best: Any, base: dict[str, Any], settings: Any, hostfile: Pat
     except RuntimeError as exc:
         return {"failed": str(exc).splitlines()[0]}
     rows_table([row]).to_csv(out_dir / "scaleout.csv", index=False)
-    say(f"scale-out check: predicted {row.predicted_step_s:.3f} s/step, measured {row.measured_step_s:.3f} s "
-        f"({row.error:+.1%})")  # fmt: skip
+    say(
+        f"scale-out check: predicted {row.predicted_step_s:.3f} s/step, measured {row.measured_step_s:.3f} s "
+        f"({row.error:+.1%})"
+    )
     return {**vars(row), "error": row.error}
 
 
-def _environment(memory_bytes: float, source: str, headroom: float, target: Network, measured: Network,
-                 notes: list[str]) -> dict[str, Any]:  # fmt: skip
+def _environment(
+    memory_bytes: float, source: str, headroom: float, target: Network, measured: Network, notes: list[str]
+) -> dict[str, Any]:
     env: dict[str, Any] = {}
     try:
         from sdzero.environment import environment_snapshot  # type: ignore[import-not-found,unused-ignore]
@@ -462,8 +573,14 @@ def _environment(memory_bytes: float, source: str, headroom: float, target: Netw
         env.update(environment_snapshot())
     except ImportError:
         pass
-    return env | {"device_memory_bytes": memory_bytes, "device_memory_source": source, "headroom": headroom,
-                  "target_network": target.describe(), "measured_network": measured.describe(), "notes": notes}  # fmt: skip
+    return env | {
+        "device_memory_bytes": memory_bytes,
+        "device_memory_source": source,
+        "headroom": headroom,
+        "target_network": target.describe(),
+        "measured_network": measured.describe(),
+        "notes": notes,
+    }
 
 
 def advise_command(
@@ -574,12 +691,28 @@ def advise_command(
 
     console = Console(stderr=True)
     result = run_advise(
-        max_nodes=max_nodes, model=model, data=data, deepspeed_config=deepspeed_config, out_dir=out,
-        budget_minutes=budget_minutes, hostfile=hostfile, gpus_per_node=gpus_per_node,
-        inter_node_gbps=inter_node_gbps, inter_node_latency_us=inter_node_latency_us, preset=preset,
-        nics_per_node=nics_per_node, tune_buckets=tune_buckets,
-        global_batch=global_batch, headroom=headroom, device_memory_gib=device_memory_gib, lr_scaling=lr_scaling,
-        log=lambda message: console.print(f"[dim]{message}[/dim]"), train_args=check_train_args(train_args),
-        min_efficiency=min_efficiency, nodes=nodes, target_gpu=target_gpu, lr_reference_batch=lr_reference_batch,
-    )  # fmt: skip
+        max_nodes=max_nodes,
+        model=model,
+        data=data,
+        deepspeed_config=deepspeed_config,
+        out_dir=out,
+        budget_minutes=budget_minutes,
+        hostfile=hostfile,
+        gpus_per_node=gpus_per_node,
+        inter_node_gbps=inter_node_gbps,
+        inter_node_latency_us=inter_node_latency_us,
+        preset=preset,
+        nics_per_node=nics_per_node,
+        tune_buckets=tune_buckets,
+        global_batch=global_batch,
+        headroom=headroom,
+        device_memory_gib=device_memory_gib,
+        lr_scaling=lr_scaling,
+        log=lambda message: console.print(f"[dim]{message}[/dim]"),
+        train_args=check_train_args(train_args),
+        min_efficiency=min_efficiency,
+        nodes=nodes,
+        target_gpu=target_gpu,
+        lr_reference_batch=lr_reference_batch,
+    )
     print_advice(result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report)

@@ -109,8 +109,9 @@ def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
         rate=lambda t: pd.to_numeric(t["samples_per_s"], errors="coerce")
     )
     top = ok.loc[ok["rate"].idxmax()]
-    best_id = Candidate(int(top["zero_stage"]), str(top["precision"]), int(top["micro_batch"]),
-                        str(top["offload"])).config_id  # fmt: skip
+    best_id = Candidate(
+        int(top["zero_stage"]), str(top["precision"]), int(top["micro_batch"]), str(top["offload"])
+    ).config_id
     n = int(o.best["node_count"])
     there = o.predictions[(o.predictions["config_id"] == best_id) & (o.predictions["node_count"] == n)]
     predicted = float(there["samples_per_s"].iloc[0]) if not there.empty else None
@@ -124,9 +125,15 @@ def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
         + f"). --budget-minutes {minutes} with the same --out (the {len(o.trials)} trials done are reused) "
         "leaves room to measure it and check the model on it."
     )
-    return {"recommended_config_measured": False, "best_measured_config": best_id,
-            "best_measured_samples_per_s": float(top["rate"]), "best_measured_predicted_samples_per_s": predicted,
-            "stopped_by_budget": by_budget, "suggested_budget_minutes": minutes, "message": message}  # fmt: skip
+    return {
+        "recommended_config_measured": False,
+        "best_measured_config": best_id,
+        "best_measured_samples_per_s": float(top["rate"]),
+        "best_measured_predicted_samples_per_s": predicted,
+        "stopped_by_budget": by_budget,
+        "suggested_budget_minutes": minutes,
+        "message": message,
+    }
 
 
 def node_choice(o: Outcome, table: pd.DataFrame) -> dict[str, Any]:
@@ -136,8 +143,13 @@ def node_choice(o: Outcome, table: pd.DataFrame) -> dict[str, Any]:
         if o.fixed_nodes is not None
         else f"the largest node count keeping scaling efficiency >= {o.min_efficiency:.0%}"
     )
-    return {"rule": rule, "min_efficiency": o.min_efficiency, "chosen": int(o.best["node_count"]), "knee": knee,
-            **options_beside(table)}  # fmt: skip
+    return {
+        "rule": rule,
+        "min_efficiency": o.min_efficiency,
+        "chosen": int(o.best["node_count"]),
+        "knee": knee,
+        **options_beside(table),
+    }
 
 
 def build_recommendation(o: Outcome) -> dict[str, Any]:
@@ -151,23 +163,45 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
     )
     held_out = o.errors["held_out"]
     return {
-        "config_id": best["config_id"], "node_count": int(best["node_count"]),
-        "gpus_per_node": o.target_net.gpus_per_node, "world_size": int(best["world_size"]),
-        "zero_stage": int(best["zero_stage"]), "dtype": best["dtype"], "micro_batch": int(best["micro_batch"]),
-        "offload": best["offload"], "samples_per_s": float(best["samples_per_s"]),
-        "step_time_s": float(best["step_time_s"]), "compute_s": float(best["compute_s"]),
-        "exposed_comm_s": float(best["exposed_comm_s"]), "mem_per_rank_bytes": float(best["mem_per_rank_bytes"]),
-        "usable_memory_bytes": o.usable_bytes, "global_batch": int(best["global_batch"]),
-        "global_batch_target": o.target.describe(), "global_batch_rule": batch_rule,
+        "config_id": best["config_id"],
+        "node_count": int(best["node_count"]),
+        "gpus_per_node": o.target_net.gpus_per_node,
+        "world_size": int(best["world_size"]),
+        "zero_stage": int(best["zero_stage"]),
+        "dtype": best["dtype"],
+        "micro_batch": int(best["micro_batch"]),
+        "offload": best["offload"],
+        "samples_per_s": float(best["samples_per_s"]),
+        "step_time_s": float(best["step_time_s"]),
+        "compute_s": float(best["compute_s"]),
+        "exposed_comm_s": float(best["exposed_comm_s"]),
+        "mem_per_rank_bytes": float(best["mem_per_rank_bytes"]),
+        "usable_memory_bytes": o.usable_bytes,
+        "global_batch": int(best["global_batch"]),
+        "global_batch_target": o.target.describe(),
+        "global_batch_rule": batch_rule,
         "grad_accum": int(best["grad_accum"]),
-        "lr": o.lr.lr, "lr_scaling": o.lr.rule, "lr_reference_batch": o.lr.reference_batch,
-        "lr_factor": o.lr.factor, "lr_base": o.lr.base_lr, "lr_capped": o.lr.capped,
-        "lr_warmup_steps": o.lr.warmup_steps, "lr_warning": o.lr.warning, "lr_rule": o.lr.describe(),
-        "node_choice": node_choice(o, table), "scaling_table": table_records(table),
-        "provenance": provenance(o), "measured": budget_check(o, measured),
+        "lr": o.lr.lr,
+        "lr_scaling": o.lr.rule,
+        "lr_reference_batch": o.lr.reference_batch,
+        "lr_factor": o.lr.factor,
+        "lr_base": o.lr.base_lr,
+        "lr_capped": o.lr.capped,
+        "lr_warmup_steps": o.lr.warmup_steps,
+        "lr_warning": o.lr.warning,
+        "lr_rule": o.lr.describe(),
+        "node_choice": node_choice(o, table),
+        "scaling_table": table_records(table),
+        "provenance": provenance(o),
+        "measured": budget_check(o, measured),
         "error": {k: v for k, v in held_out.items() if v is not None},
         "leave_one_out": o.errors["leave_one_out"],
-        "trials_run": int(len(o.trials)), "full_grid": int(o.search.full_grid), "check_trials": o.check_ids,
-        "chosen_by_model": o.search.chosen_by_model, "search_log": o.search.log,
-        "network": o.target_net.describe(), "runners_up": o.runners, "notes": o.notes,
-    }  # fmt: skip
+        "trials_run": int(len(o.trials)),
+        "full_grid": int(o.search.full_grid),
+        "check_trials": o.check_ids,
+        "chosen_by_model": o.search.chosen_by_model,
+        "search_log": o.search.log,
+        "network": o.target_net.describe(),
+        "runners_up": o.runners,
+        "notes": o.notes,
+    }

@@ -55,8 +55,17 @@ def main() -> None:
     model, data = default_inputs(work, None, None)
     base_path = shipped_config("zero2_bf16.json")
     grid = CPU_GRID.__class__(**{**CPU_GRID.__dict__, "ranks_per_node": (2,)})
-    full = run_profile(model, data, work / "full", grid=grid, base_config=base_path, steps=args.steps,
-                       warmup_steps=1, train_args=["--num-workers", "1"], log=print).table  # fmt: skip
+    full = run_profile(
+        model,
+        data,
+        work / "full",
+        grid=grid,
+        base_config=base_path,
+        steps=args.steps,
+        warmup_steps=1,
+        train_args=["--num-workers", "1"],
+        log=print,
+    ).table
     fit_path = work / "comm" / "comm_fit.json"
     if not fit_path.is_file():  # a rerun on the same --work compares models on the very same measurements
         fit_path = run_comm(
@@ -92,21 +101,25 @@ def main() -> None:
         "step_time_mape_unmeasured": float(np.mean(step_err)) if step_err else None,
         "activation_error_unmeasured_mean": float(np.mean(act_err)) if act_err else None,
         "activation_error_unmeasured_max": float(np.max(act_err)) if act_err else None,
-        "trials_run": len(subset), "full_grid": plan.max_trials,
-        "chosen": str(best["config_id"]), "chosen_measured_samples_per_s": float(chosen),
+        "trials_run": len(subset),
+        "full_grid": plan.max_trials,
+        "chosen": str(best["config_id"]),
+        "chosen_measured_samples_per_s": float(chosen),
         "grid_best": str(ok.loc[ok["samples_per_s"].idxmax(), "trial_id"]),
         "grid_best_samples_per_s": float(ok["samples_per_s"].max()),
         "chosen_over_best": float(chosen / ok["samples_per_s"].max()),
         "search_log": search.log,
-    }  # fmt: skip
+    }
     pd.set_option("display.width", 200)
     print(full[["trial_id", "status", "samples_per_s", "step_time_s", "comm_s", "activation_bytes"]])
     print(json.dumps(summary, indent=2))
     print(
         f"(a) step-time MAPE on unmeasured configs: {summary['step_time_mape_unmeasured']:.1%} (goal <= 10%)"
     )
-    print(f"(b) activation-memory error on unmeasured: mean {summary['activation_error_unmeasured_mean']:.2%}, "
-          f"max {summary['activation_error_unmeasured_max']:.2%} (goal <= 5%)")  # fmt: skip
+    print(
+        f"(b) activation-memory error on unmeasured: mean {summary['activation_error_unmeasured_mean']:.2%}, "
+        f"max {summary['activation_error_unmeasured_max']:.2%} (goal <= 5%)"
+    )
     print(f"(c) trials run / full grid: {len(subset)}/{plan.max_trials} (goal <= 1/3)")
     print(
         f"(d) chosen {summary['chosen']} measured / grid best: {summary['chosen_over_best']:.3f} (goal >= 0.97)"

@@ -65,17 +65,50 @@ def launch(args: argparse.Namespace) -> int:
         write_tiny_model(model, family=args.family)
     if not (data / "metadata.jsonl").exists():
         write_synthetic_dataset(data, images=args.images)
-    build = [sys.executable, "-m", "sdzero.cli", "cache", "--model", str(model), "--data", str(data),
-             "--out", str(cache), "--dtype", dtype_of(args.config), "--num-gpus", str(args.ranks)]  # fmt: skip
+    build = [
+        sys.executable,
+        "-m",
+        "sdzero.cli",
+        "cache",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(cache),
+        "--dtype",
+        dtype_of(args.config),
+        "--num-gpus",
+        str(args.ranks),
+    ]
     start = time.perf_counter()
     code = subprocess.call(build)
     build_wall_s = time.perf_counter() - start
     if code != 0:
         return code
-    cmd = [deepspeed_executable(), "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
-           __file__, "--worker", "--family", args.family, "--rounds", str(args.rounds), "--steps",
-           str(args.steps), "--num-workers", str(args.num_workers), "--config", str(args.config),
-           "--work", str(work), "--build-wall-s", f"{build_wall_s:.3f}"]  # fmt: skip
+    cmd = [
+        deepspeed_executable(),
+        "--num_gpus",
+        str(args.ranks),
+        "--master_port",
+        str(free_port()),
+        __file__,
+        "--worker",
+        "--family",
+        args.family,
+        "--rounds",
+        str(args.rounds),
+        "--steps",
+        str(args.steps),
+        "--num-workers",
+        str(args.num_workers),
+        "--config",
+        str(args.config),
+        "--work",
+        str(work),
+        "--build-wall-s",
+        f"{build_wall_s:.3f}",
+    ]
     return subprocess.call(cmd)
 
 
@@ -116,8 +149,14 @@ def worker(args: argparse.Namespace) -> None:
         args.work / "data",
         args.work / f"cache-{args.family}",
     )
-    common = dict(deepspeed_config=args.config, model=str(model), data=data, output_dir=args.work / "bench_run",
-                  max_steps=args.steps, num_workers=args.num_workers)  # fmt: skip
+    common = dict(
+        deepspeed_config=args.config,
+        model=str(model),
+        data=data,
+        output_dir=args.work / "bench_run",
+        max_steps=args.steps,
+        num_workers=args.num_workers,
+    )
     online_cfg = TrainConfig(**common)
     cached_cfg = TrainConfig(**common, cache_dir=cache_dir)
     cache = open_cache(cache_dir, str(model), data, None, False, ds.dtype, False)
@@ -164,10 +203,14 @@ def report(args, ds, rates: dict[str, list[float]], cache) -> None:
         "cache_build_in_process_s": cache.raw.get("build_seconds"),
     }
     print(json.dumps(result, indent=2))
-    print(f"\ncached / online samples/s (median of {args.rounds} alternated blocks of {args.steps} steps, tiny "
-          f"{args.family}): {cached:.2f} / {online:.2f} = {cached / online:.2f}x")  # fmt: skip
-    print(f"cache build: {len(cache)} samples, {shard_bytes / 1e6:.1f} MB, {args.build_wall_s:.1f} s wall with "
-          f"{ds.world_size} ranks ({cache.raw.get('build_seconds', 0):.1f} s inside rank 0, model load included)")  # fmt: skip
+    print(
+        f"\ncached / online samples/s (median of {args.rounds} alternated blocks of {args.steps} steps, tiny "
+        f"{args.family}): {cached:.2f} / {online:.2f} = {cached / online:.2f}x"
+    )
+    print(
+        f"cache build: {len(cache)} samples, {shard_bytes / 1e6:.1f} MB, {args.build_wall_s:.1f} s wall with "
+        f"{ds.world_size} ranks ({cache.raw.get('build_seconds', 0):.1f} s inside rank 0, model load included)"
+    )
 
 
 def main() -> int:

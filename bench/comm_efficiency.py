@@ -56,16 +56,31 @@ def main() -> int:
         mpirun_args = ("--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet)
         for rate in args.rates:
             cluster.shape(rate)
-            result = run_comm(work / rate, num_ranks=1, hostfile=cluster.hostfile, backends=("torch", "mpi"),
-                              max_bytes=args.max_mib * MIB, budget_s=args.budget_s, mpirun_args=mpirun_args,
-                              log=print)  # fmt: skip
+            result = run_comm(
+                work / rate,
+                num_ranks=1,
+                hostfile=cluster.hostfile,
+                backends=("torch", "mpi"),
+                max_bytes=args.max_mib * MIB,
+                budget_s=args.budget_s,
+                mpirun_args=mpirun_args,
+                log=print,
+            )
             table = result.table
             table = table[(table["collective"] == "all_reduce") & (table["link_level"] == "inter")]
             for library, rows in table.groupby("library"):
                 largest = rows.loc[rows["size_bytes"].idxmax()]
                 busbw_bits = float(largest["busbw_gbps"]) * 1e9 * 8
-                results.append((rate, library, int(largest["size_bytes"]), busbw_bits, busbw_bits / rate_bits_s(rate),
-                                bool(largest["correct"])))  # fmt: skip
+                results.append(
+                    (
+                        rate,
+                        library,
+                        int(largest["size_bytes"]),
+                        busbw_bits,
+                        busbw_bits / rate_bits_s(rate),
+                        bool(largest["correct"]),
+                    )
+                )
     print()
     print("| shaped rate | library | largest all-reduce | bus bandwidth | fraction of rate | correct |")
     print("|---|---|---|---|---|---|")

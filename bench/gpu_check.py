@@ -93,8 +93,12 @@ def environment(rehearsal: bool) -> dict[str, Any]:
 
     from sdzero.environment import environment_snapshot
 
-    info: dict[str, Any] = {"rehearsal_on_cpu": rehearsal, "python": sys.version.split()[0],
-                            "torch": torch.__version__, "cuda": torch.version.cuda}  # fmt: skip
+    info: dict[str, Any] = {
+        "rehearsal_on_cpu": rehearsal,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     for name in ("deepspeed", "diffusers", "transformers"):
         try:
             info[name] = __import__(name).__version__
@@ -222,16 +226,34 @@ def tiny_phase(a: argparse.Namespace, clock: Clock, results: dict[str, Any], log
         log = a.work / "logs" / f"{name}.log"
         logs.append(log)
         say(f"tiny {name}: {config}, {steps} steps")
-        code, wall = launch(["--deepspeed_config", str(cfg), *base, "--output-dir", str(output),
-                             "--max-steps", str(steps), *extra], log,
-                            run_env(a.cpu_rehearsal, "fp16" in config), min(150.0, clock.left()))  # fmt: skip
-        info = {"config": config, "exit_code": code, "wall_s": round(wall, 1),
-                **summarize_metrics(output / "metrics.jsonl")}  # fmt: skip
+        code, wall = launch(
+            [
+                "--deepspeed_config",
+                str(cfg),
+                *base,
+                "--output-dir",
+                str(output),
+                "--max-steps",
+                str(steps),
+                *extra,
+            ],
+            log,
+            run_env(a.cpu_rehearsal, "fp16" in config),
+            min(150.0, clock.left()),
+        )
+        info = {
+            "config": config,
+            "exit_code": code,
+            "wall_s": round(wall, 1),
+            **summarize_metrics(output / "metrics.jsonl"),
+        }
         if code != 0:
             info["log_tail"] = log_tail(log)
         runs[name] = info
-        say(f"  exit {code} in {wall:.1f} s; loss {info.get('loss_first', float('nan')):.4f} -> "
-            f"{info.get('loss_last', float('nan')):.4f}; skipped {info.get('skipped_steps', '-')}")  # fmt: skip
+        say(
+            f"  exit {code} in {wall:.1f} s; loss {info.get('loss_first', float('nan')):.4f} -> "
+            f"{info.get('loss_last', float('nan')):.4f}; skipped {info.get('skipped_steps', '-')}"
+        )
         return info
 
     for config in TINY_CONFIGS:
@@ -283,31 +305,56 @@ def write_sd15_sized_model(out: Path, small: bool) -> Path:
     torch.manual_seed(0)
     tokenizer = build_tokenizer(max_length=77)
     width, layers = (64, 2) if small else (768, 12)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=4 * width, projection_dim=width,
-        num_hidden_layers=layers, num_attention_heads=layers, max_position_embeddings=77,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    ))  # fmt: skip
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=width,
+            intermediate_size=4 * width,
+            projection_dim=width,
+            num_hidden_layers=layers,
+            num_attention_heads=layers,
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     vae_blocks = (16, 32, 32, 32) if small else (128, 256, 512, 512)
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=vae_blocks, layers_per_block=2,
-        latent_channels=4, norm_num_groups=8 if small else 32, sample_size=512, scaling_factor=0.18215,
-    )  # fmt: skip
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=vae_blocks,
+        layers_per_block=2,
+        latent_channels=4,
+        norm_num_groups=8 if small else 32,
+        sample_size=512,
+        scaling_factor=0.18215,
+    )
     unet_blocks = (32, 64, 64, 64) if small else (320, 640, 1280, 1280)
     unet = UNet2DConditionModel(
-        sample_size=8 if small else 64, in_channels=4, out_channels=4, layers_per_block=2,
+        sample_size=8 if small else 64,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=2,
         block_out_channels=unet_blocks,
         down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
         up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-        cross_attention_dim=width, attention_head_dim=8, norm_num_groups=8 if small else 32,
-    )  # fmt: skip
+        cross_attention_dim=width,
+        attention_head_dim=8,
+        norm_num_groups=8 if small else 32,
+    )
     pipe = StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
         scheduler=DDPMScheduler(**_ddpm_settings(), clip_sample=False),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )  # fmt: skip
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     with atomic_dir(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
     return out
@@ -346,27 +393,56 @@ def memory_phase(
     if len(batches) < 2:
         mem["skipped"] = f"budget: {clock.left():.0f} s left"
         return None
-    say(f"memory: sdzero profile, ZeRO-2 bf16, micro-batches {batches}, {resolution} px, "
-        f"{mem['unet_params']:,} UNet parameters")  # fmt: skip
+    say(
+        f"memory: sdzero profile, ZeRO-2 bf16, micro-batches {batches}, {resolution} px, "
+        f"{mem['unet_params']:,} UNet parameters"
+    )
     os.environ["PYTHONPATH"] = run_env(a.cpu_rehearsal, False)["PYTHONPATH"]
     result = run_profile(
-        model=model, data=data, out_dir=out,
-        grid=GridRequest(stages=(2,), precisions=("bf16",), micro_batches=tuple(batches), ranks_per_node=(1,)),
-        base_config=base, steps=3, warmup_steps=2, trial_timeout_s=per_trial + 30, stall_timeout_s=60,
-        train_args=["--resolution", str(resolution), "--num-workers", "4"], log=say,
-    )  # fmt: skip
+        model=model,
+        data=data,
+        out_dir=out,
+        grid=GridRequest(
+            stages=(2,), precisions=("bf16",), micro_batches=tuple(batches), ranks_per_node=(1,)
+        ),
+        base_config=base,
+        steps=3,
+        warmup_steps=2,
+        trial_timeout_s=per_trial + 30,
+        stall_timeout_s=60,
+        train_args=["--resolution", str(resolution), "--num-workers", "4"],
+        log=say,
+    )
     table = result.table
     for trial_dir in sorted((out / "trials").glob("*")):
         logs.append(trial_dir / "log.txt")
     ok = table[table["status"] == "ok"].copy()
     mem["trials"] = [
-        {k: (None if pd.isna(row[k]) else row[k].item() if hasattr(row[k], "item") else row[k])
-         for k in ("trial_id", "status", "reason", "micro_batch", "samples_per_s", "step_time_median_s",
-                   "params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "model_state_bytes",
-                   "bucket_bytes", "frozen_bytes", "activation_bytes", "device_peak_bytes",
-                   "cuda_peak_bytes", "peak_rss_bytes", "wall_s")}
+        {
+            k: (None if pd.isna(row[k]) else row[k].item() if hasattr(row[k], "item") else row[k])
+            for k in (
+                "trial_id",
+                "status",
+                "reason",
+                "micro_batch",
+                "samples_per_s",
+                "step_time_median_s",
+                "params_bytes",
+                "grads_bytes",
+                "master_bytes",
+                "optimizer_bytes",
+                "model_state_bytes",
+                "bucket_bytes",
+                "frozen_bytes",
+                "activation_bytes",
+                "device_peak_bytes",
+                "cuda_peak_bytes",
+                "peak_rss_bytes",
+                "wall_s",
+            )
+        }
         for _, row in table.iterrows()
-    ]  # fmt: skip
+    ]
     if len(ok) < 2:
         mem["error"] = "fewer than 2 ok trials: no fit"
         return result.csv_path
@@ -407,9 +483,11 @@ def memory_phase(
         rows.append(compare(rest, ok[ok["micro_batch"] == largest].iloc[0], True))
     mem["comparison"] = rows
     for r in rows:
-        say(f"  mb {r['micro_batch']} {'held-out' if r['held_out'] else 'in-sample'}: predicted "
+        say(
+            f"  mb {r['micro_batch']} {'held-out' if r['held_out'] else 'in-sample'}: predicted "
             f"{r['predicted_bytes'] / GIB:.3f} GiB, measured {r['measured_cuda_peak_bytes'] / GIB:.3f} GiB, "
-            f"error {r['error_pct']:+.1f}%")  # fmt: skip
+            f"error {r['error_pct']:+.1f}%"
+        )
     return result.csv_path
 
 
@@ -425,8 +503,14 @@ def pytest_phase(a: argparse.Namespace, clock: Clock, results: dict[str, Any], o
     log = out / "pytest.txt"
     cmd = [sys.executable, "-m", "pytest", "tests/unit", "-q", "-p", "no:cacheprovider"]
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                env=run_env(a.cpu_rehearsal, False), start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=run_env(a.cpu_rehearsal, False),
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=clock.left() - 5)
         except subprocess.TimeoutExpired:
@@ -460,8 +544,11 @@ def verdicts(results: dict[str, Any]) -> list[str]:
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# gpu_check {results['date']}", "", f"device: {results['environment'].get('gpu', 'cpu')}", ""]
-    lines += ["| run | exit | steps | loss first -> last | mean first 5 -> last 5 | skipped (fp16) | "
-              "loss scale first -> last | samples/s (median) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "| run | exit | steps | loss first -> last | mean first 5 -> last 5 | skipped (fp16) | "
+        "loss scale first -> last | samples/s (median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.get("tiny_runs", {}).items():
         if "skipped" in r:
             lines.append(f"| {name} | skipped | | | | | | |")
@@ -470,22 +557,30 @@ def markdown(results: dict[str, Any]) -> str:
         def f(key: str, fmt: str = ".4f", r: dict[str, Any] = r) -> str:
             return "-" if r.get(key) is None else format(r[key], fmt)
 
-        lines.append(f"| {name} | {r['exit_code']} | {r.get('steps', 0)} | {f('loss_first')} -> "
-                     f"{f('loss_last')} | {f('loss_first5_mean')} -> {f('loss_last5_mean')} | "
-                     f"{r.get('skipped_steps', '-')} | {f('loss_scale_first', 'g')} -> {f('loss_scale_last', 'g')} "
-                     f"| {f('samples_per_s_median', '.1f')} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {r['exit_code']} | {r.get('steps', 0)} | {f('loss_first')} -> "
+            f"{f('loss_last')} | {f('loss_first5_mean')} -> {f('loss_last5_mean')} | "
+            f"{r.get('skipped_steps', '-')} | {f('loss_scale_first', 'g')} -> {f('loss_scale_last', 'g')} "
+            f"| {f('samples_per_s_median', '.1f')} |"
+        )
     if results.get("resume"):
         lines += ["", f"resume: {json.dumps(results['resume'])}"]
     mem = results.get("memory", {})
     if mem.get("comparison"):
-        lines += ["", f"memory, ZeRO-2 bf16, {mem['unet_params']:,} UNet parameters, {mem['resolution']} px:", "",
-                  "| micro-batch | fit | predicted GiB | measured CUDA peak GiB | error | samples/s |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"memory, ZeRO-2 bf16, {mem['unet_params']:,} UNet parameters, {mem['resolution']} px:",
+            "",
+            "| micro-batch | fit | predicted GiB | measured CUDA peak GiB | error | samples/s |",
+            "|---|---|---|---|---|---|",
+        ]
         rate = {t["micro_batch"]: t["samples_per_s"] for t in mem["trials"]}
         for r in mem["comparison"]:
-            lines.append(f"| {r['micro_batch']} | {'held out' if r['held_out'] else 'in sample'} | "
-                         f"{r['predicted_bytes'] / GIB:.3f} | {r['measured_cuda_peak_bytes'] / GIB:.3f} | "
-                         f"{r['error_pct']:+.1f}% | {rate.get(r['micro_batch']) or 0:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {r['micro_batch']} | {'held out' if r['held_out'] else 'in sample'} | "
+                f"{r['predicted_bytes'] / GIB:.3f} | {r['measured_cuda_peak_bytes'] / GIB:.3f} | "
+                f"{r['error_pct']:+.1f}% | {rate.get(r['micro_batch']) or 0:.2f} |"
+            )
     elif mem:
         lines += ["", f"memory: {json.dumps({k: v for k, v in mem.items() if k != 'trials'})}"]
     if results.get("pytest"):
@@ -499,8 +594,11 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available() and not a.cpu_rehearsal:
-        print("gpu_check: no CUDA device visible to torch; run this on a CUDA machine "
-              "(--cpu-rehearsal checks the script itself on a CPU)", file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_check: no CUDA device visible to torch; run this on a CUDA machine "
+            "(--cpu-rehearsal checks the script itself on a CPU)",
+            file=sys.stderr,
+        )
         return 2
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(name, "1")  # nothing is downloaded; offline machines must not wait on the hub

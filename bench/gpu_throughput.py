@@ -98,12 +98,17 @@ def parse() -> argparse.Namespace:
 def unet_config(small: bool) -> dict[str, Any]:
     """SD 1.5's UNet (runwayml/stable-diffusion-v1-5 unet/config.json), or a small stand-in."""
     return {
-        "sample_size": 64, "in_channels": 4, "out_channels": 4, "layers_per_block": 1 if small else 2,
+        "sample_size": 64,
+        "in_channels": 4,
+        "out_channels": 4,
+        "layers_per_block": 1 if small else 2,
         "block_out_channels": (32, 64, 64, 64) if small else (320, 640, 1280, 1280),
         "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
         "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-        "cross_attention_dim": 64 if small else 768, "attention_head_dim": 8, "norm_num_groups": 32,
-    }  # fmt: skip
+        "cross_attention_dim": 64 if small else 768,
+        "attention_head_dim": 8,
+        "norm_num_groups": 32,
+    }
 
 
 def peak_flops(name: str, override_tflops: float | None) -> float | None:
@@ -132,7 +137,7 @@ def premade_batches(n: int, batch: int, side: int, text_width: int, device: Any)
             "noise": randn(batch, 4, side, side),
             "cond.encoder_hidden_states": randn(batch, 77, text_width),
             "timestep": torch.randint(0, 1000, (batch,), generator=g).to(device),
-        }  # fmt: skip
+        }
         for _ in range(n)
     ]
 
@@ -237,8 +242,9 @@ def ds_config(a: argparse.Namespace, dest: Path) -> Path:
     return dest
 
 
-def sdzero_rate(a: argparse.Namespace, options: dict[str, Any], base_unet: Any, batches: list, scheduler: Any,
-                device: Any) -> tuple[float, dict[str, Any]]:  # fmt: skip
+def sdzero_rate(
+    a: argparse.Namespace, options: dict[str, Any], base_unet: Any, batches: list, scheduler: Any, device: Any
+) -> tuple[float, dict[str, Any]]:
     """samples/s of sdzero's own loop (loop.train_steps) with these run options, and what it really used."""
     import torch
 
@@ -251,13 +257,28 @@ def sdzero_rate(a: argparse.Namespace, options: dict[str, Any], base_unet: Any, 
     work = a.out / "work"
     (work / "data").mkdir(parents=True, exist_ok=True)
     ds = load_ds_config(ds_config(a, work / "ds_config.json"), 1)
-    cfg = TrainConfig(deepspeed_config=ds.path, model="bench/sd15-sized-unet", data=work / "data",
-                      output_dir=work / "run", max_steps=a.warmup, lr=1e-5, resolution=a.resolution,
-                      **options)  # fmt: skip
+    cfg = TrainConfig(
+        deepspeed_config=ds.path,
+        model="bench/sd15-sized-unet",
+        data=work / "data",
+        output_dir=work / "run",
+        max_steps=a.warmup,
+        lr=1e-5,
+        resolution=a.resolution,
+        **options,
+    )
     apply_backend_flags(cfg, device.type)
-    comps = Components(family="sd", unet=copy.deepcopy(base_unet), vae=None, text_encoder=None, tokenizer=None,
-                       noise_scheduler=scheduler, vae_scale_factor=8, native_resolution=a.resolution,
-                       latent_scaling_factor=0.18215)  # fmt: skip
+    comps = Components(
+        family="sd",
+        unet=copy.deepcopy(base_unet),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        noise_scheduler=scheduler,
+        vae_scale_factor=8,
+        native_resolution=a.resolution,
+        latent_scaling_factor=0.18215,
+    )
     engine, _ = loop.init_engine(cfg, ds, comps)
     try:
         attention = check_attention(cfg, engine.module, DTYPES[ds.dtype], device)
@@ -286,8 +307,13 @@ def start_one_rank(device_type: str) -> None:
 
     from sdzero.launch import free_port
 
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(free_port()))):  # fmt: skip
+    for key, value in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+    ):
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
 
@@ -309,8 +335,10 @@ def rows_to_markdown(results: dict[str, Any]) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
         used = r.get("used", {})
         kernel = ", ".join(f"{k}: {v}" for k, v in used.get("attention_kernel_by_head_size", {}).items())
-        lines.append(f"| {r['row']} | {f'{rate:.2f}' if rate else ''} | {ratio} | {mfu} | {kernel} | "
-                     f"{used.get('optimizer', '')} | {r.get('error', '')} |")  # fmt: skip
+        lines.append(
+            f"| {r['row']} | {f'{rate:.2f}' if rate else ''} | {ratio} | {mfu} | {kernel} | "
+            f"{used.get('optimizer', '')} | {r.get('error', '')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -319,8 +347,11 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available() and not a.cpu_rehearsal:
-        print("gpu_throughput: no CUDA device visible to torch; run this on a CUDA machine "
-              "(--cpu-rehearsal checks the script itself on a CPU)", file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_throughput: no CUDA device visible to torch; run this on a CUDA machine "
+            "(--cpu-rehearsal checks the script itself on a CPU)",
+            file=sys.stderr,
+        )
         return 2
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(name, "1")  # nothing is downloaded; offline machines must not wait on the hub
@@ -336,8 +367,13 @@ def main() -> int:
     config = unet_config(small=a.cpu_rehearsal)
     base_unet = UNet2DConditionModel(**config)
     side, width = a.resolution // 8, config["cross_attention_dim"]
-    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085,
-                              beta_end=0.012, clip_sample=False)  # fmt: skip
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+    )
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU rehearsal"
     peak = peak_flops(name, a.peak_tflops)
     results: dict[str, Any] = {
@@ -364,8 +400,9 @@ def main() -> int:
                 if options is None:
                     entry["samples_per_s"] = example_rate(a, base_unet, batches, scheduler, device)
                 else:
-                    entry["samples_per_s"], entry["used"] = sdzero_rate(a, options, base_unet, batches, scheduler,
-                                                                        device)  # fmt: skip
+                    entry["samples_per_s"], entry["used"] = sdzero_rate(
+                        a, options, base_unet, batches, scheduler, device
+                    )
                 if peak:
                     entry["mfu"] = results["flops_per_sample"] * entry["samples_per_s"] / peak
             except Exception as exc:  # one failing switch must not cost the other rows

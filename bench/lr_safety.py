@@ -52,8 +52,16 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run(work: Path, name: str, base: dict, batch: int, lr: float, args: argparse.Namespace,
-        model: Path, data: Path) -> dict:  # fmt: skip
+def run(
+    work: Path,
+    name: str,
+    base: dict,
+    batch: int,
+    lr: float,
+    args: argparse.Namespace,
+    model: Path,
+    data: Path,
+) -> dict:
     micro = min(args.micro_batch, batch // args.ranks)
     accum = batch // (micro * args.ranks)
     if micro * accum * args.ranks != batch:
@@ -63,21 +71,52 @@ def run(work: Path, name: str, base: dict, batch: int, lr: float, args: argparse
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     (out / "ds.json").write_text(json.dumps(config))
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(args.ranks),
-           "--master_port", str(29500 + hash(name) % 400), str(REPO / "sdzero" / "train.py"),
-           "--deepspeed_config", str(out / "ds.json"), "--model", str(model), "--data", str(data),
-           "--output-dir", str(out / "run"), "--max-steps", str(args.steps), "--lr", repr(lr),
-           "--lr-scaling", "none", "--num-workers", "1", "--seed", "0"]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_gpus",
+        str(args.ranks),
+        "--master_port",
+        str(29500 + hash(name) % 400),
+        str(REPO / "sdzero" / "train.py"),
+        "--deepspeed_config",
+        str(out / "ds.json"),
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out / "run"),
+        "--max-steps",
+        str(args.steps),
+        "--lr",
+        repr(lr),
+        "--lr-scaling",
+        "none",
+        "--num-workers",
+        "1",
+        "--seed",
+        "0",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ.copy())
     if proc.returncode != 0:
         raise SystemExit(f"{name}: the trainer failed:\n{proc.stderr[-3000:]}")
-    losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
-              if '"loss"' in line]  # fmt: skip
+    losses = [
+        json.loads(line)["loss"]
+        for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
     first, last = losses[:10], losses[-10:]
     finite = all(math.isfinite(x) for x in losses)
-    row = {"run": name, "global_batch": batch, "lr": lr, "steps": len(losses),
-           "first10": sum(first) / len(first), "last10": sum(last) / len(last), "max": max(losses),
-           "finite": finite}  # fmt: skip
+    row = {
+        "run": name,
+        "global_batch": batch,
+        "lr": lr,
+        "steps": len(losses),
+        "first10": sum(first) / len(first),
+        "last10": sum(last) / len(last),
+        "max": max(losses),
+        "finite": finite,
+    }
     row["falls"] = finite and row["last10"] < row["first10"]
     return row
 
@@ -94,10 +133,12 @@ def main() -> None:
     capped = choose_lr(base_lr, args.batch, reference, rule)
     uncapped = choose_lr(base_lr, args.batch, reference, rule, max_factor=math.inf)
     old = base_lr * args.batch / reference  # the old advisor: linear, no cap
-    cases = [("advise-default", reference, choose_lr(base_lr, reference, reference, rule).lr),
-             (f"advise-batch{args.batch}", args.batch, capped.lr),
-             (f"{rule}-uncapped-batch{args.batch}", args.batch, uncapped.lr),
-             (f"old-linear-batch{args.batch}", args.batch, old)]  # fmt: skip
+    cases = [
+        ("advise-default", reference, choose_lr(base_lr, reference, reference, rule).lr),
+        (f"advise-batch{args.batch}", args.batch, capped.lr),
+        (f"{rule}-uncapped-batch{args.batch}", args.batch, uncapped.lr),
+        (f"old-linear-batch{args.batch}", args.batch, old),
+    ]
     wanted = [w for w in args.only.split(",") if w]
     cases = [c for c in cases if not wanted or any(c[0].startswith(w) for w in wanted)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,11 +151,24 @@ def main() -> None:
         for name, batch, lr in cases:
             row = run(work, name, base, batch, lr, args, model, data)
             rows.append(row)
-            print(f"{name:28s} batch {batch:4d} lr {lr:.3g}: loss first 10 {row['first10']:.4f}, last 10 "
-                  f"{row['last10']:.4f}, max {row['max']:.4f}, {'falls' if row['falls'] else 'DOES NOT FALL'}"
-                  + ("" if row["finite"] else " (non-finite)"), flush=True)  # fmt: skip
-    print(json.dumps({"reference_batch": reference, "rule": rule, "capped_factor": capped.factor,
-                      "uncapped_factor": uncapped.factor, "rows": rows}, indent=1))  # fmt: skip
+            print(
+                f"{name:28s} batch {batch:4d} lr {lr:.3g}: loss first 10 {row['first10']:.4f}, last 10 "
+                f"{row['last10']:.4f}, max {row['max']:.4f}, {'falls' if row['falls'] else 'DOES NOT FALL'}"
+                + ("" if row["finite"] else " (non-finite)"),
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {
+                "reference_batch": reference,
+                "rule": rule,
+                "capped_factor": capped.factor,
+                "uncapped_factor": uncapped.factor,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -68,16 +68,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accums", nargs="+", type=int, default=[1, 4], help="gradient accumulation steps")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=6, help="measured steps per trial (after 1 warm-up step)")
-    p.add_argument("--cpus-per-rank", type=float, default=0.4,
-                   help="CPU quota per rank in cores (a host gets ranks x this); 0: no quota")  # fmt: skip
+    p.add_argument(
+        "--cpus-per-rank",
+        type=float,
+        default=0.4,
+        help="CPU quota per rank in cores (a host gets ranks x this); 0: no quota",
+    )
     p.add_argument("--comm-budget-s", type=float, default=8.0, help="per link probe")
     p.add_argument("--round", type=int, default=1, help="round label of this chunk's cases in scaleout.csv")
     p.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
     p.add_argument("--table", default="scaleout.csv", help="the CSV in --work that the cases go to")
     p.add_argument("--table-only", action="store_true", help="print the cases in <work>/<table>")
-    p.add_argument("--overlap", action="store_true",
-                   help="the overlap check: every case with ZeRO's overlap_comm on and then off; the table "
-                        "compares the predicted with the measured difference")  # fmt: skip
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="the overlap check: every case with ZeRO's overlap_comm on and then off; the table "
+        "compares the predicted with the measured difference",
+    )
     return p.parse_args()
 
 
@@ -111,8 +118,16 @@ def main() -> int:
     return 0
 
 
-def run_layout(args: argparse.Namespace, work: Path, model: Path, data: Path, base: dict, hosts: int,
-               slots: int, csv: Path) -> None:  # fmt: skip
+def run_layout(
+    args: argparse.Namespace,
+    work: Path,
+    model: Path,
+    data: Path,
+    base: dict,
+    hosts: int,
+    slots: int,
+    csv: Path,
+) -> None:
     """Every (stage, accumulation, rate) case of one layout, on one cluster made for it."""
     share = args.cpus_per_rank or None
     here = work / f"round{args.round}" / f"{hosts}x{slots}"
@@ -122,8 +137,11 @@ def run_layout(args: argparse.Namespace, work: Path, model: Path, data: Path, ba
         _, master, interface, env_file, _ = prepare_hosts(cluster.hostfile, workdir=work)
         rank_env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(RANKSHARE)])}
         set_env_lines(env_file, {**rank_env, "SDZERO_RANK_CPUS": str(share)} if share else rank_env)
-        print(f"cluster {cluster.tag}: {hosts} hosts x {slots} over {interface}, master {master}, "
-              f"{share and share * slots or 'no'} cores per host", flush=True)  # fmt: skip
+        print(
+            f"cluster {cluster.tag}: {hosts} hosts x {slots} over {interface}, master {master}, "
+            f"{share and share * slots or 'no'} cores per host",
+            flush=True,
+        )
 
         def local_share():  # the 1-host trials and probes: the same share per rank as the hosts' ranks
             return cluster.local_share(share * hosts * slots, hosts * slots) if share else nullcontext()
@@ -149,23 +167,47 @@ def run_layout(args: argparse.Namespace, work: Path, model: Path, data: Path, ba
             case_dir = here / f"z{stage}-accum{accum}" / ("" if overlap is None else f"overlap{int(overlap)}")
             shutil.rmtree(case_dir, ignore_errors=True)  # a rerun of a case starts clean (no stale profile)
             with local_share():  # one 1-host trial serves both rates: it does not use the link
-                one_host = trial_table(replace(spec, ranks_per_node=hosts * slots), local, case_base,
-                                       case_dir / "1host", nodes=1)  # fmt: skip
+                one_host = trial_table(
+                    replace(spec, ranks_per_node=hosts * slots), local, case_base, case_dir / "1host", nodes=1
+                )
             for rate in args.rates:
                 cluster.shape(rate, delay_ms=args.delay_ms or None)
                 try:
-                    row, _ = check_config(spec, case_base, local, remote, fits[rate], hosts, slots,
-                                          case_dir / rate, one_host=one_host)  # fmt: skip
+                    row, _ = check_config(
+                        spec,
+                        case_base,
+                        local,
+                        remote,
+                        fits[rate],
+                        hosts,
+                        slots,
+                        case_dir / rate,
+                        one_host=one_host,
+                    )
                 except RuntimeError as exc:  # one failed run is reported, the chunk goes on
-                    print(f"round {args.round} {hosts}x{slots} {rate} {spec.trial_id} accum {accum}: FAILED "
-                          f"{str(exc).splitlines()[0]}", flush=True)  # fmt: skip
+                    print(
+                        f"round {args.round} {hosts}x{slots} {rate} {spec.trial_id} accum {accum}: FAILED "
+                        f"{str(exc).splitlines()[0]}",
+                        flush=True,
+                    )
                     continue
-                append(csv, rows_table([row], round=args.round, rate=rate, delay_ms=args.delay_ms,
-                                       cpus_per_rank=args.cpus_per_rank,
-                                       overlap_comm="" if overlap is None else overlap))  # fmt: skip
-                print(f"round {args.round} {hosts}x{slots} {rate} {row.config}: predicted "
-                      f"{row.predicted_step_s:.3f} s, measured {row.measured_step_s:.3f} s "
-                      f"({row.error:+.1%})", flush=True)  # fmt: skip
+                append(
+                    csv,
+                    rows_table(
+                        [row],
+                        round=args.round,
+                        rate=rate,
+                        delay_ms=args.delay_ms,
+                        cpus_per_rank=args.cpus_per_rank,
+                        overlap_comm="" if overlap is None else overlap,
+                    ),
+                )
+                print(
+                    f"round {args.round} {hosts}x{slots} {rate} {row.config}: predicted "
+                    f"{row.predicted_step_s:.3f} s, measured {row.measured_step_s:.3f} s "
+                    f"({row.error:+.1%})",
+                    flush=True,
+                )
 
 
 def set_env_lines(env_file: Path, values: dict[str, str]) -> None:
@@ -181,21 +223,29 @@ def append(csv: Path, rows: pd.DataFrame) -> None:
 
 
 def print_table(table: pd.DataFrame) -> None:
-    print("\n| round | hosts x ranks | link | config | inter busbw | 1-host step | predicted (compute + comm) "
-          "| measured (comm) | error |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "\n| round | hosts x ranks | link | config | inter busbw | 1-host step | predicted (compute + comm) "
+        "| measured (comm) | error |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for _, r in table.iterrows():
-        print(f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']}, {r['delay_ms']:g} ms | {r['config']} "
-              f"| {r['inter_busbw_gbit_s']:.3f} Gbit/s | {r['one_host_step_s']:.3f} s "
-              f"| {r['predicted_step_s']:.3f} s ({r['predicted_compute_s']:.3f} + {r['predicted_comm_s']:.3f}) "
-              f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%} |")  # fmt: skip
+        print(
+            f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']}, {r['delay_ms']:g} ms | {r['config']} "
+            f"| {r['inter_busbw_gbit_s']:.3f} Gbit/s | {r['one_host_step_s']:.3f} s "
+            f"| {r['predicted_step_s']:.3f} s ({r['predicted_compute_s']:.3f} + {r['predicted_comm_s']:.3f}) "
+            f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%} |"
+        )
     flat = table[table["slots"] > 1] if "flat_ring_step_s" in table else table.iloc[:0]
     if len(flat):
-        print("\n| round | hosts x ranks | link | config | hierarchy predicted | flat ring predicted | measured "
-              "| error (hierarchy) | error (flat ring) |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+        print(
+            "\n| round | hosts x ranks | link | config | hierarchy predicted | flat ring predicted | measured "
+            "| error (hierarchy) | error (flat ring) |\n|---|---|---|---|---|---|---|---|---|"
+        )
         for _, r in flat.iterrows():
-            print(f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']} | {r['config']} "
-                  f"| {r['predicted_step_s']:.3f} s | {r['flat_ring_step_s']:.3f} s | {r['measured_step_s']:.3f} s "
-                  f"| {r['error']:+.1%} | {r['flat_ring_step_s'] / r['measured_step_s'] - 1:+.1%} |")  # fmt: skip
+            print(
+                f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']} | {r['config']} "
+                f"| {r['predicted_step_s']:.3f} s | {r['flat_ring_step_s']:.3f} s | {r['measured_step_s']:.3f} s "
+                f"| {r['error']:+.1%} | {r['flat_ring_step_s'] / r['measured_step_s'] - 1:+.1%} |"
+            )
     print("\n| round | cases | within 10% | median |error| | largest |error| |\n|---|---|---|---|---|")
     for round_, rows in table.groupby("round"):
         size = rows["error"].abs()
@@ -218,8 +268,10 @@ def print_overlap(table: pd.DataFrame) -> None:
         predicted = off["predicted_step_s"] - on["predicted_step_s"]
         measured = off["measured_step_s"] - on["measured_step_s"]
         error = predicted / measured - 1 if measured else float("nan")
-        lines.append(f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {predicted * 1e3:+.1f} ms "
-                     f"| {measured * 1e3:+.1f} ms | {error:+.1%} |")  # fmt: skip
+        lines.append(
+            f"| {key[0]} | {key[1]}x{key[2]} | {key[3]} | {key[4]} | {predicted * 1e3:+.1f} ms "
+            f"| {measured * 1e3:+.1f} ms | {error:+.1%} |"
+        )
     if lines:
         print("\n| round | hosts x ranks | link | config | predicted off - on | measured off - on | error |")
         print("|---|---|---|---|---|---|---|")

@@ -53,9 +53,23 @@ def launch(args: argparse.Namespace) -> int:
         write_tiny_model(work / "model")
     if not (work / "data" / "metadata.jsonl").exists():
         write_synthetic_dataset(work / "data", images=128)
-    cmd = [deepspeed_executable(), "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
-           __file__, "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps),
-           "--config", str(args.config), "--work", str(work)]  # fmt: skip
+    cmd = [
+        deepspeed_executable(),
+        "--num_gpus",
+        str(args.ranks),
+        "--master_port",
+        str(free_port()),
+        __file__,
+        "--worker",
+        "--rounds",
+        str(args.rounds),
+        "--steps",
+        str(args.steps),
+        "--config",
+        str(args.config),
+        "--work",
+        str(work),
+    ]
     return subprocess.call(cmd)
 
 
@@ -135,8 +149,14 @@ def worker(args: argparse.Namespace) -> None:
     loop.quiet_libraries(rank)
     device = torch.device(get_accelerator().current_device_name())
     out = args.work / "bench_run"
-    cfg = TrainConfig(deepspeed_config=args.config, model=str(args.work / "model"), data=args.work / "data",
-                      output_dir=out, max_steps=args.steps, num_workers=2)  # fmt: skip
+    cfg = TrainConfig(
+        deepspeed_config=args.config,
+        model=str(args.work / "model"),
+        data=args.work / "data",
+        output_dir=out,
+        max_steps=args.steps,
+        num_workers=2,
+    )
     comps = load_components(cfg.model, ds.dtype, device)
     prediction_type = comps.noise_scheduler.config.prediction_type
     _, sampler, loader, _ = loop.build_data(cfg, ds, comps, rank, world)
@@ -184,10 +204,14 @@ def report(args, ds, rates: dict[str, list[float]], feeds: list[float]) -> None:
         "loader_headroom": min(feeds) / consume,
     }
     print(json.dumps(result, indent=2))
-    print(f"\nsdzero / bare DeepSpeed samples/s (median of {args.rounds} alternated blocks): "
-          f"{ours:.2f} / {bare:.2f} = {ours / bare:.3f}  (goal >= 0.98)")  # fmt: skip
-    print(f"data loader feeds {min(feeds):.1f} samples/s per rank; training consumes {consume:.1f} "
-          f"per rank: headroom x{min(feeds) / consume:.1f}")  # fmt: skip
+    print(
+        f"\nsdzero / bare DeepSpeed samples/s (median of {args.rounds} alternated blocks): "
+        f"{ours:.2f} / {bare:.2f} = {ours / bare:.3f}  (goal >= 0.98)"
+    )
+    print(
+        f"data loader feeds {min(feeds):.1f} samples/s per rank; training consumes {consume:.1f} "
+        f"per rank: headroom x{min(feeds) / consume:.1f}"
+    )
 
 
 def main() -> int:

@@ -175,8 +175,16 @@ class CacheSpec:
     model: str = ""
     data: str = ""
 
-    COMPARED = ("family", "model_fingerprint", "resolution", "buckets", "dtype", "data_fingerprint",
-                "text_tokens", "crop")  # fmt: skip
+    COMPARED = (
+        "family",
+        "model_fingerprint",
+        "resolution",
+        "buckets",
+        "dtype",
+        "data_fingerprint",
+        "text_tokens",
+        "crop",
+    )
 
     @property
     def digest(self) -> str:
@@ -208,10 +216,17 @@ def run_spec(
     records = read_metadata(Path(data))
     rows = data_files(Path(data), records)
     spec = CacheSpec(
-        family=family, model_fingerprint=model_fingerprint(model), resolution=res, buckets=sizes, flip=flip,
-        dtype=dtype, data_fingerprint=data_fingerprint(rows, records), text_tokens=tokens, model=str(model),
+        family=family,
+        model_fingerprint=model_fingerprint(model),
+        resolution=res,
+        buckets=sizes,
+        flip=flip,
+        dtype=dtype,
+        data_fingerprint=data_fingerprint(rows, records),
+        text_tokens=tokens,
+        model=str(model),
         data=str(Path(data).resolve()),
-    )  # fmt: skip
+    )
     return spec, records, rows
 
 
@@ -237,8 +252,11 @@ def differences(
         before, after = {r[0]: r[1:] for r in cache_rows}, {r[0]: r[1:] for r in run_rows}
         changed = sorted(n for n in before.keys() & after.keys() if before[n] != after[n])
         added, removed = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
-        parts = [f"{len(x)} {what} (e.g. {', '.join(x[:3])})" for x, what in
-                 ((changed, "changed"), (added, "added"), (removed, "removed")) if x]  # fmt: skip
+        parts = [
+            f"{len(x)} {what} (e.g. {', '.join(x[:3])})"
+            for x, what in ((changed, "changed"), (added, "added"), (removed, "removed"))
+            if x
+        ]
         out.append(f"data {cache.data} vs {run.data}: " + ("; ".join(parts) or "captions differ"))
     return out
 
@@ -318,8 +336,10 @@ def open_cache(
             if (cache_dir / BUILD_NAME).is_file()
             else ""
         )
-        raise UserError(f"--cache-dir {cache_dir}: no {INDEX_NAME}{partial}; build one with `sdzero cache --model "
-                        f"{model} --data {data} --out {cache_dir}`")  # fmt: skip
+        raise UserError(
+            f"--cache-dir {cache_dir}: no {INDEX_NAME}{partial}; build one with `sdzero cache --model "
+            f"{model} --data {data} --out {cache_dir}`"
+        )
     raw = read_index(index_path)
     cached = spec_from(raw["spec"])
     want, _, rows = run_spec(model, data, resolution, buckets, cached.flip, dtype, max_sequence_length)

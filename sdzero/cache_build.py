@@ -119,8 +119,13 @@ def _shard_done(path: Path, digest: str, first: int, count: int) -> bool:
 
 
 @torch.no_grad()
-def _encode_shard(comps: Any, items: list[tuple[int, Record, tuple[int, int]]], flip: str,
-                  batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:  # fmt: skip
+def _encode_shard(
+    comps: Any,
+    items: list[tuple[int, Record, tuple[int, int]]],
+    flip: str,
+    batch_size: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
     """Every tensor of a shard's samples, keyed `<position>/<name>`."""
     from sdzero.models import encode_prompts, tokenize
 
@@ -281,8 +286,20 @@ def build_cache(
     return BuildResult(out, n, n_shards, built, skipped, time.perf_counter() - start)
 
 
-def _write_index(out: Path, data: Path, spec: CacheSpec, rows, good: list[Record], sizes, n_shards: int, shard_size: int,
-                 comps: Any, bad: list[int], records: list[Record], seconds: float) -> None:  # fmt: skip
+def _write_index(
+    out: Path,
+    data: Path,
+    spec: CacheSpec,
+    rows,
+    good: list[Record],
+    sizes,
+    n_shards: int,
+    shard_size: int,
+    comps: Any,
+    bad: list[int],
+    records: list[Record],
+    seconds: float,
+) -> None:
     from safetensors import safe_open
 
     shards = []
@@ -298,8 +315,15 @@ def _write_index(out: Path, data: Path, spec: CacheSpec, rows, good: list[Record
             meta = f.metadata()
             if k == 0:
                 cond_keys = {key.split("/cond/", 1)[1] for key in f.keys() if "/cond/" in key}  # noqa: SIM118 (not a dict)
-        shards.append({"file": path.name, "rank": int(meta["rank"]), "first": int(meta["first"]),
-                       "count": int(meta["count"]), "bytes": path.stat().st_size})  # fmt: skip
+        shards.append(
+            {
+                "file": path.name,
+                "rank": int(meta["rank"]),
+                "first": int(meta["first"]),
+                "count": int(meta["count"]),
+                "bytes": path.stat().st_size,
+            }
+        )
     index = {
         "format": CACHE_FORMAT,
         "spec": asdict(spec),
@@ -315,7 +339,7 @@ def _write_index(out: Path, data: Path, spec: CacheSpec, rows, good: list[Record
                 "size": list(sizes[p]),
             }
             for p, r in enumerate(good)
-        ],  # fmt: skip
+        ],
         "shards": shards,
         "skipped_unreadable": [records[i].path.name for i in bad],
         "data_files": rows,

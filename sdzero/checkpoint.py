@@ -470,9 +470,13 @@ class Checkpointer:
             total = sum(v["bytes"] for share in shares for v in share.values())
             log.info(
                 "checkpoint %s: %.1f MB in %.2f s (write %.2f s, fsync+sha256 %.2f s, commit %.2f s)",
-                final, total / 1e6, time.perf_counter() - t0, t_write - t0, t_hash - t_write,
+                final,
+                total / 1e6,
+                time.perf_counter() - t0,
+                t_write - t0,
+                t_hash - t_write,
                 time.perf_counter() - t_hash,
-            )  # fmt: skip
+            )
         return final
 
     def _ema_info(self) -> dict[str, Any] | None:
@@ -482,9 +486,14 @@ class Checkpointer:
 
     def _commit(self, staging: Path, final: Path, step: int, files: dict[str, Any]) -> None:
         manifest = Manifest(
-            tag=final.name, step=step, serial=next_serial(self.root), ema=self.ema is not None, files=files,
-            created_unix_s=time.time(), **asdict(self.ident),
-        )  # fmt: skip
+            tag=final.name,
+            step=step,
+            serial=next_serial(self.root),
+            ema=self.ema is not None,
+            files=files,
+            created_unix_s=time.time(),
+            **asdict(self.ident),
+        )
         atomic_write_text(staging / MANIFEST, manifest.to_json())
         # The same step saved by an earlier timeline: replaced only now. The old copy moves aside under a
         # visible name, so a kill between the two renames leaves it listed (its manifest is valid) rather
@@ -530,7 +539,10 @@ class Checkpointer:
         if self.rank == 0:
             log.info(
                 "resumed from %s (step %d) in %.2f s (verify %.2f s, load %.2f s)",
-                path, state.step, point.verify_s + time.perf_counter() - t0, point.verify_s,
+                path,
+                state.step,
+                point.verify_s + time.perf_counter() - t0,
+                point.verify_s,
                 time.perf_counter() - t0,
-            )  # fmt: skip
+            )
         return state

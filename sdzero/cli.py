@@ -94,9 +94,24 @@ def cache(
     from sdzero.config import rank_from_env
 
     if num_gpus is not None or hostfile is not None:
-        args = ["--model", model, "--data", str(data), "--out", str(out), "--flip", flip, "--dtype", dtype,
-                "--shard-size", str(shard_size), "--batch-size", str(batch_size),
-                "--max-bad-fraction", str(max_bad_fraction)]  # fmt: skip
+        args = [
+            "--model",
+            model,
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--flip",
+            flip,
+            "--dtype",
+            dtype,
+            "--shard-size",
+            str(shard_size),
+            "--batch-size",
+            str(batch_size),
+            "--max-bad-fraction",
+            str(max_bad_fraction),
+        ]
         args += ["--resolution", str(resolution)] if resolution else []
         args += ["--max-sequence-length", str(max_sequence_length)] if max_sequence_length else []
         args += ["--buckets"] if buckets else []
@@ -104,17 +119,27 @@ def cache(
         typer.echo("+ " + " ".join(cmd), err=True)
         raise typer.Exit(subprocess.call(cmd))
     result = build_cache(
-        model, data, out, resolution=resolution, buckets=buckets, flip=flip, dtype=dtype,
-        max_sequence_length=max_sequence_length, shard_size=shard_size, batch_size=batch_size,
+        model,
+        data,
+        out,
+        resolution=resolution,
+        buckets=buckets,
+        flip=flip,
+        dtype=dtype,
+        max_sequence_length=max_sequence_length,
+        shard_size=shard_size,
+        batch_size=batch_size,
         max_bad_fraction=max_bad_fraction,
-    )  # fmt: skip
+    )
     if rank_from_env() == 0:
         if result.already_complete:
             typer.echo(f"{out}: already a complete cache of {result.samples} samples for these settings")
         else:
-            typer.echo(f"cached {result.samples} samples in {result.shards} shards to {out} in "
-                       f"{result.seconds:.1f} s (this rank: {result.built_here} built, {result.skipped_here} "
-                       "already there)")  # fmt: skip
+            typer.echo(
+                f"cached {result.samples} samples in {result.shards} shards to {out} in "
+                f"{result.seconds:.1f} s (this rank: {result.built_here} built, {result.skipped_here} "
+                "already there)"
+            )
 
 
 @command(
@@ -160,8 +185,9 @@ def launch(
 
     from sdzero.hosts import describe, plan_launch
 
-    plan = plan_launch(hostfile, list(ctx.args), launcher=launcher, master_addr=master_addr,
-                       master_port=master_port)  # fmt: skip
+    plan = plan_launch(
+        hostfile, list(ctx.args), launcher=launcher, master_addr=master_addr, master_port=master_port
+    )
     for line in describe(plan):
         typer.echo(line, err=True)
     typer.echo("+ " + " ".join(plan.command), err=True)
@@ -193,9 +219,19 @@ def slurm(
     """Print a Slurm batch script that trains across the allocation, checkpoints on preemption, requeues."""
     from sdzero.slurm import SlurmJob, render
 
-    job = SlurmJob(nodes=nodes, ranks_per_node=gpus_per_node, train_args=list(ctx.args), gpus=gpus,
-                   time_limit=time_limit, partition=partition, account=account, job_name=job_name,
-                   signal_lead_s=signal_lead_s, master_port=master_port, cpus_per_task=cpus_per_task)  # fmt: skip
+    job = SlurmJob(
+        nodes=nodes,
+        ranks_per_node=gpus_per_node,
+        train_args=list(ctx.args),
+        gpus=gpus,
+        time_limit=time_limit,
+        partition=partition,
+        account=account,
+        job_name=job_name,
+        signal_lead_s=signal_lead_s,
+        master_port=master_port,
+        cpus_per_task=cpus_per_task,
+    )
     typer.echo(render(job), nl=False)
 
 
@@ -233,10 +269,24 @@ def k8s(
     """Print Kubernetes manifests (Indexed Job + headless Service) that train across N pods, no operator."""
     from sdzero.k8s import K8sJob, render
 
-    job = K8sJob(nodes=nodes, gpus_per_node=gpus_per_node, train_args=list(ctx.args), image=image, pvc=pvc,
-                 pvc_size=pvc_size, storage_class=storage_class, mount_path=mount_path, name=name,
-                 namespace=namespace, shm_size=shm_size, grace_period_s=grace_period_s,
-                 master_port=master_port, gpus=gpus, cpu=cpu, memory=memory)  # fmt: skip
+    job = K8sJob(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        train_args=list(ctx.args),
+        image=image,
+        pvc=pvc,
+        pvc_size=pvc_size,
+        storage_class=storage_class,
+        mount_path=mount_path,
+        name=name,
+        namespace=namespace,
+        shm_size=shm_size,
+        grace_period_s=grace_period_s,
+        master_port=master_port,
+        gpus=gpus,
+        cpu=cpu,
+        memory=memory,
+    )
     text = render(job)
     if out is None:
         typer.echo(text, nl=False)
@@ -284,12 +334,28 @@ def demo(
     if not (data / "metadata.jsonl").exists():
         write_synthetic_dataset(data, images=256)
     ds_config = config or shipped_config("zero2_bf16.json")
-    args = ["--deepspeed_config", str(ds_config), "--model", str(model), "--data", str(data),
-            "--output-dir", str(run_dir), "--max-steps", str(steps), "--lr", "3e-4", "--num-workers", "1"]  # fmt: skip
+    args = [
+        "--deepspeed_config",
+        str(ds_config),
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(run_dir),
+        "--max-steps",
+        str(steps),
+        "--lr",
+        "3e-4",
+        "--num-workers",
+        "1",
+    ]
     code = subprocess.call(deepspeed_command(args, num_gpus=ranks))
     if code == 0:
-        typer.echo(f"demo done: metrics in {run_dir / 'metrics.jsonl'}, effective DeepSpeed config in "
-                   f"{run_dir / 'ds_config.json'}")  # fmt: skip
+        typer.echo(
+            f"demo done: metrics in {run_dir / 'metrics.jsonl'}, effective DeepSpeed config in "
+            f"{run_dir / 'ds_config.json'}"
+        )
     raise typer.Exit(code)
 
 

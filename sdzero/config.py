@@ -151,9 +151,14 @@ def load_ds_config(path: Path, world_size: int) -> DsSettings:
     accum = _positive_int(raw, "gradient_accumulation_steps", path)
     micro, accum = _resolve_batch_triple(path, total, micro, accum, world_size)
     return DsSettings(
-        path=path, raw=raw, zero_stage=stage, dtype=dtype, micro_batch=micro, grad_accum=accum,
+        path=path,
+        raw=raw,
+        zero_stage=stage,
+        dtype=dtype,
+        micro_batch=micro,
+        grad_accum=accum,
         world_size=world_size,
-    )  # fmt: skip
+    )
 
 
 def _resolve_batch_triple(
@@ -376,9 +381,11 @@ class TrainConfig:
                 f"valid monotone map; got {self.mode_scale}"
             )
         given = "logit_normal" if scheme is None else scheme
-        for flag, value, needs in (("--logit-mean", self.logit_mean, "logit_normal"),
-                                   ("--logit-std", self.logit_std, "logit_normal"),
-                                   ("--mode-scale", self.mode_scale, "mode")):  # fmt: skip
+        for flag, value, needs in (
+            ("--logit-mean", self.logit_mean, "logit_normal"),
+            ("--logit-std", self.logit_std, "logit_normal"),
+            ("--mode-scale", self.mode_scale, "mode"),
+        ):
             if value is not None and given != needs:
                 raise UserError(f"{flag} only applies to --weighting-scheme {needs} (the scheme is {given})")
         if self.max_sequence_length is not None and not 1 <= self.max_sequence_length <= 512:
@@ -409,8 +416,11 @@ class TrainConfig:
                     "pipeline; drop them or train an SD3 model"
                 )
             return
-        ddpm = {"--prediction-type": self.prediction_type is not None, "--snr-gamma": self.snr_gamma is not None,
-                "--noise-offset": self.noise_offset > 0}  # fmt: skip
+        ddpm = {
+            "--prediction-type": self.prediction_type is not None,
+            "--snr-gamma": self.snr_gamma is not None,
+            "--noise-offset": self.noise_offset > 0,
+        }
         flags = [flag for flag, is_set in ddpm.items() if is_set]
         if flags:
             raise UserError(
@@ -494,8 +504,12 @@ def add_flow_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compare an x0 estimate (noisy - sigma * prediction) with the latents",
     )
-    g.add_argument("--max-sequence-length", type=int, default=None,
-                   help="T5 tokens per caption (default 77, at most 512)")  # fmt: skip
+    g.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="T5 tokens per caption (default 77, at most 512)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -549,15 +563,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
     p.add_argument("--max-bad-fraction", type=float, default=0.5)
-    p.add_argument("--max-image-pixels", type=int, default=8192 * 8192,
-                   help="skip images over this many pixels (width x height), checked before decoding")  # fmt: skip
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=8192 * 8192,
+        help="skip images over this many pixels (width x height), checked before decoding",
+    )
     p.add_argument(
         "--export-final",
         action="store_true",
         help="write <output-dir>/final as a diffusers pipeline (safetensors) at the end",
     )
-    p.add_argument("--export-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="dtype of every component of <output-dir>/final")  # fmt: skip
+    p.add_argument(
+        "--export-dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="dtype of every component of <output-dir>/final",
+    )
     p.add_argument(
         "--profile-out",
         default=None,
@@ -579,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speed_args(p)
     # Set by the deepspeed launcher; the rank is read from the environment instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    return p  # fmt: skip
+    return p
 
 
 def parse_train_args(argv: list[str] | None = None) -> TrainConfig:

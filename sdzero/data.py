@@ -73,8 +73,10 @@ def read_metadata(folder: Path) -> list[Record]:
         )
     if table.empty:
         raise UserError(f"{meta}: lists no images")
-    return [Record(inside(folder, meta, row, str(f)), "" if pd.isna(t) else str(t))
-            for row, (f, t) in enumerate(zip(table.file_name, table.text, strict=True), start=1)]  # fmt: skip
+    return [
+        Record(inside(folder, meta, row, str(f)), "" if pd.isna(t) else str(t))
+        for row, (f, t) in enumerate(zip(table.file_name, table.text, strict=True), start=1)
+    ]
 
 
 def inside(folder: Path, meta: Path, row: int, name: str) -> Path:
@@ -256,8 +258,11 @@ class CaptionedImages(Dataset):
                 self.failed.add(i)
                 log.warning(
                     "skipping image %s: unreadable since the start-up check (%s); %d skipped so far in "
-                    "this process", self.records[i].path, exc, len(self.failed),
-                )  # fmt: skip
+                    "this process",
+                    self.records[i].path,
+                    exc,
+                    len(self.failed),
+                )
         raise UserError("no readable image left in the dataset")
 
     @property

@@ -77,8 +77,12 @@ def _gpu_stack_versions() -> dict[str, str | None]:
         found["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         smi = shutil.which("nvidia-smi")
         if smi:
-            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30).stdout.split()  # fmt: skip
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()
             found["driver"] = out[0] if out else None
     return found
 
@@ -89,8 +93,9 @@ def probe_allreduce(rank: int, master: str, port: int, size_mib: float, rounds: 
     import torch.distributed as dist
 
     # A peer that never comes must not hold this one for torch's default 30 minutes.
-    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         tensor = torch.ones(int(size_mib * (1 << 20)) // 4, dtype=torch.float32)
         dist.all_reduce(tensor)  # warm-up: connections, buffers
@@ -242,8 +247,14 @@ def render_report(facts: list[dict[str, Any]], pairs: dict[tuple[str, str], floa
     from rich.table import Table
 
     table = Table(title="sdzero doctor")
-    for column in ("node", "accelerators", "driver / CUDA / NCCL", "python / torch / deepspeed / diffusers",
-                   "free disk (GiB)", "data"):  # fmt: skip
+    for column in (
+        "node",
+        "accelerators",
+        "driver / CUDA / NCCL",
+        "python / torch / deepspeed / diffusers",
+        "free disk (GiB)",
+        "data",
+    ):
         table.add_column(column)
     for f in facts:
         acc = f["accelerators"]
@@ -253,9 +264,14 @@ def render_report(facts: list[dict[str, Any]], pairs: dict[tuple[str, str], floa
             else f"CPU: {f['cpu']} ({f['cpu_count']} cores)"
         )
         v = f["versions"]
-        table.add_row(f["host"], accel, f"{v['driver'] or '-'} / {v['cuda'] or '-'} / {v['nccl'] or '-'}",
-                      f"{v['python']} / {v['torch']} / {v['deepspeed']} / {v['diffusers']}",
-                      f"{f['free_disk_bytes'] / 2**30:.0f}", f["data_fingerprint"] or "-")  # fmt: skip
+        table.add_row(
+            f["host"],
+            accel,
+            f"{v['driver'] or '-'} / {v['cuda'] or '-'} / {v['nccl'] or '-'}",
+            f"{v['python']} / {v['torch']} / {v['deepspeed']} / {v['diffusers']}",
+            f"{f['free_disk_bytes'] / 2**30:.0f}",
+            f["data_fingerprint"] or "-",
+        )
     console = Console()
     console.print(table)
     if pairs:

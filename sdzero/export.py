@@ -79,19 +79,31 @@ def build_pipeline(comps: Any, trained: torch.nn.Module, scheduler: Any = None) 
     clip = {"vae": comps.vae, "text_encoder": comps.text_encoder, "tokenizer": comps.tokenizer}
     if comps.family == "sdxl":
         return StableDiffusionXLPipeline(
-            **clip, text_encoder_2=comps.text_encoder_2, tokenizer_2=comps.tokenizer_2, unet=trained,
-            scheduler=scheduler, add_watermarker=False,
-        )  # fmt: skip
+            **clip,
+            text_encoder_2=comps.text_encoder_2,
+            tokenizer_2=comps.tokenizer_2,
+            unet=trained,
+            scheduler=scheduler,
+            add_watermarker=False,
+        )
     if comps.family == "sd3":
         return StableDiffusion3Pipeline(
-            **clip, text_encoder_2=comps.text_encoder_2, tokenizer_2=comps.tokenizer_2,
-            text_encoder_3=comps.text_encoder_3, tokenizer_3=comps.tokenizer_3, transformer=trained,
+            **clip,
+            text_encoder_2=comps.text_encoder_2,
+            tokenizer_2=comps.tokenizer_2,
+            text_encoder_3=comps.text_encoder_3,
+            tokenizer_3=comps.tokenizer_3,
+            transformer=trained,
             scheduler=scheduler,
-        )  # fmt: skip
+        )
     return StableDiffusionPipeline(
-        **clip, unet=trained, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+        **clip,
+        unet=trained,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
         requires_safety_checker=False,
-    )  # fmt: skip
+    )
 
 
 def frozen_parts_for_export(comps: Any) -> Any:

@@ -143,7 +143,13 @@ def route_interface(host: str, master_addr: str, runner: Runner = ssh_runner) ->
 
 def pick_interface(entries: list[HostEntry], master_addr: str, runner: Runner = ssh_runner) -> str:
     with ThreadPoolExecutor(max_workers=min(16, len(entries))) as pool:
-        names = dict(zip([e.host for e in entries], pool.map(lambda e: route_interface(e.host, master_addr, runner), entries), strict=True))  # fmt: skip
+        names = dict(
+            zip(
+                [e.host for e in entries],
+                pool.map(lambda e: route_interface(e.host, master_addr, runner), entries),
+                strict=True,
+            )
+        )
     distinct = sorted(set(names.values()))
     if len(distinct) > 1:
         listing = ", ".join(f"{h}: {i}" for h, i in names.items())
@@ -289,8 +295,15 @@ def plan_launch(
     if launcher not in LAUNCHERS:
         raise UserError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     entries, master, interface, env_file, merge = prepare_hosts(hostfile, master_addr, workdir, runner)
-    cmd = [deepspeed_executable(), "--hostfile", str(hostfile), "--master_addr", master,
-           "--master_port", str(master_port or free_port())]  # fmt: skip
+    cmd = [
+        deepspeed_executable(),
+        "--hostfile",
+        str(hostfile),
+        "--master_addr",
+        master,
+        "--master_port",
+        str(master_port or free_port()),
+    ]
     if launcher == "openmpi":
         # Open MPI's daemons and its TCP transport must use the same interface as gloo, or they try
         # every interface (bridges, docker0, ...) and fail to route back to mpirun.

@@ -94,8 +94,12 @@ def check_job(job: K8sJob) -> None:
             raise UserError(f"{flag} {value!r}: a DNS label (lower-case letters, digits, '-'; 63 at most)")
     if len(job.name) > 50:  # pod names are <job>-<index>-<5 random>, 63 at most
         raise UserError(f"--name {job.name!r}: 50 characters at most (pod names add an index and a suffix)")
-    for flag, value in (("--shm-size", job.shm_size), ("--pvc-size", job.pvc_size),
-                        ("--cpu", job.cpu), ("--memory", job.memory)):  # fmt: skip
+    for flag, value in (
+        ("--shm-size", job.shm_size),
+        ("--pvc-size", job.pvc_size),
+        ("--cpu", job.cpu),
+        ("--memory", job.memory),
+    ):
         if value is not None and not QUANTITY.match(value):
             raise UserError(f"{flag} {value!r}: a Kubernetes quantity such as 16Gi, 500Mi or 8")
     if not 30 <= job.grace_period_s <= 86400:
@@ -222,7 +226,7 @@ def indexed_job(job: K8sJob) -> dict[str, Any]:
                             "operator": "In",
                             "values": [EXIT_BAD_INPUT],
                         },
-                    },  # fmt: skip
+                    },
                     # Preempted (the trainer saved, exit 143) or evicted: replace the pod, count nothing.
                     {
                         "action": "Ignore",
@@ -231,7 +235,7 @@ def indexed_job(job: K8sJob) -> dict[str, Any]:
                             "operator": "In",
                             "values": [EXIT_PREEMPTED],
                         },
-                    },  # fmt: skip
+                    },
                     {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
                 ]
             },

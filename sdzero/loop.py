@@ -149,8 +149,16 @@ def build_data(
             image_hw = image_sizes([r.path for r in good])
         bucket_of = assign_buckets(image_hw, bucket_list)
         sizes = [bucket_list[b] for b in bucket_of]
-        sampler = BucketBatchSampler(bucket_of, len(bucket_list), ds.micro_batch, ds.grad_accum, rank, world,
-                                     seed=cfg.seed, sizes=bucket_list)  # fmt: skip
+        sampler = BucketBatchSampler(
+            bucket_of,
+            len(bucket_list),
+            ds.micro_batch,
+            ds.grad_accum,
+            rank,
+            world,
+            seed=cfg.seed,
+            sizes=bucket_list,
+        )
         batching = {"batch_sampler": sampler}
     if cache is not None:
         dataset: CaptionedImages | CachedSamples = CachedSamples(cache, spec)
@@ -241,17 +249,32 @@ def loss_scale_of(engine) -> float | None:
     return float(scale) if scale is not None else None
 
 
-def micro_step(engine, comps: Components, batch: dict[str, torch.Tensor], prediction_type: str,
-               cfg: TrainConfig, timer: PhaseTimer, device: torch.device) -> torch.Tensor:  # fmt: skip
+def micro_step(
+    engine,
+    comps: Components,
+    batch: dict[str, torch.Tensor],
+    prediction_type: str,
+    cfg: TrainConfig,
+    timer: PhaseTimer,
+    device: torch.device,
+) -> torch.Tensor:
     with timer.phase("encode_s"):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         latents, cond = encode_batch(comps, batch)
     with timer.phase("forward_s"):
         model_dtype = next(p for p in engine.module.parameters()).dtype
         loss = denoising_loss(
-            engine, model_dtype, comps.noise_scheduler, latents, cond, batch, prediction_type, cfg.snr_gamma,
-            family=comps.family, flow=cfg.flow_settings() if comps.family == "sd3" else None,
-        )  # fmt: skip
+            engine,
+            model_dtype,
+            comps.noise_scheduler,
+            latents,
+            cond,
+            batch,
+            prediction_type,
+            cfg.snr_gamma,
+            family=comps.family,
+            flow=cfg.flow_settings() if comps.family == "sd3" else None,
+        )
     with timer.phase("backward_s"):
         engine.backward(loss)
     with timer.phase("optimizer_s"):
@@ -307,8 +330,16 @@ def run(cfg: TrainConfig) -> RunSummary:
     check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
     cache = None
     if cfg.cache_dir is not None:  # a cache made for another model, size, precision or data: refused here
-        cache = open_cache(cfg.cache_dir, cfg.model, cfg.data, cfg.resolution, cfg.buckets, ds.dtype,
-                           cfg.random_flip, cfg.max_sequence_length)  # fmt: skip
+        cache = open_cache(
+            cfg.cache_dir,
+            cfg.model,
+            cfg.data,
+            cfg.resolution,
+            cfg.buckets,
+            ds.dtype,
+            cfg.random_flip,
+            cfg.max_sequence_length,
+        )
     # Installed before the slow start-up, so that an early SIGTERM is honoured at the first step boundary.
     preemption = PreemptionFlag(cfg.preempt_timeout_s).install()
     share_cpu_threads()  # before any torch work: k ranks x all cores threads each thrash a node's CPUs
@@ -340,8 +371,9 @@ def run(cfg: TrainConfig) -> RunSummary:
     apply_backend_flags(cfg, device.type)  # TF32 (CUDA only)
 
     # From a cache, the VAE and text encoders are never loaded (validation/export load them when due).
-    comps = load_components(cfg.model, ds.dtype, device, frozen=cache is None,
-                            max_sequence_length=cfg.max_sequence_length)  # fmt: skip
+    comps = load_components(
+        cfg.model, ds.dtype, device, frozen=cache is None, max_sequence_length=cfg.max_sequence_length
+    )
     prediction_type = resolve_prediction_type(comps, cfg.prediction_type)  # "flow_matching" for SD3
     dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
     dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
@@ -355,10 +387,19 @@ def run(cfg: TrainConfig) -> RunSummary:
         log.info(
             "ZeRO-%d %s | %d ranks x micro-batch %d x accumulation %d = global batch %d | lr %.3g (%s scaling) | "
             "%d images (%d unreadable skipped) | %d samples per epoch left out by the batch shape%s",
-            ds.zero_stage, ds.dtype, world, ds.micro_batch, ds.grad_accum, ds.global_batch,
-            cfg.effective_lr(ds), cfg.lr_scaling, len(dataset), n_bad, dropped,
+            ds.zero_stage,
+            ds.dtype,
+            world,
+            ds.micro_batch,
+            ds.grad_accum,
+            ds.global_batch,
+            cfg.effective_lr(ds),
+            cfg.lr_scaling,
+            len(dataset),
+            n_bad,
+            dropped,
             f" | from cache {cfg.cache_dir}" if cache is not None else "",
-        )  # fmt: skip
+        )
         if isinstance(sampler, BucketBatchSampler):
             log.info("aspect-ratio buckets (height x width: images): %s", sampler.describe())
     batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch)
@@ -388,12 +429,23 @@ def train_steps(
     # No CPU-GPU sync per phase unless --sync-timing: on CUDA, events timed per phase, read a step late.
     timer = PhaseTimer(timing_mode(device, cfg.sync_timing))
     first = hooks.state.step + 1  # 1, or the step after the resumed checkpoint's
-    bar = tqdm(total=cfg.max_steps, initial=first - 1, desc="train", unit="step", disable=rank != 0,
-               dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=cfg.max_steps,
+        initial=first - 1,
+        desc="train",
+        unit="step",
+        disable=rank != 0,
+        dynamic_ncols=True,
+    )
     probe = start_probe(cfg, ds, engine, comps)  # --profile-out measurements and test hooks
     log_ = StepLog(1 if timer.mode == "events" else 0, ds.global_batch, writer, engine.monitor, probe, bar)
-    fields = {"world_size": world, "zero_stage": ds.zero_stage, "dtype": ds.dtype, "micro_batch": ds.micro_batch,
-              "grad_accum": ds.grad_accum}  # fmt: skip
+    fields = {
+        "world_size": world,
+        "zero_stage": ds.zero_stage,
+        "dtype": ds.dtype,
+        "micro_batch": ds.micro_batch,
+        "grad_accum": ds.grad_accum,
+    }
     for step in range(first, cfg.max_steps + 1):
         probe.step_begin(step)
         timer.begin_step()
@@ -413,8 +465,11 @@ def train_steps(
         }
         probe.step_end(step)
         # Writes this step's line (CPU, --sync-timing) or the previous one's (CUDA): its stats read back.
-        stop = log_.add(PendingStep(step, batches.epoch, start, stats, timer.end_step(), step_fields,
-                                    int(engine.global_samples)))  # fmt: skip
+        stop = log_.add(
+            PendingStep(
+                step, batches.epoch, start, stats, timer.end_step(), step_fields, int(engine.global_samples)
+            )
+        )
         if stop:
             log_.flush()  # the line of the step about to be saved, before the exit
         hooks.end_of_step(step, batches, stop)  # validation, checkpoint; on stop: save, then exit 143

@@ -105,8 +105,13 @@ def rule_factor(rule: str, ratio: float) -> float:
     return 1.0
 
 
-def choose_lr(base_lr: float, global_batch: int, reference: int, rule: str = DEFAULT_LR_SCALING,
-              max_factor: float = MAX_LR_FACTOR) -> LrChoice:  # fmt: skip
+def choose_lr(
+    base_lr: float,
+    global_batch: int,
+    reference: int,
+    rule: str = DEFAULT_LR_SCALING,
+    max_factor: float = MAX_LR_FACTOR,
+) -> LrChoice:
     """The LR for `global_batch` from `base_lr`, tuned at `reference`: the rule, capped at `max_factor`."""
     check_rule(rule)
     if global_batch < 1 or reference < 1:

@@ -206,9 +206,17 @@ class ActivationMeter:
 
 
 ASYNC_OPS = (
-    "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather", "broadcast",
-    "reduce_scatter", "reduce", "all_to_all_single", "all_reduce_coalesced", "all_gather_coalesced",
-)  # fmt: skip
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "reduce_scatter",
+    "reduce",
+    "all_to_all_single",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+)
 """DeepSpeed's communication backend methods (deepspeed.comm.torch.TorchBackend), named as comms_logger
 names the ops that call them."""
 
@@ -349,8 +357,9 @@ stages 1 and 2 all-gather the updated partitions inside `step`."""
 class Probe:
     """The training loop's hook: test hooks always, measurements with `--profile-out`."""
 
-    def __init__(self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...],
-                 out: Path | None, warmup_steps: int) -> None:  # fmt: skip
+    def __init__(
+        self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...], out: Path | None, warmup_steps: int
+    ) -> None:
         self.engine, self.ds, self.frozen = engine, ds, frozen
         self.out, self.warmup_steps = out, warmup_steps
         self.crash_at = _env_step("SDZERO_TEST_CRASH_AT_STEP")

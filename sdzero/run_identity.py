@@ -19,19 +19,36 @@ from typing import Any
 from sdzero.checkpoint import RunIdentity
 
 SAFE_TO_CHANGE = (
-    "--max-steps", "--checkpoint-every", "--keep-last", "--validation-prompts", "--validation-every",
-    "--validation-inference-steps", "--export-final", "--export-dtype", "--num-workers", "--profile-out",
-    "--dist-timeout-s", "--preempt-timeout-s", "--gradient-checkpointing", "--output-dir",
-)  # fmt: skip
+    "--max-steps",
+    "--checkpoint-every",
+    "--keep-last",
+    "--validation-prompts",
+    "--validation-every",
+    "--validation-inference-steps",
+    "--export-final",
+    "--export-dtype",
+    "--num-workers",
+    "--profile-out",
+    "--dist-timeout-s",
+    "--preempt-timeout-s",
+    "--gradient-checkpointing",
+    "--output-dir",
+)
 """What a resume may change: when to stop, save, sample or report, and how fast, never what is learned."""
 
 LABELS = {
-    "zero_stage": "ZeRO stage", "dtype": "precision", "world_size": "world size (ranks)",
-    "model_fingerprint": "model weights/config (--model)", "family": "model family",
-    "prediction_type": "--prediction-type", "micro_batch": "micro-batch (DeepSpeed JSON)",
-    "grad_accum": "gradient accumulation (DeepSpeed JSON)", "resolution": "--resolution",
-    "buckets": "--buckets", "data_fingerprint": "data (--data / --cache-dir: files, sizes or captions)",
-}  # fmt: skip
+    "zero_stage": "ZeRO stage",
+    "dtype": "precision",
+    "world_size": "world size (ranks)",
+    "model_fingerprint": "model weights/config (--model)",
+    "family": "model family",
+    "prediction_type": "--prediction-type",
+    "micro_batch": "micro-batch (DeepSpeed JSON)",
+    "grad_accum": "gradient accumulation (DeepSpeed JSON)",
+    "resolution": "--resolution",
+    "buckets": "--buckets",
+    "data_fingerprint": "data (--data / --cache-dir: files, sizes or captions)",
+}
 
 
 def model_fingerprint(model: str) -> str:
@@ -65,10 +82,13 @@ def data_fingerprint(data: Path, cache_dir: Path | None) -> str:
 def objective_settings(cfg: Any, ds: Any, family: str) -> dict[str, Any]:
     """The loss, its weighting and the sample transforms, keyed by the flag that sets each."""
     settings: dict[str, Any] = {
-        "--snr-gamma": cfg.snr_gamma, "--noise-offset": cfg.noise_offset, "--random-flip": cfg.random_flip,
-        "--random-crop": cfg.random_crop, "--lr (effective)": cfg.effective_lr(ds),
+        "--snr-gamma": cfg.snr_gamma,
+        "--noise-offset": cfg.noise_offset,
+        "--random-flip": cfg.random_flip,
+        "--random-crop": cfg.random_crop,
+        "--lr (effective)": cfg.effective_lr(ds),
         "--lr-warmup-steps": cfg.lr_warmup_steps,
-    }  # fmt: skip
+    }
     if family == "sd3":
         settings.update({f"--{k.replace('_', '-')}": v for k, v in asdict(cfg.flow_settings()).items()})
         settings["--max-sequence-length"] = cfg.max_sequence_length
@@ -78,13 +98,21 @@ def objective_settings(cfg: Any, ds: Any, family: str) -> dict[str, Any]:
 def describe_run(cfg: Any, ds: Any, comps: Any, prediction_type: str, model_reference: str) -> RunIdentity:
     """This run's identity, as the manifest will record it."""
     return RunIdentity(
-        zero_stage=ds.zero_stage, dtype=ds.dtype, world_size=ds.world_size, seed=cfg.seed,
-        model=model_reference, prediction_type=prediction_type, family=comps.family,
-        model_fingerprint=model_fingerprint(cfg.model), micro_batch=ds.micro_batch, grad_accum=ds.grad_accum,
-        resolution=cfg.resolution or comps.native_resolution, buckets=bool(cfg.buckets),
+        zero_stage=ds.zero_stage,
+        dtype=ds.dtype,
+        world_size=ds.world_size,
+        seed=cfg.seed,
+        model=model_reference,
+        prediction_type=prediction_type,
+        family=comps.family,
+        model_fingerprint=model_fingerprint(cfg.model),
+        micro_batch=ds.micro_batch,
+        grad_accum=ds.grad_accum,
+        resolution=cfg.resolution or comps.native_resolution,
+        buckets=bool(cfg.buckets),
         objective=objective_settings(cfg, ds, comps.family),
         data_fingerprint=data_fingerprint(cfg.data, cfg.cache_dir),
-    )  # fmt: skip
+    )
 
 
 def differences(saved: RunIdentity, now: dict[str, Any]) -> list[str]:
@@ -96,8 +124,11 @@ def differences(saved: RunIdentity, now: dict[str, Any]) -> list[str]:
         if key in ("seed", "model") or before is None or before == value:
             continue  # the seed is adopted from the checkpoint; the model is compared by fingerprint
         if key == "objective":
-            out += [f"{flag} {before.get(flag)!r} -> {v!r}" for flag, v in value.items()
-                    if flag in before and before[flag] != v]  # fmt: skip
+            out += [
+                f"{flag} {before.get(flag)!r} -> {v!r}"
+                for flag, v in value.items()
+                if flag in before and before[flag] != v
+            ]
         elif key.endswith("fingerprint"):
             out.append(f"{LABELS.get(key, key)} changed")
         else:

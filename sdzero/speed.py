@@ -55,8 +55,11 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="SDPA kernel for the trained network's attention (default auto: PyTorch picks)",
     )
-    g.add_argument("--sync-timing", action="store_true",
-                   help="synchronize the GPU after every phase: exact per-phase times, lower throughput")  # fmt: skip
+    g.add_argument(
+        "--sync-timing",
+        action="store_true",
+        help="synchronize the GPU after every phase: exact per-phase times, lower throughput",
+    )
 
 
 def check_speed_options(cfg: Any, ds: Any) -> None:

@@ -33,8 +33,12 @@ def adopt_checkpoint_seed(cfg: TrainConfig, point: ResumePoint | None, rank: int
     """The data order and per-sample noise are keyed by the seed: a resume must use the checkpoint's."""
     if point is not None and point.manifest.seed != cfg.seed:
         if rank == 0:
-            log.warning("--seed %d ignored: resuming %s, which was trained with seed %d", cfg.seed, point.path,
-                        point.manifest.seed)  # fmt: skip
+            log.warning(
+                "--seed %d ignored: resuming %s, which was trained with seed %d",
+                cfg.seed,
+                point.path,
+                point.manifest.seed,
+            )
         cfg.seed = point.manifest.seed
 
 
@@ -61,9 +65,13 @@ class StepHooks:
         ident = describe_run(cfg, ds, comps, prediction_type, _model_reference(cfg.model))
         self.checkpointer = Checkpointer(cfg.output_dir, cfg.keep_last, engine, self.ema, ident)
         self.validator = Validator(
-            cfg.validation_prompts, cfg.validation_every, cfg.validation_inference_steps,
-            cfg.resolution or comps.native_resolution, cfg.seed, cfg.output_dir / "validation",
-        )  # fmt: skip
+            cfg.validation_prompts,
+            cfg.validation_every,
+            cfg.validation_inference_steps,
+            cfg.resolution or comps.native_resolution,
+            cfg.seed,
+            cfg.output_dir / "validation",
+        )
         self.state = TrainState()
         self.saved_step: int | None = None
 

@@ -68,8 +68,10 @@ def unseen_tokens(folder: Path, hosts: list[str]) -> tuple[str, ...]:
 def verdict(reports: list[NodeReport], output_dir: Path, data: Path) -> str | None:
     """The error naming the nodes that do not share storage with rank 0's node, or None."""
     first = min(reports, key=lambda r: r.rank)
-    unshared = sorted({r.host for r in reports if r.host != first.host and r.host in first.unseen_tokens}
-                      | {r.host for r in reports if first.host in r.unseen_tokens})  # fmt: skip
+    unshared = sorted(
+        {r.host for r in reports if r.host != first.host and r.host in first.unseen_tokens}
+        | {r.host for r in reports if first.host in r.unseen_tokens}
+    )
     if unshared:
         return (
             f"--output-dir {output_dir}: node {', '.join(unshared)} does not share it with node {first.host} "

@@ -67,10 +67,14 @@ class Validator:
                 for i, prompt in enumerate(self.prompts):
                     generator = torch.Generator("cpu").manual_seed(self.seed + i)
                     latents = pipe(
-                        prompt, height=self.resolution, width=self.resolution,
-                        num_inference_steps=self.inference_steps, generator=generator, output_type="latent",
+                        prompt,
+                        height=self.resolution,
+                        width=self.resolution,
+                        num_inference_steps=self.inference_steps,
+                        generator=generator,
+                        output_type="latent",
                         **extra,
-                    ).images  # fmt: skip
+                    ).images
                     image = self._decode(pipe, comps.vae, latents)
                     if rank == 0:
                         folder.mkdir(parents=True, exist_ok=True)

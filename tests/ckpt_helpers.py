@@ -35,16 +35,32 @@ def start_trainer(
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Launch 2 ranks in the background; output goes to <out>.N.log (a pipe could fill and block them)."""
-    args = ["--deepspeed_config", str(config), "--model", str(model), "--data", str(data),
-            "--output-dir", str(out), "--max-steps", str(steps), "--num-workers", "1", *extra]  # fmt: skip
+    args = [
+        "--deepspeed_config",
+        str(config),
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--num-workers",
+        "1",
+        *extra,
+    ]
     n = 1
     while Path(f"{out}.{n}.log").exists():
         n += 1
     log = open(f"{out}.{n}.log", "w")  # noqa: SIM115 (handed to the child, closed by `finish`)
     proc = subprocess.Popen(
-        deepspeed_command(args, num_gpus=2), stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})}, start_new_session=True,
-    )  # fmt: skip
+        deepspeed_command(args, num_gpus=2),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
     proc.log_file = log  # type: ignore[attr-defined]
     return proc

@@ -50,8 +50,21 @@ def run_trainer(
     fp16_on_cpu: bool = False,
     timeout: float = 400,
 ) -> subprocess.CompletedProcess:
-    args = ["--deepspeed_config", str(config), "--model", str(model), "--data", str(data),
-            "--output-dir", str(out), "--max-steps", str(steps), "--num-workers", "1", *extra]  # fmt: skip
+    args = [
+        "--deepspeed_config",
+        str(config),
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--num-workers",
+        "1",
+        *extra,
+    ]
     env = dict(os.environ)
     if fp16_on_cpu:
         env["SDZERO_TEST_FP16_ON_CPU"] = "1"

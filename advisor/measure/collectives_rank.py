@@ -148,8 +148,9 @@ def _check_once(comm: Communicator, collective: str, buffers: Buffers) -> float:
     return comm.max_over_ranks(error)
 
 
-def _timed_point(collective: str, count: int, group_size: int, times: list[float], error: float,
-                 **fields: Any) -> dict[str, Any]:  # fmt: skip
+def _timed_point(
+    collective: str, count: int, group_size: int, times: list[float], error: float, **fields: Any
+) -> dict[str, Any]:
     """The measured fields of a Row from the sorted per-call times of its repeats (their median is the
     point's time) and the largest error of its check."""
     time_s = times[len(times) // 2]
@@ -185,9 +186,17 @@ def measure_point(
     iters = int(min(settings.max_iters, max(settings.min_iters, wanted)))
     times = sorted(_timed_calls(comm, collective, buffers, iters) for _ in range(settings.repeats))
     note = comm.emulation_note(collective)
-    return _timed_point(collective, count, comm.size, times, max_abs_error,
-                        warmup=settings.warmup + 1,  # the check call, the extra warm-ups, the probe
-                        iters=iters, emulated=bool(note), note=note)  # fmt: skip
+    return _timed_point(
+        collective,
+        count,
+        comm.size,
+        times,
+        max_abs_error,
+        warmup=settings.warmup + 1,  # the check call, the extra warm-ups, the probe
+        iters=iters,
+        emulated=bool(note),
+        note=note,
+    )
 
 
 def measure_burst(comm: Communicator, size_bytes: int, settings: SweepSettings) -> dict[str, Any]:
@@ -210,9 +219,18 @@ def measure_burst(comm: Communicator, size_bytes: int, settings: SweepSettings) 
         return comm.max_over_ranks((time.perf_counter() - start) / settings.burst)
 
     times = sorted(timed() for _ in range(settings.burst_repeats))
-    return _timed_point("all_gather", count, comm.size, times, error, warmup=1, iters=settings.burst,
-                        emulated=False, note=f"{settings.burst} calls in flight, time per call",
-                        in_flight=settings.burst)  # fmt: skip
+    return _timed_point(
+        "all_gather",
+        count,
+        comm.size,
+        times,
+        error,
+        warmup=1,
+        iters=settings.burst,
+        emulated=False,
+        note=f"{settings.burst} calls in flight, time per call",
+        in_flight=settings.burst,
+    )
 
 
 def sweep(

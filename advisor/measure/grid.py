@@ -63,8 +63,13 @@ class TrialSpec:
     @property
     def trial_id(self) -> str:
         """A readable, stable name: the folder name and the key that marks a trial as done."""
-        parts = [f"z{self.zero_stage}", self.precision, f"mb{self.micro_batch}",
-                 f"off-{self.offload.replace('+', '-')}", f"r{self.ranks_per_node}"]  # fmt: skip
+        parts = [
+            f"z{self.zero_stage}",
+            self.precision,
+            f"mb{self.micro_batch}",
+            f"off-{self.offload.replace('+', '-')}",
+            f"r{self.ranks_per_node}",
+        ]
         if self.overlap_comm is not None:
             parts.append(f"oc{int(self.overlap_comm)}")
         if self.reduce_bucket_size is not None:
@@ -118,8 +123,10 @@ class GridRequest:
             raise UserError(f"--grad-accum {list(self.grad_accums)}: accumulation steps must be at least 1")
         if any(r < 1 for r in self.ranks_per_node):
             raise UserError("--ranks must be at least 1 (ranks per node)")
-        for flag, sizes in (("--reduce-bucket-size", self.reduce_bucket_sizes),
-                            ("--allgather-bucket-size", self.allgather_bucket_sizes)):  # fmt: skip
+        for flag, sizes in (
+            ("--reduce-bucket-size", self.reduce_bucket_sizes),
+            ("--allgather-bucket-size", self.allgather_bucket_sizes),
+        ):
             # ZeRO-1/2 hand NCCL buckets aligned to 2 elements (4 bytes of fp16/bf16); odd sizes assert.
             if any(s < 2 or s % 2 for s in sizes):
                 raise UserError(f"{flag} {list(sizes)}: bucket sizes are element counts, even and >= 2")

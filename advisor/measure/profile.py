@@ -44,19 +44,60 @@ from sdzero.errors import UserError
 from sdzero.launch import shipped_config
 
 TRIAL_COLUMNS: tuple[str, ...] = (
-    "trial_id", "setup_id", "status", "reason",
-    "zero_stage", "precision", "micro_batch", "offload", "ranks_per_node", "nodes",
-    "overlap_comm", "reduce_bucket_size", "allgather_bucket_size",
-    "grad_accum", "world_size", "global_batch",
-    "samples_per_s", "step_time_s", "step_time_median_s",
-    "data_s", "encode_s", "forward_s", "backward_s", "optimizer_s",
-    "ds_fwd_s", "ds_bwd_s", "ds_bwd_inner_s", "ds_bwd_allreduce_s", "ds_step_s",
-    "comm_s", "comm_bytes", "comm_ops",
-    "trained_params", "params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes",
-    "model_state_bytes", "model_state_bytes_per_rank", "bucket_bytes", "offloaded_bytes", "frozen_bytes",
-    "activation_bytes", "device_peak_bytes", "peak_rss_bytes", "cuda_peak_bytes",
-    "warmup_steps", "measured_steps", "wall_s", "finished_at", "trial_dir", "notes", "log_tail",
-)  # fmt: skip
+    "trial_id",
+    "setup_id",
+    "status",
+    "reason",
+    "zero_stage",
+    "precision",
+    "micro_batch",
+    "offload",
+    "ranks_per_node",
+    "nodes",
+    "overlap_comm",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "grad_accum",
+    "world_size",
+    "global_batch",
+    "samples_per_s",
+    "step_time_s",
+    "step_time_median_s",
+    "data_s",
+    "encode_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "ds_fwd_s",
+    "ds_bwd_s",
+    "ds_bwd_inner_s",
+    "ds_bwd_allreduce_s",
+    "ds_step_s",
+    "comm_s",
+    "comm_bytes",
+    "comm_ops",
+    "trained_params",
+    "params_bytes",
+    "grads_bytes",
+    "master_bytes",
+    "optimizer_bytes",
+    "model_state_bytes",
+    "model_state_bytes_per_rank",
+    "bucket_bytes",
+    "offloaded_bytes",
+    "frozen_bytes",
+    "activation_bytes",
+    "device_peak_bytes",
+    "peak_rss_bytes",
+    "cuda_peak_bytes",
+    "warmup_steps",
+    "measured_steps",
+    "wall_s",
+    "finished_at",
+    "trial_dir",
+    "notes",
+    "log_tail",
+)
 """trials.csv, one row per finished trial. Bytes are per rank (the largest rank's where ranks differ);
 `model_state_bytes_per_rank` holds every rank's bytes by kind as JSON. Times are per optimizer step."""
 
@@ -106,8 +147,15 @@ def default_ranks(device: dict[str, Any]) -> int:
     return int(device["count"]) if device["device"] != "cpu" and device["count"] > 0 else 2
 
 
-def _check_inputs(model: str, data: Path, steps: int, warmup_steps: int, trial_timeout_s: float,
-                  stall_timeout_s: float | None, mem_cap_gib: float | None) -> None:  # fmt: skip
+def _check_inputs(
+    model: str,
+    data: Path,
+    steps: int,
+    warmup_steps: int,
+    trial_timeout_s: float,
+    stall_timeout_s: float | None,
+    mem_cap_gib: float | None,
+) -> None:
     from sdzero.models import detect_family
 
     if not Path(data).is_dir():
@@ -150,8 +198,9 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
     frame.to_csv(path, mode="a", header=not path.exists(), index=False)
 
 
-def trial_row(spec: TrialSpec, outcome: TrialOutcome, setup: str, settings: TrialSettings,
-              trial_dir: Path) -> dict[str, Any]:  # fmt: skip
+def trial_row(
+    spec: TrialSpec, outcome: TrialOutcome, setup: str, settings: TrialSettings, trial_dir: Path
+) -> dict[str, Any]:
     return {
         "trial_id": spec.trial_id,
         "setup_id": setup,
@@ -207,9 +256,13 @@ class _Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
-                TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("{task.fields[eta]}"), TextColumn("[dim]{task.description}"),
-            )  # fmt: skip
+                TextColumn("[bold]profile"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[eta]}"),
+                TextColumn("[dim]{task.description}"),
+            )
             self._task = self._progress.add_task("", total=remaining, eta=self._eta(remaining))
 
     def _eta(self, remaining: int) -> str:
@@ -236,8 +289,13 @@ class _Progress:
         if self._progress is not None:
             rate = (outcome.profile or {}).get("samples_per_s")
             last = f"{trial_id}: {outcome.status}" + (f", {rate:.1f} samples/s" if rate else "")
-            self._progress.update(self._task, total=self.done + remaining, completed=self.done,
-                                  eta=self._eta(remaining), description=last)  # fmt: skip
+            self._progress.update(
+                self._task,
+                total=self.done + remaining,
+                completed=self.done,
+                eta=self._eta(remaining),
+                description=last,
+            )
 
 
 def _remaining(plan: GridPlan, done: dict[str, str]) -> int:
@@ -245,9 +303,17 @@ def _remaining(plan: GridPlan, done: dict[str, str]) -> int:
     return sum(1 for _ in pending(plan, done))
 
 
-def trial_settings(model: str | Path, data: Path, steps: int, warmup_steps: int, trial_timeout_s: float,
-                   stall_timeout_s: float | None, mem_cap_gib: float | None, hostfile: Path | None,
-                   train_args: Sequence[str]) -> TrialSettings:  # fmt: skip
+def trial_settings(
+    model: str | Path,
+    data: Path,
+    steps: int,
+    warmup_steps: int,
+    trial_timeout_s: float,
+    stall_timeout_s: float | None,
+    mem_cap_gib: float | None,
+    hostfile: Path | None,
+    train_args: Sequence[str],
+) -> TrialSettings:
     """Check the run options and fix them for every trial (paths absolute: ranks may start elsewhere)."""
     _check_inputs(str(model), data, steps, warmup_steps, trial_timeout_s, stall_timeout_s, mem_cap_gib)
     hosts = 1
@@ -302,14 +368,32 @@ def run_profile(
     """
     say = log or (lambda message: None)
     out_dir = Path(out_dir).resolve()
-    settings = trial_settings(model, Path(data), steps, warmup_steps, trial_timeout_s, stall_timeout_s,
-                              mem_cap_gib, hostfile, train_args)  # fmt: skip
+    settings = trial_settings(
+        model,
+        Path(data),
+        steps,
+        warmup_steps,
+        trial_timeout_s,
+        stall_timeout_s,
+        mem_cap_gib,
+        hostfile,
+        train_args,
+    )
     base = load_base_config(Path(base_config) if base_config else shipped_config("zero2_bf16.json"))
     plan = plan_for_device(grid or GridRequest(), device_support())
     for note in plan.notes:
         say(note)
-    setup = setup_id({"base": base, "model": settings.model, "data": str(settings.data), "steps": steps,
-                      "warmup": warmup_steps, "train_args": list(train_args), "hosts": settings.hosts})  # fmt: skip
+    setup = setup_id(
+        {
+            "base": base,
+            "model": settings.model,
+            "data": str(settings.data),
+            "steps": steps,
+            "warmup": warmup_steps,
+            "train_args": list(train_args),
+            "hosts": settings.hosts,
+        }
+    )
     csv_path = out_dir / "trials.csv"
     table = read_trials(csv_path)
     done = finished_trials(table, setup, retry_failed)
@@ -433,15 +517,27 @@ def profile_command(
     }
     try:
         result = run_profile(
-            model=model, data=data, out_dir=out, grid=GridRequest(**request_kwargs),
-            base_config=deepspeed_config, steps=steps, warmup_steps=warmup_steps,
-            trial_timeout_s=trial_timeout, stall_timeout_s=stall_timeout, mem_cap_gib=mem_cap_gib,
-            hostfile=hostfile, train_args=shlex.split(train_args), retry_failed=retry_failed,
-            progress=True, log=lambda message: console.print(f"[dim]{message}[/dim]"),
-        )  # fmt: skip
+            model=model,
+            data=data,
+            out_dir=out,
+            grid=GridRequest(**request_kwargs),
+            base_config=deepspeed_config,
+            steps=steps,
+            warmup_steps=warmup_steps,
+            trial_timeout_s=trial_timeout,
+            stall_timeout_s=stall_timeout,
+            mem_cap_gib=mem_cap_gib,
+            hostfile=hostfile,
+            train_args=shlex.split(train_args),
+            retry_failed=retry_failed,
+            progress=True,
+            log=lambda message: console.print(f"[dim]{message}[/dim]"),
+        )
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted: finished trials are in {out / 'trials.csv'}; "
-                      "run the same command again to resume[/yellow]")  # fmt: skip
+        console.print(
+            f"[yellow]interrupted: finished trials are in {out / 'trials.csv'}; "
+            "run the same command again to resume[/yellow]"
+        )
         raise typer.Exit(130) from None
     console.print(results_table(result.table))
     console.print(
@@ -462,8 +558,17 @@ def results_table(table: pd.DataFrame) -> Any:
     from rich.table import Table
 
     view = Table(title="trials (bytes per rank; MiB = 2^20 bytes)")
-    for name in ("trial", "status", "samples/s", "step s", "comm s", "states MiB", "activ. MiB",
-                 "peak MiB", "reason"):  # fmt: skip
+    for name in (
+        "trial",
+        "status",
+        "samples/s",
+        "step s",
+        "comm s",
+        "states MiB",
+        "activ. MiB",
+        "peak MiB",
+        "reason",
+    ):
         view.add_column(name)
 
     def num(value: Any, fmt: str, scale: float = 1.0) -> str:
@@ -471,10 +576,14 @@ def results_table(table: pd.DataFrame) -> Any:
 
     for _, row in table.iterrows():
         view.add_row(
-            str(row["trial_id"]), str(row["status"]), num(row["samples_per_s"], ".2f"),
-            num(row["step_time_s"], ".3f"), num(row["comm_s"], ".3f"),
-            num(row["model_state_bytes"], ".1f", 2**20), num(row["activation_bytes"], ".1f", 2**20),
+            str(row["trial_id"]),
+            str(row["status"]),
+            num(row["samples_per_s"], ".2f"),
+            num(row["step_time_s"], ".3f"),
+            num(row["comm_s"], ".3f"),
+            num(row["model_state_bytes"], ".1f", 2**20),
+            num(row["activation_bytes"], ".1f", 2**20),
             num(row["device_peak_bytes"], ".1f", 2**20),
             "" if pd.isna(row["reason"]) else str(row["reason"])[:80],
-        )  # fmt: skip
+        )
     return view

@@ -82,16 +82,23 @@ class TrialOutcome:
 def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
     """The trainer's own options for one trial; user options come last so they can add to them."""
     return [
-        "--deepspeed_config", str(ds_config),
-        "--model", settings.model,
-        "--data", str(settings.data),
-        "--output-dir", str(trial_dir / "run"),
-        "--max-steps", str(settings.warmup_steps + settings.steps),
-        "--profile-out", str(trial_dir / "profile.json"),
-        "--profile-warmup-steps", str(settings.warmup_steps),
+        "--deepspeed_config",
+        str(ds_config),
+        "--model",
+        settings.model,
+        "--data",
+        str(settings.data),
+        "--output-dir",
+        str(trial_dir / "run"),
+        "--max-steps",
+        str(settings.warmup_steps + settings.steps),
+        "--profile-out",
+        str(trial_dir / "profile.json"),
+        "--profile-warmup-steps",
+        str(settings.warmup_steps),
         "--sync-timing",  # exact per-phase attribution for the step-time model (a GPU sync per phase)
         *settings.train_args,
-    ]  # fmt: skip
+    ]
 
 
 def trial_command(spec: TrialSpec, settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:

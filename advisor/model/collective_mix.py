@@ -143,32 +143,71 @@ def collective_mix(
         order = list(reversed(numels)) if stage == 2 or zero.overlap_comm else list(numels)
         padded = math.ceil(psi / (2 * world)) * 2 * world
         return [
-            Collective("all_reduce", "backward" if stage == 2 else "boundary",
-                       bucket_calls(order, zero.reduce_bucket_size), psi * element_bytes, stage == 2,
-                       "gradient reduction", stage == 2 and zero.overlap_comm),
-            Collective("all_gather_into_tensor", "step", 1, padded * element_bytes, False,
-                       "updated 16-bit partitions"),
+            Collective(
+                "all_reduce",
+                "backward" if stage == 2 else "boundary",
+                bucket_calls(order, zero.reduce_bucket_size),
+                psi * element_bytes,
+                stage == 2,
+                "gradient reduction",
+                stage == 2 and zero.overlap_comm,
+            ),
+            Collective(
+                "all_gather_into_tensor",
+                "step",
+                1,
+                padded * element_bytes,
+                False,
+                "updated 16-bit partitions",
+            ),
             *scalars,
-        ]  # fmt: skip
+        ]
     persistent = [n for n in numels if n <= zero.persistence_threshold]
     gathered = [n for n in numels if n > zero.persistence_threshold]
     again = regathered(gathered, zero)
     mix = [
-        Collective("all_gather_into_tensor", "forward", prefetch_calls(gathered, zero.prefetch_bucket_size),
-                   sum(_padded(n, world) for n in gathered) * element_bytes, True, "parameter gathers",
-                   zero.prefetch_bucket_size > 0),
-        Collective("reduce_scatter_tensor", "backward", bucket_calls(list(reversed(numels)), zero.reduce_bucket_size),
-                   sum(_padded(n, world) for n in numels) * element_bytes, True, "gradient reduce-scatter",
-                   zero.overlap_comm),
-    ]  # fmt: skip
+        Collective(
+            "all_gather_into_tensor",
+            "forward",
+            prefetch_calls(gathered, zero.prefetch_bucket_size),
+            sum(_padded(n, world) for n in gathered) * element_bytes,
+            True,
+            "parameter gathers",
+            zero.prefetch_bucket_size > 0,
+        ),
+        Collective(
+            "reduce_scatter_tensor",
+            "backward",
+            bucket_calls(list(reversed(numels)), zero.reduce_bucket_size),
+            sum(_padded(n, world) for n in numels) * element_bytes,
+            True,
+            "gradient reduce-scatter",
+            zero.overlap_comm,
+        ),
+    ]
     if again:
-        mix.append(Collective("all_gather_into_tensor", "backward", prefetch_calls(again, zero.prefetch_bucket_size),
-                              sum(_padded(n, world) for n in again) * element_bytes, True,
-                              "parameters gathered again in backward", zero.prefetch_bucket_size > 0))  # fmt: skip
+        mix.append(
+            Collective(
+                "all_gather_into_tensor",
+                "backward",
+                prefetch_calls(again, zero.prefetch_bucket_size),
+                sum(_padded(n, world) for n in again) * element_bytes,
+                True,
+                "parameters gathered again in backward",
+                zero.prefetch_bucket_size > 0,
+            )
+        )
     if persistent:
-        mix.append(Collective("all_gather_into_tensor", "step", len(persistent),
-                              sum(_padded(n, world) for n in persistent) * element_bytes, False,
-                              "persistent parameters after the step"))  # fmt: skip
+        mix.append(
+            Collective(
+                "all_gather_into_tensor",
+                "step",
+                len(persistent),
+                sum(_padded(n, world) for n in persistent) * element_bytes,
+                False,
+                "persistent parameters after the step",
+            )
+        )
     return mix + scalars
 
 

@@ -43,19 +43,29 @@ def trial_predictions(models: Models, row: pd.Series, measured_net: Network) -> 
         stage, precision, mb, int(row["grad_accum"]), int(row.get("nodes", 1) or 1), net, str(row["offload"])
     )
     mem = models.memory.per_rank_bytes(stage, precision, mb, str(row["offload"]), int(row["world_size"]))
-    return {"step_time_s": step.step_time_s, "mem_per_rank_bytes": mem["total"],
-            "activation_bytes": mem["activations"],
-            "model_state_bytes": float(sum(models.memory.state_bytes(stage, precision, int(row["world_size"])).values()))}  # fmt: skip
+    return {
+        "step_time_s": step.step_time_s,
+        "mem_per_rank_bytes": mem["total"],
+        "activation_bytes": mem["activations"],
+        "model_state_bytes": float(
+            sum(models.memory.state_bytes(stage, precision, int(row["world_size"])).values())
+        ),
+    }
 
 
 def measured_values(row: pd.Series) -> dict[str, float]:
     step = float(measured_step_s(row.to_frame().T).iloc[0])
-    return {"step_time_s": step, "mem_per_rank_bytes": float(row["device_peak_bytes"]),
-            "activation_bytes": float(row["activation_bytes"]), "model_state_bytes": float(row["model_state_bytes"])}  # fmt: skip
+    return {
+        "step_time_s": step,
+        "mem_per_rank_bytes": float(row["device_peak_bytes"]),
+        "activation_bytes": float(row["activation_bytes"]),
+        "model_state_bytes": float(row["model_state_bytes"]),
+    }
 
 
-def validation_table(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings,
-                     measured_net: Network) -> pd.DataFrame:  # fmt: skip
+def validation_table(
+    trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings, measured_net: Network
+) -> pd.DataFrame:
     ok = trials[trials["status"] == "ok"].reset_index(drop=True)
     rows = []
     full = fit_models(ok, numels, zero, measured_net)
@@ -68,10 +78,19 @@ def validation_table(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSe
         for held_out, models in fits:
             predicted = trial_predictions(models, row, measured_net)
             for quantity in QUANTITIES:
-                rows.append({"config_id": row["trial_id"], "quantity": quantity, "predicted": predicted[quantity],
-                             "measured": measured[quantity], "held_out": held_out,
-                             "node_count": int(row.get("nodes", 1) or 1), "micro_batch": int(row["micro_batch"]),
-                             "zero_stage": int(row["zero_stage"]), "grad_accum": int(row["grad_accum"])})  # fmt: skip
+                rows.append(
+                    {
+                        "config_id": row["trial_id"],
+                        "quantity": quantity,
+                        "predicted": predicted[quantity],
+                        "measured": measured[quantity],
+                        "held_out": held_out,
+                        "node_count": int(row.get("nodes", 1) or 1),
+                        "micro_batch": int(row["micro_batch"]),
+                        "zero_stage": int(row["zero_stage"]),
+                        "grad_accum": int(row["grad_accum"]),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -82,10 +101,20 @@ def check_rows(models: Models, checks: pd.DataFrame, measured_net: Network) -> p
     for _, row in checks[checks["status"] == "ok"].iterrows():
         predicted, measured = trial_predictions(models, row, measured_net), measured_values(row)
         for quantity in QUANTITIES:
-            rows.append({"config_id": row["trial_id"], "quantity": quantity, "predicted": predicted[quantity],
-                         "measured": measured[quantity], "held_out": True, "check": True,
-                         "node_count": int(row.get("nodes", 1) or 1), "micro_batch": int(row["micro_batch"]),
-                         "zero_stage": int(row["zero_stage"]), "grad_accum": int(row["grad_accum"])})  # fmt: skip
+            rows.append(
+                {
+                    "config_id": row["trial_id"],
+                    "quantity": quantity,
+                    "predicted": predicted[quantity],
+                    "measured": measured[quantity],
+                    "held_out": True,
+                    "check": True,
+                    "node_count": int(row.get("nodes", 1) or 1),
+                    "micro_batch": int(row["micro_batch"]),
+                    "zero_stage": int(row["zero_stage"]),
+                    "grad_accum": int(row["grad_accum"]),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -129,9 +158,11 @@ def error_summary(validation: pd.DataFrame) -> dict[str, dict[str, float | int |
     out: dict[str, dict[str, float | int | None]] = {}
     for key, which in (("held_out", "check"), ("leave_one_out", "leave_one_out")):
         rows = validation[(is_check(validation) == (which == "check")) & validation["held_out"].astype(bool)]
-        out[key] = {"step_time_mape": mape(validation, "step_time_s", which=which),
-                    "memory_mape": mape(validation, "mem_per_rank_bytes", which=which),
-                    "trials": int(rows["config_id"].nunique())}  # fmt: skip
+        out[key] = {
+            "step_time_mape": mape(validation, "step_time_s", which=which),
+            "memory_mape": mape(validation, "mem_per_rank_bytes", which=which),
+            "trials": int(rows["config_id"].nunique()),
+        }
     return out
 
 

@@ -39,9 +39,20 @@ class KnobChoice:
     fits: bool = True
 
 
-def knob_choices(timing: TimeModel, numels: tuple[int, ...], zero: ZeroSettings, stage: int, precision: str,
-                 micro_batch: int, grad_accum: int, nodes: int, net: Network, offload: str = "none",
-                 memory: MemoryModel | None = None, usable_bytes: float = float("inf")) -> list[KnobChoice]:  # fmt: skip
+def knob_choices(
+    timing: TimeModel,
+    numels: tuple[int, ...],
+    zero: ZeroSettings,
+    stage: int,
+    precision: str,
+    micro_batch: int,
+    grad_accum: int,
+    nodes: int,
+    net: Network,
+    offload: str = "none",
+    memory: MemoryModel | None = None,
+    usable_bytes: float = float("inf"),
+) -> list[KnobChoice]:
     """Every other overlap_comm x bucket setting, predicted, fastest first. Both sides are costed from the
     derived mix, so the comparison is like for like whatever the trials logged."""
     if stage == 0:
@@ -62,9 +73,11 @@ def knob_choices(timing: TimeModel, numels: tuple[int, ...], zero: ZeroSettings,
             if settings == zero:
                 continue
             fits = memory is None or (
-                replace(memory, zero=settings).per_rank_bytes(stage, precision, micro_batch, offload, world)["total"]
+                replace(memory, zero=settings).per_rank_bytes(stage, precision, micro_batch, offload, world)[
+                    "total"
+                ]
                 <= usable_bytes
-            )  # fmt: skip
+            )
             predicted = step_s(settings)
             out.append(KnobChoice(overlap, bucket, predicted, predicted / base - 1, fits))
     return sorted(out, key=lambda c: c.predicted_step_s)
@@ -74,8 +87,9 @@ def worth_measuring(choices: list[KnobChoice], threshold: float = KNOB_MATTERS) 
     return [c for c in choices if c.fits and -c.change >= threshold][:MAX_KNOB_TRIALS]
 
 
-def tune_buckets(best: pd.Series, choices: list[KnobChoice], runner: Callable[[list[TrialSpec]], pd.DataFrame],
-                 ranks: int) -> list[str]:  # fmt: skip
+def tune_buckets(
+    best: pd.Series, choices: list[KnobChoice], runner: Callable[[list[TrialSpec]], pd.DataFrame], ranks: int
+) -> list[str]:
     """Run the recommended config with the settings worth measuring (and as the JSON has it, if not yet
     measured at these ranks); one note per setting: predicted and measured change."""
     chosen = worth_measuring(choices)
@@ -83,9 +97,11 @@ def tune_buckets(best: pd.Series, choices: list[KnobChoice], runner: Callable[[l
         return ["--tune-buckets: ZeRO-0 has no bucket or overlap_comm setting to tune"]
     if not chosen:
         top = choices[0]
-        return [f"--tune-buckets: no overlap_comm/bucket setting is predicted to shorten the step by "
-                f"{KNOB_MATTERS:.0%} or more (best: overlap_comm {'on' if top.overlap_comm else 'off'}, "
-                f"reduce_bucket_size {top.reduce_bucket_size:,}: {top.change:+.1%}); none measured"]  # fmt: skip
+        return [
+            f"--tune-buckets: no overlap_comm/bucket setting is predicted to shorten the step by "
+            f"{KNOB_MATTERS:.0%} or more (best: overlap_comm {'on' if top.overlap_comm else 'off'}, "
+            f"reduce_bucket_size {top.reduce_bucket_size:,}: {top.change:+.1%}); none measured"
+        ]
     plain = TrialSpec(
         int(best["zero_stage"]), str(best["dtype"]), int(best["micro_batch"]), str(best["offload"]), ranks
     )
@@ -104,6 +120,8 @@ def tune_buckets(best: pd.Series, choices: list[KnobChoice], runner: Callable[[l
     for c, spec in zip(chosen, specs[1:], strict=True):
         got = measured(spec)
         seen = "failed" if got is None or reference is None else f"measured {got / reference - 1:+.1%}"
-        notes.append(f"--tune-buckets: overlap_comm {'on' if c.overlap_comm else 'off'}, reduce_bucket_size "
-                     f"{c.reduce_bucket_size:,}: predicted {c.change:+.1%}, {seen} ({spec.trial_id})")  # fmt: skip
+        notes.append(
+            f"--tune-buckets: overlap_comm {'on' if c.overlap_comm else 'off'}, reduce_bucket_size "
+            f"{c.reduce_bucket_size:,}: predicted {c.change:+.1%}, {seen} ({spec.trial_id})"
+        )
     return notes

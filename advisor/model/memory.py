@@ -163,8 +163,13 @@ def trained_numels(model: str | Path) -> tuple[int, ...]:
     return tuple(int(p.numel()) for p in net.parameters() if p.requires_grad)
 
 
-def state_elements(numels: tuple[int, ...] | np.ndarray, stage: int, world: int,
-                   persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD, overlap_comm: bool = False) -> dict[str, int]:  # fmt: skip
+def state_elements(
+    numels: tuple[int, ...] | np.ndarray,
+    stage: int,
+    world: int,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+    overlap_comm: bool = False,
+) -> dict[str, int]:
     """Elements of each model-state kind held by the rank that holds the most, at `world` ranks."""
     sizes = np.asarray(numels, dtype=np.int64)
     psi = int(sizes.sum())
@@ -367,8 +372,12 @@ def fit_memory_model(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSe
     ok = trials[trials["status"] == "ok"]
     if ok.empty:
         raise ValueError("no successful trial to fit the memory model on")
-    model = MemoryModel(numels, zero, float(ok["frozen_bytes"].median()),
-                        ActivationFit.fit(ok["micro_batch"].to_numpy(), ok["activation_bytes"].to_numpy()))  # fmt: skip
+    model = MemoryModel(
+        numels,
+        zero,
+        float(ok["frozen_bytes"].median()),
+        ActivationFit.fit(ok["micro_batch"].to_numpy(), ok["activation_bytes"].to_numpy()),
+    )
     for (stage, precision), rows in ok.groupby(["zero_stage", "precision"]):
         row = rows.iloc[0]
         elements = state_elements(
@@ -381,8 +390,10 @@ def fit_memory_model(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSe
                 model.bytes_per_element[(int(stage), str(precision), kind)] = per
                 model.notes.append(f"ZeRO-{stage} {precision}: {kind} measured at {per} bytes per element")
             elif rest:
-                model.notes.append(f"ZeRO-{stage} {precision}: {kind} measured {measured} bytes, not a whole "
-                                   f"number of bytes per element of the formula's {elements[kind]}")  # fmt: skip
+                model.notes.append(
+                    f"ZeRO-{stage} {precision}: {kind} measured {measured} bytes, not a whole "
+                    f"number of bytes per element of the formula's {elements[kind]}"
+                )
         model.bucket_extra_bytes.pop(int(stage), None)  # measured against the config's bytes alone
         model.bucket_extra_bytes[int(stage)] = float(rows["bucket_bytes"].median()) - model.bucket_bytes(
             int(stage)

@@ -98,10 +98,12 @@ class Network:
     nics_per_node: int = 1
 
     def describe(self) -> str:
-        return (f"{self.gpus_per_node} ranks per node; intra-node {self.intra.busbw_bytes_s / GB:.2f} GB/s, "
-                f"{self.intra.hop_latency_s * 1e6:.1f} us/hop ({self.intra.source}); inter-node "
-                f"{self.inter.busbw_bytes_s / GB:.2f} GB/s, {self.inter.hop_latency_s * 1e6:.1f} us/hop "
-                f"({self.inter.source})")  # fmt: skip
+        return (
+            f"{self.gpus_per_node} ranks per node; intra-node {self.intra.busbw_bytes_s / GB:.2f} GB/s, "
+            f"{self.intra.hop_latency_s * 1e6:.1f} us/hop ({self.intra.source}); inter-node "
+            f"{self.inter.busbw_bytes_s / GB:.2f} GB/s, {self.inter.hop_latency_s * 1e6:.1f} us/hop "
+            f"({self.inter.source})"
+        )
 
 
 def scaled_link(link: Link, nics: int, gpus_per_node: int) -> Link:
@@ -130,8 +132,12 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
         CollectiveFigures(f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6, f.burst_hop_latency_s)
         for f in chosen
     )
-    return Link(mid.bandwidth_gbps * GB, latencies[len(latencies) // 2] * 1e-6,
-                f"measured, {mid.library}, comm_fit.json", own)  # fmt: skip
+    return Link(
+        mid.bandwidth_gbps * GB,
+        latencies[len(latencies) // 2] * 1e-6,
+        f"measured, {mid.library}, comm_fit.json",
+        own,
+    )
 
 
 def build_network(
@@ -176,8 +182,10 @@ def build_network(
             else f"preset {preset or DEFAULT_PRESET} ({named.source})"
         )
         if preset is None and inter_node_gbps is None:
-            notes.append(f"inter-node link neither measured nor described: assumed preset {DEFAULT_PRESET} "
-                         "(pass --hostfile, --preset or --inter-node-gbps)")  # fmt: skip
+            notes.append(
+                f"inter-node link neither measured nor described: assumed preset {DEFAULT_PRESET} "
+                "(pass --hostfile, --preset or --inter-node-gbps)"
+            )
         inter = Link(bandwidth, latency, what)
     nics = nics_per_node or (named.nics_per_node if preset is not None and inter_node_gbps is None else 1)
     if nics > gpus_per_node:

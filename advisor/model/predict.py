@@ -95,8 +95,9 @@ def check_reachable(
     )
 
 
-def exposed_split_s(timing: TimeModel, stage: int, accum: int, nodes: int, net: Network,
-                    exposed_s: float) -> tuple[float, float]:  # fmt: skip
+def exposed_split_s(
+    timing: TimeModel, stage: int, accum: int, nodes: int, net: Network, exposed_s: float
+) -> tuple[float, float]:
     """The step's exposed communication split into its within-node and across-node parts, in the
     proportion of the time model's costed (intra, inter) seconds weighed by its hidden-share factors."""
     intra, inter = timing.comm_seconds(stage, accum, net.gpus_per_node, nodes, net)
@@ -127,17 +128,32 @@ def predict_table(
             step = timing.predict(c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload)
             mem = memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
             intra_s, inter_s = exposed_split_s(timing, c.zero_stage, accum, n, net, step.exposed_comm_s)
-            rows.append({
-                "node_count": n, "config_id": c.config_id, "zero_stage": c.zero_stage, "dtype": c.precision,
-                "micro_batch": c.micro_batch, "offload": c.offload, "grad_accum": accum,
-                "global_batch": c.micro_batch * accum * world, "world_size": world,
-                "samples_per_s": step.samples_per_s, "step_time_s": step.step_time_s,
-                "compute_s": step.compute_s, "exposed_comm_s": step.exposed_comm_s, "comm_s": step.comm_s,
-                "exposed_intra_s": intra_s, "exposed_inter_s": inter_s,
-                "mem_per_rank_bytes": mem["total"], "model_state_bytes": mem["model_states"],
-                "activation_bytes": mem["activations"], "bucket_bytes": mem["buckets"],
-                "frozen_bytes": mem["frozen"], "feasible": mem["total"] <= usable_bytes,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "node_count": n,
+                    "config_id": c.config_id,
+                    "zero_stage": c.zero_stage,
+                    "dtype": c.precision,
+                    "micro_batch": c.micro_batch,
+                    "offload": c.offload,
+                    "grad_accum": accum,
+                    "global_batch": c.micro_batch * accum * world,
+                    "world_size": world,
+                    "samples_per_s": step.samples_per_s,
+                    "step_time_s": step.step_time_s,
+                    "compute_s": step.compute_s,
+                    "exposed_comm_s": step.exposed_comm_s,
+                    "comm_s": step.comm_s,
+                    "exposed_intra_s": intra_s,
+                    "exposed_inter_s": inter_s,
+                    "mem_per_rank_bytes": mem["total"],
+                    "model_state_bytes": mem["model_states"],
+                    "activation_bytes": mem["activations"],
+                    "bucket_bytes": mem["buckets"],
+                    "frozen_bytes": mem["frozen"],
+                    "feasible": mem["total"] <= usable_bytes,
+                }
+            )
     table = pd.DataFrame(rows)
     if table.empty:
         return table

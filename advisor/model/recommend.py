@@ -47,9 +47,17 @@ def recommended_ds_config(base: dict[str, Any], row: pd.Series, lr: float) -> di
     return config
 
 
-def launch_command(config_path: Path, model: str, data: Path, nodes: int, gpus_per_node: int,
-                   hostfile: Path | None, output_dir: Path, train_args: Sequence[str] = (),
-                   lr: LrChoice | None = None) -> str:  # fmt: skip
+def launch_command(
+    config_path: Path,
+    model: str,
+    data: Path,
+    nodes: int,
+    gpus_per_node: int,
+    hostfile: Path | None,
+    output_dir: Path,
+    train_args: Sequence[str] = (),
+    lr: LrChoice | None = None,
+) -> str:
     """The deepspeed command; with `lr`, its warm-up flag and a trailing shell comment stating the LR, the
     rule and the factor (the LR itself is in the JSON)."""
     from sdzero.launch import TRAIN_SCRIPT
@@ -57,8 +65,20 @@ def launch_command(config_path: Path, model: str, data: Path, nodes: int, gpus_p
     cmd = ["deepspeed"]
     if nodes > 1:
         cmd += ["--hostfile", str(hostfile or "hostfile"), "--num_nodes", str(nodes)]
-    cmd += ["--num_gpus", str(gpus_per_node), str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path),
-            "--model", model, "--data", str(data), "--output-dir", str(output_dir), *train_args]  # fmt: skip
+    cmd += [
+        "--num_gpus",
+        str(gpus_per_node),
+        str(TRAIN_SCRIPT),
+        "--deepspeed_config",
+        str(config_path),
+        "--model",
+        model,
+        "--data",
+        str(data),
+        "--output-dir",
+        str(output_dir),
+        *train_args,
+    ]
     if lr is not None and lr.warmup_steps and "--lr-warmup-steps" not in train_args:
         cmd += ["--lr-warmup-steps", str(lr.warmup_steps)]
     return shlex.join(cmd) + (f"  # {lr.describe()}" if lr is not None else "")
@@ -67,20 +87,29 @@ def launch_command(config_path: Path, model: str, data: Path, nodes: int, gpus_p
 def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
     """One line on why this config lost to the recommendation."""
     if not bool(row["feasible"]):
-        return (f"memory: needs {row['mem_per_rank_bytes'] / GIB:.2f} GiB per rank, over the "
-                f"{usable_bytes / GIB:.2f} GiB usable")  # fmt: skip
+        return (
+            f"memory: needs {row['mem_per_rank_bytes'] / GIB:.2f} GiB per rank, over the "
+            f"{usable_bytes / GIB:.2f} GiB usable"
+        )
     share = row["exposed_comm_s"] / row["step_time_s"]
     slower = 1 - row["samples_per_s"] / best["samples_per_s"]
     if share > COMM_BOUND_SHARE and share > best["exposed_comm_s"] / best["step_time_s"]:
-        return (f"communication-bound: {share:.0%} of its step is exposed communication at "
-                f"{int(row['node_count'])} nodes ({slower:.0%} slower)")  # fmt: skip
+        return (
+            f"communication-bound: {share:.0%} of its step is exposed communication at "
+            f"{int(row['node_count'])} nodes ({slower:.0%} slower)"
+        )
     if row["micro_batch"] < best["micro_batch"]:
         return f"smaller micro-batch: fixed per-step costs weigh more ({slower:.0%} slower)"
     return f"{slower:.0%} slower: more compute per sample at ZeRO-{int(row['zero_stage'])} {row['dtype']}"
 
 
-def what_would_fit(memory: MemoryModel, candidates: list[Candidate], nodes: list[int], gpus_per_node: int,
-                   usable_bytes: float) -> str:  # fmt: skip
+def what_would_fit(
+    memory: MemoryModel,
+    candidates: list[Candidate],
+    nodes: list[int],
+    gpus_per_node: int,
+    usable_bytes: float,
+) -> str:
     """For the error when nothing fits: the smallest predicted need, and the changes that would fit."""
     world = max(nodes) * gpus_per_node
     options = []
@@ -91,10 +120,16 @@ def what_would_fit(memory: MemoryModel, candidates: list[Candidate], nodes: list
         options.append((mem, c))
     options.sort(key=lambda t: t[0])
     need, c = options[0]
-    smallest = min(memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, max(nodes) * gpus_per_node)["total"]
-                   for c in candidates)  # fmt: skip
-    advice = (f"the least predicted need is {smallest / GIB:.2f} GiB per rank, over {usable_bytes / GIB:.2f} GiB "
-              f"usable; {c.config_id} at {max(nodes)} nodes would need {need / GIB:.2f} GiB")  # fmt: skip
+    smallest = min(
+        memory.per_rank_bytes(
+            c.zero_stage, c.precision, c.micro_batch, c.offload, max(nodes) * gpus_per_node
+        )["total"]
+        for c in candidates
+    )
+    advice = (
+        f"the least predicted need is {smallest / GIB:.2f} GiB per rank, over {usable_bytes / GIB:.2f} GiB "
+        f"usable; {c.config_id} at {max(nodes)} nodes would need {need / GIB:.2f} GiB"
+    )
     if need <= usable_bytes:
         return (
             advice
@@ -130,8 +165,10 @@ def recommend(
         )
     here = fits[fits["node_count"] == node_count]
     if here.empty:
-        raise UserError(f"--nodes {node_count}: no config both fits in memory and reaches the global batch there "
-                        "(see the scaling table); choose another --nodes or --global-batch")  # fmt: skip
+        raise UserError(
+            f"--nodes {node_count}: no config both fits in memory and reaches the global batch there "
+            "(see the scaling table); choose another --nodes or --global-batch"
+        )
     best = here.loc[here["samples_per_s"].idxmax()]
     lr = choose_lr(base_lr_of(base_config), int(best["global_batch"]), reference_batch, lr_scaling)
     config = recommended_ds_config(base_config, best, lr.lr)
@@ -139,9 +176,22 @@ def recommend(
         (predictions["config_id"] != best["config_id"]) & (predictions["node_count"] == node_count)
     ]
     ranked = others.sort_values(["feasible", "samples_per_s"], ascending=False)
-    runners = [{k: _plain(row[k]) for k in ("config_id", "node_count", "samples_per_s", "step_time_s",
-                                            "mem_per_rank_bytes", "grad_accum", "global_batch")}
-               | {"why_not": why_not(row, best, usable_bytes)} for _, row in ranked.head(RUNNERS_UP).iterrows()]  # fmt: skip
+    runners = [
+        {
+            k: _plain(row[k])
+            for k in (
+                "config_id",
+                "node_count",
+                "samples_per_s",
+                "step_time_s",
+                "mem_per_rank_bytes",
+                "grad_accum",
+                "global_batch",
+            )
+        }
+        | {"why_not": why_not(row, best, usable_bytes)}
+        for _, row in ranked.head(RUNNERS_UP).iterrows()
+    ]
     return best, config, runners, lr
 
 

@@ -29,14 +29,26 @@ from advisor.model.step_time import fit_time_model, measured_step_s
 MIB = 2**20
 
 
-def probe_link(out_dir: Path, ranks: int, hostfile: Path | None, budget_s: float,
-               log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
+def probe_link(
+    out_dir: Path,
+    ranks: int,
+    hostfile: Path | None,
+    budget_s: float,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """`sdzero comm` with `ranks` on this machine (no hostfile: the intra-node link the 1-host trials used)
     or `ranks` per host across the hostfile (the inter-host link); its comm_fit.json."""
     from advisor.measure.collectives_launch import run_comm
 
-    run_comm(out_dir, num_ranks=ranks, hostfile=hostfile, backends=("torch",), max_bytes=16 * MIB,
-             budget_s=budget_s, log=log)  # fmt: skip
+    run_comm(
+        out_dir,
+        num_ranks=ranks,
+        hostfile=hostfile,
+        backends=("torch",),
+        max_bytes=16 * MIB,
+        budget_s=budget_s,
+        log=log,
+    )
     return out_dir / "comm_fit.json"
 
 
@@ -48,8 +60,9 @@ def merge_fits(paths: list[Path], merged: Path) -> Path:
     return merged
 
 
-def probe_links(out_dir: Path, hostfile: Path, local_ranks: int, budget_s: float,
-                log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
+def probe_links(
+    out_dir: Path, hostfile: Path, local_ranks: int, budget_s: float, log: Callable[[str], None] | None = None
+) -> Path:
     """`sdzero comm` twice: `local_ranks` on this machine (the intra-node link the 1-host trials used) and one
     rank per host across the hostfile (the inter-host link); both fits merged into one comm_fit.json."""
     intra = probe_link(out_dir / "intra", local_ranks, None, budget_s, log)
@@ -81,8 +94,9 @@ class ScaleoutRow:
         return self.predicted_step_s / self.measured_step_s - 1
 
 
-def trial_table(spec: TrialSpec, settings: TrialSettings, base: dict[str, Any], trial_dir: Path,
-                nodes: int) -> pd.DataFrame:  # fmt: skip
+def trial_table(
+    spec: TrialSpec, settings: TrialSettings, base: dict[str, Any], trial_dir: Path, nodes: int
+) -> pd.DataFrame:
     """Run one trial and return it as a one-row table in advisor.measure.profile's format."""
     from advisor.measure.profile import trial_row
 
@@ -105,18 +119,38 @@ def predict_from_one_host(
     target_net, _ = build_network(fit_path, slots)
     model = fit_time_model(one_host, measured_net)
     row = one_host.iloc[0]
-    step = model.predict(int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"]),
-                         int(row["grad_accum"]), hosts, target_net, str(row["offload"]))  # fmt: skip
+    step = model.predict(
+        int(row["zero_stage"]),
+        str(row["precision"]),
+        int(row["micro_batch"]),
+        int(row["grad_accum"]),
+        hosts,
+        target_net,
+        str(row["offload"]),
+    )
     return step.step_time_s, step.exposed_comm_s, target_net
 
 
-def check_config(spec: TrialSpec, base: dict[str, Any], local: TrialSettings, remote: TrialSettings,
-                 fit_path: Path, hosts: int, slots: int, work_dir: Path,
-                 one_host: pd.DataFrame | None = None) -> tuple[ScaleoutRow, pd.DataFrame]:  # fmt: skip
+def check_config(
+    spec: TrialSpec,
+    base: dict[str, Any],
+    local: TrialSettings,
+    remote: TrialSettings,
+    fit_path: Path,
+    hosts: int,
+    slots: int,
+    work_dir: Path,
+    one_host: pd.DataFrame | None = None,
+) -> tuple[ScaleoutRow, pd.DataFrame]:
     """1-host trial (unless given), prediction, then the measured `hosts` x `slots` run of the same config."""
     if one_host is None:
-        one_host = trial_table(replace(spec, ranks_per_node=hosts * slots), local, base,
-                               work_dir / f"{spec.trial_id}-1host", nodes=1)  # fmt: skip
+        one_host = trial_table(
+            replace(spec, ranks_per_node=hosts * slots),
+            local,
+            base,
+            work_dir / f"{spec.trial_id}-1host",
+            nodes=1,
+        )
     predicted, comm, net = predict_from_one_host(one_host, fit_path, hosts, slots)
     remote_spec = replace(spec, ranks_per_node=slots)
     measured = trial_table(

@@ -24,8 +24,21 @@ DEFAULT_MIN_EFFICIENCY = 0.8
 nothing; the usual bar for strong scaling in HPC allocations, and well above the 32-node point where
 the source guides saw communication dominate."""
 MEASURED, MODELLED, ASSUMED = "measured", "modelled", "assumed"
-COLUMNS = ("node_count", "status", "config_id", "micro_batch", "grad_accum", "global_batch", "samples_per_s",
-           "step_time_s", "efficiency", "exposed_comm_share", "limiting_link", "provenance", "knee")  # fmt: skip
+COLUMNS = (
+    "node_count",
+    "status",
+    "config_id",
+    "micro_batch",
+    "grad_accum",
+    "global_batch",
+    "samples_per_s",
+    "step_time_s",
+    "efficiency",
+    "exposed_comm_share",
+    "limiting_link",
+    "provenance",
+    "knee",
+)
 
 
 def link_provenance(source: str) -> str:
@@ -61,8 +74,13 @@ def _status(rows: pd.DataFrame) -> str:
     return "ok" if rows["feasible"].astype(bool).any() else "out of memory"
 
 
-def scaling_table(predictions: pd.DataFrame, nodes: list[int], min_efficiency: float,
-                  inter_source: str, measured_ids: set[str]) -> pd.DataFrame:  # fmt: skip
+def scaling_table(
+    predictions: pd.DataFrame,
+    nodes: list[int],
+    min_efficiency: float,
+    inter_source: str,
+    measured_ids: set[str],
+) -> pd.DataFrame:
     """One row per node count (see the module doc); `measured_ids` are the config_ids a trial ran."""
     rows: list[dict[str, Any]] = []
     for n in nodes:
@@ -72,8 +90,17 @@ def scaling_table(predictions: pd.DataFrame, nodes: list[int], min_efficiency: f
         if status == "ok":
             fits = mine[mine["feasible"].astype(bool)]
             best = fits.loc[fits["samples_per_s"].idxmax()]
-            row |= {k: best[k] for k in ("config_id", "micro_batch", "grad_accum", "global_batch",
-                                         "samples_per_s", "step_time_s")}  # fmt: skip
+            row |= {
+                k: best[k]
+                for k in (
+                    "config_id",
+                    "micro_batch",
+                    "grad_accum",
+                    "global_batch",
+                    "samples_per_s",
+                    "step_time_s",
+                )
+            }
             row["exposed_comm_share"] = float(best["exposed_comm_s"] / best["step_time_s"])
             row["limiting_link"] = limiting_link(best)
             row["provenance"] = row_provenance(n, str(best["config_id"]), inter_source, measured_ids)

@@ -81,8 +81,9 @@ def _rate(
     return step.samples_per_s
 
 
-def _best_measured(models: Models, trials: pd.DataFrame, nodes: int, target_net: Network,
-                   target: BatchTarget | None) -> float:  # fmt: skip
+def _best_measured(
+    models: Models, trials: pd.DataFrame, nodes: int, target_net: Network, target: BatchTarget | None
+) -> float:
     rates = [
         _rate(
             models,
@@ -95,15 +96,23 @@ def _best_measured(models: Models, trials: pd.DataFrame, nodes: int, target_net:
             nodes,
             target_net,
             target,
-        )  # fmt: skip
+        )
         for _, r in trials[trials["status"] == "ok"].iterrows()
     ]
     return max((r for r in rates if r is not None), default=0.0)
 
 
-def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings,
-                measured_net: Network, target_net: Network, target_nodes: int | Sequence[int],
-                usable_bytes: float, target: BatchTarget | None) -> tuple[TrialSpec | None, str]:  # fmt: skip
+def choose_next(
+    plan: GridPlan,
+    trials: pd.DataFrame,
+    numels: tuple[int, ...],
+    zero: ZeroSettings,
+    measured_net: Network,
+    target_net: Network,
+    target_nodes: int | Sequence[int],
+    usable_bytes: float,
+    target: BatchTarget | None,
+) -> tuple[TrialSpec | None, str]:
     """The next grid point to measure, or None and why the search is done.
 
     Each candidate is judged at every node count in `target_nodes` where the global batch is within its
@@ -140,9 +149,11 @@ def choose_next(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], z
     # While a precision has a single micro-batch measured its compute is taken as proportional to the
     # micro-batch, which cannot tell the micro-batches apart: measure the pick to learn the slope.
     if not models.timing.proportional and lead <= 1 + DOMINATED_MARGIN:
-        return None, (f"no unmeasured config is predicted faster than the best measured one at any of "
-                      f"{', '.join(map(str, node_counts))} nodes ({top.trial_id} at {nodes}: {top_rate:.1f} vs "
-                      f"{best[nodes]:.1f} samples/s)")  # fmt: skip
+        return None, (
+            f"no unmeasured config is predicted faster than the best measured one at any of "
+            f"{', '.join(map(str, node_counts))} nodes ({top.trial_id} at {nodes}: {top_rate:.1f} vs "
+            f"{best[nodes]:.1f} samples/s)"
+        )
     return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {nodes} nodes"
 
 
@@ -172,8 +183,9 @@ def run_search(
         if time.monotonic() - started + per_trial > budget_s:
             result.log.append(f"stopped: --budget-minutes reached after {len(trials)} trials")
             break
-        spec, why = choose_next(plan, trials, numels, zero, measured_net, target_net, target_nodes,
-                                usable_bytes, target)  # fmt: skip
+        spec, why = choose_next(
+            plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
+        )
         result.log.append(why)
         say(why)
         if spec is None:
@@ -188,8 +200,15 @@ CHECK_TRIALS = 2
 """Configs measured after the search only to check the model: predicted before they run, never fitted."""
 
 
-def check_specs(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings,
-                measured_net: Network, usable_bytes: float, n: int = CHECK_TRIALS) -> list[TrialSpec]:  # fmt: skip
+def check_specs(
+    plan: GridPlan,
+    trials: pd.DataFrame,
+    numels: tuple[int, ...],
+    zero: ZeroSettings,
+    measured_net: Network,
+    usable_bytes: float,
+    n: int = CHECK_TRIALS,
+) -> list[TrialSpec]:
     """The `n` unmeasured grid points the fitted model ranks fastest on the trials' own machine among
     those it predicts to fit: the configs whose predicted figures matter most, and a fair test of them."""
     if n <= 0 or (trials["status"] == "ok").sum() == 0:
@@ -199,12 +218,20 @@ def check_specs(plan: GridPlan, trials: pd.DataFrame, numels: tuple[int, ...], z
     for spec in (s for ladder in plan.ladders for s in ladder):
         if _blocked(spec, trials):
             continue
-        mem = models.memory.per_rank_bytes(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload,
-                                           spec.ranks_per_node)  # fmt: skip
+        mem = models.memory.per_rank_bytes(
+            spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
+        )
         if mem["total"] > usable_bytes:
             continue
-        step = models.timing.predict(spec.zero_stage, spec.precision, spec.micro_batch, 1, 1,
-                                     replace(measured_net, gpus_per_node=spec.ranks_per_node), spec.offload)  # fmt: skip
+        step = models.timing.predict(
+            spec.zero_stage,
+            spec.precision,
+            spec.micro_batch,
+            1,
+            1,
+            replace(measured_net, gpus_per_node=spec.ranks_per_node),
+            spec.offload,
+        )
         scored.append((step.samples_per_s, spec))
     scored.sort(key=lambda t: -t[0])
     return [spec for _, spec in scored[:n]]

@@ -154,8 +154,18 @@ def ops_by_mix(
             repeat = grad_accum if c.per_micro_step else 1
             share = c.full_bytes * repeat / total
             calls = c.calls * count_scale
-            out.append(CommOp(c.kind, calls, c.full_bytes * bytes_scale, c.per_micro_step, logged * share / repeat,
-                              waited, c.phase, 1.0 / max(calls, 1.0) if c.overlapped else 1.0))  # fmt: skip
+            out.append(
+                CommOp(
+                    c.kind,
+                    calls,
+                    c.full_bytes * bytes_scale,
+                    c.per_micro_step,
+                    logged * share / repeat,
+                    waited,
+                    c.phase,
+                    1.0 / max(calls, 1.0) if c.overlapped else 1.0,
+                )
+            )
     return out
 
 
@@ -274,8 +284,16 @@ class TimeModel:
             intra, inter = intra + a * repeat, inter + b * repeat
         return intra, inter
 
-    def predict(self, stage: int, precision: str, micro_batch: int, grad_accum: int, nodes: int,
-                net: Network, offload: str = "none") -> StepPrediction:  # fmt: skip
+    def predict(
+        self,
+        stage: int,
+        precision: str,
+        micro_batch: int,
+        grad_accum: int,
+        nodes: int,
+        net: Network,
+        offload: str = "none",
+    ) -> StepPrediction:
         per_micro = self.compute_per_micro_s(stage, precision, micro_batch, offload)
         once = self.once_s(stage, precision, offload, per_micro)
         compute = once + grad_accum * (per_micro - once)
@@ -357,8 +375,12 @@ def _once_s(row: pd.Series, mixes: dict[int, list[Collective]]) -> float:
     return max(float(optimizer) - inside, 0.0)
 
 
-def fit_time_model(trials: pd.DataFrame, measured_net: Network, numels: tuple[int, ...] | None = None,
-                   zero: ZeroSettings | None = None) -> TimeModel:  # fmt: skip
+def fit_time_model(
+    trials: pd.DataFrame,
+    measured_net: Network,
+    numels: tuple[int, ...] | None = None,
+    zero: ZeroSettings | None = None,
+) -> TimeModel:
     """Fit on the ok trials given; `measured_net` is the network the trials ran on (for the overlap).
 
     With the trained network's parameter sizes (`numels`) and the JSON's settings (`zero`), every stage
@@ -434,8 +456,10 @@ def _set_ops(model: TimeModel, ok: pd.DataFrame, mixes: dict[int, list[Collectiv
             model.ops[stage] = ops_from_mix(mixes[stage])
             model.derived_stages.add(stage)
             if (ok["zero_stage"] == stage).any():
-                model.notes.append(f"ZeRO-{stage}: measured on one rank only, where DeepSpeed skips its "
-                                   "collectives; they are costed from the derived mix")  # fmt: skip
+                model.notes.append(
+                    f"ZeRO-{stage}: measured on one rank only, where DeepSpeed skips its "
+                    "collectives; they are costed from the derived mix"
+                )
         else:  # no parameter sizes: what the one-rank trial logged (nothing, at world size 1)
             row = ok[ok["zero_stage"] == stage].iloc[0]
             model.ops[stage] = _trial_ops(row, mixes)

@@ -182,8 +182,15 @@ def recommendation_section(folder: Path, rec: dict[str, Any] | None) -> Section:
     ]
     why = dict(recommendation_notes(rec))
     if why:
-        items.append(mapping_table("recommendation-why", "How it was chosen", "The node-count rule, the global "
-                                   "batch, the learning rate and whether the config was measured.", why))  # fmt: skip
+        items.append(
+            mapping_table(
+                "recommendation-why",
+                "How it was chosen",
+                "The node-count rule, the global "
+                "batch, the learning rate and whether the config was measured.",
+                why,
+            )
+        )
     if rec.get("launch_command"):
         items.append(
             CodeItem("launch", "Launch command", "Runs the recommendation as is.", str(rec["launch_command"]))

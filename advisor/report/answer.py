@@ -28,8 +28,10 @@ def held_out_sentence(rec: dict[str, Any]) -> str:
     """The one held-out error, as the terminal and recommendation.json give it."""
     error = rec.get("error") or {}
     if error.get("trials"):
-        return (f"Held-out error on {error['trials']} configs run after the fit: step time "
-                f"{_percent(error.get('step_time_mape'))}, memory {_percent(error.get('memory_mape'))}.")  # fmt: skip
+        return (
+            f"Held-out error on {error['trials']} configs run after the fit: step time "
+            f"{_percent(error.get('step_time_mape'))}, memory {_percent(error.get('memory_mape'))}."
+        )
     if error.get("step_time_mape") is not None:  # a recommendation.json from before the trial count
         return f"Prediction error on held-out trials: step time {_percent(error['step_time_mape'])}."
     return "No held-out error: no check trial ran within the budget (see Predicted vs measured)."
@@ -40,8 +42,13 @@ def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
     notes = []
     choice = rec.get("node_choice") or {}
     if choice:
-        notes.append(("node count", f"{choice.get('chosen')} ({choice.get('rule')}); fastest "
-                                    f"{choice.get('fastest')} nodes, most efficient {choice.get('most_efficient')}"))  # fmt: skip
+        notes.append(
+            (
+                "node count",
+                f"{choice.get('chosen')} ({choice.get('rule')}); fastest "
+                f"{choice.get('fastest')} nodes, most efficient {choice.get('most_efficient')}",
+            )
+        )
     if rec.get("global_batch_rule"):
         notes.append(("global batch", str(rec["global_batch_rule"])))
     if rec.get("lr_rule"):
@@ -53,8 +60,14 @@ def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
         )
     measured = rec.get("measured") or {}
     if measured:
-        notes.append(("measured", "yes: the recommended config ran as a trial" if measured.get("recommended_config_measured")
-                      else f"no: {measured.get('message')}"))  # fmt: skip
+        notes.append(
+            (
+                "measured",
+                "yes: the recommended config ran as a trial"
+                if measured.get("recommended_config_measured")
+                else f"no: {measured.get('message')}",
+            )
+        )
     return notes
 
 
@@ -66,14 +79,28 @@ def provenance_section(rec: dict[str, Any] | None) -> Section | None:
     rows = {k.replace("_", " "): v for k, v in prov.items() if k not in {"headline", "target_differs"}}
     items: list[Item] = [
         NoteItem("provenance-headline", str(prov.get("headline", ""))),
-        mapping_table("provenance", "Where each figure comes from", "measured: a trial or the benchmark ran "
-                      "it; modelled: fitted to those measurements; assumed: a preset or a figure you gave.", rows),
-    ]  # fmt: skip
+        mapping_table(
+            "provenance",
+            "Where each figure comes from",
+            "measured: a trial or the benchmark ran "
+            "it; modelled: fitted to those measurements; assumed: a preset or a figure you gave.",
+            rows,
+        ),
+    ]
     return Section("provenance", "Where the figures come from", items)
 
 
-SCALING_SHOWN = ("nodes", "config", "accum", "samples/s", "step (s)", "efficiency", "comm",
-                 "link", "provenance")  # fmt: skip
+SCALING_SHOWN = (
+    "nodes",
+    "config",
+    "accum",
+    "samples/s",
+    "step (s)",
+    "efficiency",
+    "comm",
+    "link",
+    "provenance",
+)
 
 
 def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
@@ -81,12 +108,26 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
     if row["status"] != "ok":
         why = "global batch unreachable" if row["status"] == "unreachable" else "out of memory"
         return [n, why, *[""] * (len(SCALING_SHOWN) - 2)]
-    marks = [m for m, on in (("recommended", n == rec.get("node_count")), ("knee", bool(row.get("knee"))),
-                             ("fastest", n == (rec.get("node_choice") or {}).get("fastest"))) if on]  # fmt: skip
-    return [f"{int(n)} ({', '.join(marks)})" if marks else int(n), row["config_id"], int(row["grad_accum"]),
-            row["samples_per_s"], row["step_time_s"], _percent(row.get("efficiency")),
-            _percent(row.get("exposed_comm_share")), row.get("limiting_link", ""),
-            short_provenance(str(row.get("provenance") or ""))]  # fmt: skip
+    marks = [
+        m
+        for m, on in (
+            ("recommended", n == rec.get("node_count")),
+            ("knee", bool(row.get("knee"))),
+            ("fastest", n == (rec.get("node_choice") or {}).get("fastest")),
+        )
+        if on
+    ]
+    return [
+        f"{int(n)} ({', '.join(marks)})" if marks else int(n),
+        row["config_id"],
+        int(row["grad_accum"]),
+        row["samples_per_s"],
+        row["step_time_s"],
+        _percent(row.get("efficiency")),
+        _percent(row.get("exposed_comm_share")),
+        row.get("limiting_link", ""),
+        short_provenance(str(row.get("provenance") or "")),
+    ]
 
 
 def modelled_note(rec: dict[str, Any] | None) -> str:

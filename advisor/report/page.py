@@ -125,8 +125,10 @@ def format_value(value: Any) -> str:
 
 def frame_table(key: str, title: str, caption: str, frame: pd.DataFrame) -> TableItem:
     """A TableItem from a DataFrame; numeric columns are right-aligned."""
-    numeric = [pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
-               for c in frame.columns]  # fmt: skip
+    numeric = [
+        pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
+        for c in frame.columns
+    ]
     rows = [[format_value(v) for v in row] for row in frame.itertuples(index=False, name=None)]
     return TableItem(key, title, caption, [str(c) for c in frame.columns], rows, numeric)
 

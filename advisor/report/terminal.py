@@ -22,8 +22,18 @@ def _percent(value: Any) -> str:
 def scaling_rich_table(rec: dict[str, Any]) -> Table:
     choice = rec.get("node_choice", {})
     table = Table(title=f"Scaling, global batch {rec.get('global_batch_rule', '')}", title_justify="left")
-    for name in ("nodes", "config", "mb x accum", "samples/s", "step (s)", "efficiency", "exposed comm",
-                 "limited by", "", "provenance"):  # fmt: skip
+    for name in (
+        "nodes",
+        "config",
+        "mb x accum",
+        "samples/s",
+        "step (s)",
+        "efficiency",
+        "exposed comm",
+        "limited by",
+        "",
+        "provenance",
+    ):
         table.add_column(name, justify="right" if name in {"nodes", "samples/s", "step (s)"} else "left")
     for row in rec.get("scaling_table", []):
         n = row["node_count"]
@@ -39,17 +49,29 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
             table.add_row(str(n), f"[dim]{why}[/dim]", *[""] * 8)
             continue
         table.add_row(
-            str(n), str(row["config_id"]), f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
-            f"{row['samples_per_s']:.4g}", f"{row['step_time_s']:.4g}", _percent(row.get("efficiency")),
-            _percent(row.get("exposed_comm_share")), str(row.get("limiting_link", "-")), " ".join(marks),
+            str(n),
+            str(row["config_id"]),
+            f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
+            f"{row['samples_per_s']:.4g}",
+            f"{row['step_time_s']:.4g}",
+            _percent(row.get("efficiency")),
+            _percent(row.get("exposed_comm_share")),
+            str(row.get("limiting_link", "-")),
+            " ".join(marks),
             short_provenance(str(row.get("provenance", ""))),
             style="bold" if n == rec.get("node_count") else None,
-        )  # fmt: skip
+        )
     return table
 
 
-def print_advice(rec: dict[str, Any], trials_run: int, full_grid: int, out_dir: Any, report: Any,
-                 console: Console | None = None) -> None:  # fmt: skip
+def print_advice(
+    rec: dict[str, Any],
+    trials_run: int,
+    full_grid: int,
+    out_dir: Any,
+    report: Any,
+    console: Console | None = None,
+) -> None:
     """Everything a user needs to act on, on stdout."""
     # piped (CI logs, files): wide enough for the table instead of rich's 80 columns
     out = console or Console(width=None if sys.stdout.isatty() else 200)
@@ -84,8 +106,10 @@ def print_advice(rec: dict[str, Any], trials_run: int, full_grid: int, out_dir: 
         highlight=False,
     )
     for runner in rec.get("runners_up", []):
-        out.print(f"  runner-up {runner['config_id']} @ {runner['node_count']} nodes: {runner['why_not']}",
-                  highlight=False)  # fmt: skip
+        out.print(
+            f"  runner-up {runner['config_id']} @ {runner['node_count']} nodes: {runner['why_not']}",
+            highlight=False,
+        )
     out.print(f"config: {out_dir}/recommended_ds_config.json", highlight=False, soft_wrap=True)
     out.print(f"launch: {rec['launch_command']}", highlight=False, soft_wrap=True)
     if report:

@@ -139,8 +139,10 @@ class Chromium:
         """Load `url` in a laptop-sized viewport, in light or dark colour scheme, and wait for `load`."""
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.send(f"{domain}.enable")
-        self.send("Emulation.setDeviceMetricsOverride",
-                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})  # fmt: skip
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
         scheme = "dark" if dark else "light"
         self.send(
             "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]}

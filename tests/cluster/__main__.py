@@ -19,8 +19,9 @@ from cluster.netns import STATE_ROOT, Cluster, ClusterUnavailable, list_clusters
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python tests/cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python tests/cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="create a cluster that stays until `down`")
     up.add_argument("--hosts", type=int, default=2)
@@ -29,8 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--delay-ms", type=float, default=None, help="one-way delay each host adds to what it sends"
     )
-    up.add_argument("--cpus-per-host", type=float, default=None,
-                    help="CPU quota of each host in cores (cgroup), e.g. 0.4: equal compute per host")  # fmt: skip
+    up.add_argument(
+        "--cpus-per-host",
+        type=float,
+        default=None,
+        help="CPU quota of each host in cores (cgroup), e.g. 0.4: equal compute per host",
+    )
     down = sub.add_parser("down", help="remove a cluster (or all) and end only the processes it started")
     down.add_argument("tag", nargs="?")
     down.add_argument("--all", action="store_true")
@@ -55,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             owner = state["owner_pid"] or "persistent"
             delay = f"{state['delay_ms']:g} ms" if state.get("delay_ms") else "-"
             cpus = f"{state['cpus_per_host']:g}" if state.get("cpus_per_host") else "-"
-            print(f"{state['tag']}  owner {owner}  rate {state['shaped_rate'] or '-'}  delay {delay}  "
-                  f"cpus/host {cpus}  {hosts}")  # fmt: skip
+            print(
+                f"{state['tag']}  owner {owner}  rate {state['shaped_rate'] or '-'}  delay {delay}  "
+                f"cpus/host {cpus}  {hosts}"
+            )
         return 0
     tags = [s["tag"] for s in list_clusters()] if args.all else [args.tag] if args.tag else []
     if not tags:

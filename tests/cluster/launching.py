@@ -19,8 +19,21 @@ ROOT_MPI = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"
 
 
 def trainer_args(config: Path, model: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    return ["--deepspeed_config", str(config), "--model", str(model), "--data", str(data),
-            "--output-dir", str(out), "--max-steps", str(steps), "--num-workers", "1", *extra]  # fmt: skip
+    return [
+        "--deepspeed_config",
+        str(config),
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--num-workers",
+        "1",
+        *extra,
+    ]
 
 
 def start(
@@ -29,9 +42,13 @@ def start(
     """Output goes to a file (a full pipe would block the ranks); its own session, to kill it whole."""
     log = log_path.open("w")
     proc = subprocess.Popen(
-        command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        command,
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
         env={**os.environ, **ROOT_MPI, **(env or {})},
-    )  # fmt: skip
+    )
     log.close()  # the child holds its own copy
     proc.log_path = log_path  # type: ignore[attr-defined]
     return proc

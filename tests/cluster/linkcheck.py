@@ -54,8 +54,11 @@ print(time.perf_counter() - t)
 
 
 def _serve(cluster: Cluster, host: Host, mode: str) -> subprocess.Popen:
-    proc = subprocess.Popen(["ip", "netns", "exec", host.netns, sys.executable, "-c", _SERVER, mode, str(PORT)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", host.netns, sys.executable, "-c", _SERVER, mode, str(PORT)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     if proc.stdout.readline().strip() != "listening":
         proc.kill()
         raise RuntimeError(f"link check server in {host.netns} did not start")
@@ -79,8 +82,9 @@ def throughput_bit_s(cluster: Cluster, src: Host, dst: Host, mebibytes: int) -> 
     server = _serve(cluster, dst, "sink")
     try:
         started = time.perf_counter()
-        seconds = float(cluster.exec(src, [sys.executable, "-c", _SEND, dst.address, str(PORT),
-                                           str(mebibytes)]).stdout)  # fmt: skip
+        seconds = float(
+            cluster.exec(src, [sys.executable, "-c", _SEND, dst.address, str(PORT), str(mebibytes)]).stdout
+        )
         received = int(server.communicate(timeout=60)[0].split()[-1])
         assert received == mebibytes << 20, f"sent {mebibytes} MiB, the peer read {received} bytes"
         return received * 8 / min(seconds, time.perf_counter() - started)

@@ -154,7 +154,7 @@ class Cluster:
                     f"sdzv{self.tag}n{i}",
                     f"{self.subnet}.{10 + i}",
                     f"node{i}-{self.tag}",
-                )  # fmt: skip
+                )
                 for i in range(1, self.hosts + 1)
             ]
             self.state_dir.mkdir()
@@ -266,7 +266,7 @@ class Cluster:
                     "-c",
                     f'hostname "$0"; exec {sshd} -D -e -f {config}',
                     h.hostname,
-                ],  # fmt: skip
+                ],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
@@ -313,8 +313,11 @@ class Cluster:
     def ssh(
         self, h: Host, command: str, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess:
-        return run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", h.address, command],
-                   check=check, timeout=timeout)  # fmt: skip
+        return run(
+            ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", h.address, command],
+            check=check,
+            timeout=timeout,
+        )
 
     def shape(self, rate: str | None, delay_ms: float | None = None) -> None:
         """Rate-limit every host's outgoing link with a token bucket and/or delay it by delay_ms one way
@@ -334,8 +337,24 @@ class Cluster:
                 # Anything above lets that much through at memory speed after each idle moment, which no
                 # real link does: 256 kB was 10 ms of free traffic at 200 Mbit/s, after every compute
                 # phase, and made the link look faster to a trial than to the back-to-back benchmark.
-                self.exec(h, ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
-                              "burst", "70kb", "latency", "50ms"])  # fmt: skip
+                self.exec(
+                    h,
+                    [
+                        "tc",
+                        "qdisc",
+                        "replace",
+                        "dev",
+                        device,
+                        "root",
+                        "tbf",
+                        "rate",
+                        rate,
+                        "burst",
+                        "70kb",
+                        "latency",
+                        "50ms",
+                    ],
+                )
             elif delay_ms:
                 self.exec(h, ["tc", "qdisc", "del", "dev", device, "root"], check=False)
         self.shaped_rate = rate
@@ -348,9 +367,12 @@ class Cluster:
         for h in self.members:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", h.netns, sys.executable, str(relay), DELAY_DEVICE, str(delay_ms)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
                 start_new_session=True,
-            )  # fmt: skip
+            )
             self.delay_pids.append(proc.pid)
             self.delay_ms = delay_ms
             self._save()  # recorded at once: teardown also ends every process left in the namespace
@@ -360,17 +382,47 @@ class Cluster:
                 proc.kill()
                 raise RuntimeError(f"delay relay in {h.netns} did not start: {line or 'no answer in 20 s'}")
             self.exec(h, ["ip", "link", "set", DELAY_DEVICE, "mtu", str(DELAYED_MTU), "up"])
-            for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
-                        f"net.ipv4.conf.{DELAY_DEVICE}.rp_filter=0",
-                        # the relay hands back packets whose source is this host's own address
-                        f"net.ipv4.conf.{DELAY_DEVICE}.accept_local=1"):  # fmt: skip
+            for key in (
+                "net.ipv4.ip_forward=1",
+                "net.ipv4.conf.all.rp_filter=0",
+                f"net.ipv4.conf.{DELAY_DEVICE}.rp_filter=0",
+                # the relay hands back packets whose source is this host's own address
+                f"net.ipv4.conf.{DELAY_DEVICE}.accept_local=1",
+            ):
                 self.exec(h, ["sysctl", "-q", "-w", key])
-            self.exec(h, ["ip", "route", "add", f"{self.subnet}.0/24", "dev", DELAY_DEVICE, "src", h.address,
-                          "table", DELAY_TABLE])  # fmt: skip
+            self.exec(
+                h,
+                [
+                    "ip",
+                    "route",
+                    "add",
+                    f"{self.subnet}.0/24",
+                    "dev",
+                    DELAY_DEVICE,
+                    "src",
+                    h.address,
+                    "table",
+                    DELAY_TABLE,
+                ],
+            )
             # `iif lo` is what the host sends itself; what the relay writes back arrives on the TUN device
             # and takes the main table out of eth0.
-            self.exec(h, ["ip", "rule", "add", "pref", DELAY_TABLE, "iif", "lo", "to", f"{self.subnet}.0/24",
-                          "lookup", DELAY_TABLE])  # fmt: skip
+            self.exec(
+                h,
+                [
+                    "ip",
+                    "rule",
+                    "add",
+                    "pref",
+                    DELAY_TABLE,
+                    "iif",
+                    "lo",
+                    "to",
+                    f"{self.subnet}.0/24",
+                    "lookup",
+                    DELAY_TABLE,
+                ],
+            )
 
     def _delay_off(self) -> None:
         for h in self.members:
@@ -430,8 +482,10 @@ class Cluster:
 def _check_share(cpus_per_host: float, hosts: int) -> None:
     cores = len(os.sched_getaffinity(0))
     if not 0 < cpus_per_host * hosts <= cores:
-        raise ValueError(f"cpus_per_host={cpus_per_host} x {hosts} hosts: the quotas must be positive and "
-                         f"add up to at most this machine's {cores} cores")  # fmt: skip
+        raise ValueError(
+            f"cpus_per_host={cpus_per_host} x {hosts} hosts: the quotas must be positive and "
+            f"add up to at most this machine's {cores} cores"
+        )
 
 
 # -- teardown: by recorded state, so it also works for a cluster whose owner died ---------------------

@@ -47,7 +47,7 @@ def family_runs(synth_data, tmp_path_factory):
                 "--checkpoint-every", str(STEPS[family]), "--validation-prompts", "a red circle",
                 "--validation-inference-steps", "2", "--profile-out", str(work / "profile.json"),
                 steps=STEPS[family],
-            )  # fmt: skip
+            )
             check_ok(proc)
             runs[family] = (model, work / "run", proc.stdout + proc.stderr)
         return runs[family]

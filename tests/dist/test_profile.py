@@ -51,7 +51,7 @@ def profile_kwargs(tiny_model: Path, synth_data: Path, out: Path) -> dict:
         "grid": GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1,), ranks_per_node=(RANKS,)),
         "base_config": base_config(out.parent / "base.json"), "steps": STEPS, "warmup_steps": WARMUP,
         "trial_timeout_s": TRIAL_TIMEOUT_S, "stall_timeout_s": 120.0, "train_args": ["--num-workers", "1"],
-    }  # fmt: skip
+    }
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
@@ -94,7 +94,7 @@ def profiled(tiny_model, synth_data, tmp_path_factory) -> dict:
         "result": result, "out": out, "after_interrupt": after_interrupt, "leftovers": leftovers,
         "first_row": first_row, "first_profile_unchanged": first_profile.stat().st_mtime_ns == first_mtime,
         "resume_s": time.monotonic() - started,
-    }  # fmt: skip
+    }
 
 
 def test_interrupted_profile_resumes_without_redoing_finished_trials(profiled):
@@ -117,7 +117,7 @@ def test_one_row_per_trial_with_the_fields(profiled):
     assert (table["measured_steps"] == STEPS).all() and (table["warmup_steps"] == WARMUP).all()
     for column in ("samples_per_s", "step_time_s", "forward_s", "backward_s", "optimizer_s", "ds_fwd_s",
                    "ds_bwd_s", "ds_step_s", "comm_s", "comm_bytes", "activation_bytes", "peak_rss_bytes",
-                   "device_peak_bytes", "frozen_bytes"):  # fmt: skip
+                   "device_peak_bytes", "frozen_bytes"):
         assert (table[column] > 0).all(), column
     # throughput is what the step times say: global batch / mean step time
     expected = table["global_batch"] / table["step_time_s"]
@@ -189,7 +189,7 @@ def test_activation_and_peak_memory_are_consistent(profiled):
         for rank in profile["ranks"]:
             # On the CPU the device peak is what an accelerator would hold, summed from its parts.
             parts = (rank["model_state_total_bytes"] + rank["bucket_bytes"] - rank["offloaded_bytes"]
-                     + rank["frozen_bytes"] + rank["activation_bytes"])  # fmt: skip
+                     + rank["frozen_bytes"] + rank["activation_bytes"])
             assert rank["device_peak_bytes"] == parts
             assert rank["peak_rss_bytes"] > rank["model_state_total_bytes"]
         # ZeRO changes where states live, not what one micro-batch's forward saves
@@ -235,7 +235,7 @@ def failures(tiny_model, synth_data, tmp_path_factory) -> ProfileResult:
     kwargs = profile_kwargs(tiny_model, synth_data, out)
     # no data-loader workers: fewer processes on 2 cores, and a crashed rank exits at once
     kwargs.update(steps=1, warmup_steps=1, stall_timeout_s=STALL_S, mem_cap_gib=CAP_GIB,
-                  train_args=["--num-workers", "0"], trial_env=inject)  # fmt: skip
+                  train_args=["--num-workers", "0"], trial_env=inject)
     return run_profile(**kwargs)
 
 

@@ -31,7 +31,7 @@ def test_plain_shell_loads_the_prebuilt_op_without_building(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", LOAD_CPU_ADAM], env=clean_env, cwd=tmp_path, capture_output=True, text=True,
         timeout=240,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = proc.stdout.split("LOADED ", 1)[1].strip()
     assert loaded == str(folder / "cpu_adam" / "cpu_adam.so")

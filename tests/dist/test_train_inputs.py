@@ -23,7 +23,7 @@ def test_loss_falls_and_unreadable_images_are_skipped(tiny_model, synth_data, tm
     cfg = write_config(tmp_path / "ds.json", config)
     out = tmp_path / "run"
     proc = run_trainer(cfg, tiny_model, data, out, "--lr", "1e-3", "--lr-scaling", "sqrt",
-                        "--lr-reference-batch", "4", steps=24)  # fmt: skip
+                        "--lr-reference-batch", "4", steps=24)
     check_ok(proc)
     rows = metrics(out)
     assert len(rows) == 24

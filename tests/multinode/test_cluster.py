@@ -37,10 +37,13 @@ def test_teardown_removes_what_it_made(cluster):
 
 
 def test_cluster_of_a_killed_owner_is_reaped(cluster, tmp_path):
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from cluster import Cluster; "
-            "c = Cluster(hosts=1).up(); print(c.tag, flush=True); time.sleep(300)")  # fmt: skip
-    owner = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parents[1])], stdout=subprocess.PIPE,
-                             text=True)  # fmt: skip
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from cluster import Cluster; "
+        "c = Cluster(hosts=1).up(); print(c.tag, flush=True); time.sleep(300)"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code, str(Path(__file__).parents[1])], stdout=subprocess.PIPE, text=True
+    )
     tag = owner.stdout.readline().strip()
     owner.send_signal(signal.SIGKILL)  # no atexit, no handler: the cluster is left behind
     owner.wait()

@@ -16,10 +16,23 @@ pytestmark = pytest.mark.multinode
 def test_doctor_checks_both_hosts(cluster, synth_data, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [SDZERO, "doctor", "--hostfile", str(cluster.hostfile), "--output-dir", str(out), "--data",
-         str(synth_data), "--probe-mib", "4"],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        [
+            SDZERO,
+            "doctor",
+            "--hostfile",
+            str(cluster.hostfile),
+            "--output-dir",
+            str(out),
+            "--data",
+            str(synth_data),
+            "--probe-mib",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for host in cluster.members:  # a row per host, named by the host itself (its UTS hostname)
         name = cluster.ssh(host, "hostname").stdout.strip()

@@ -50,8 +50,14 @@ def cluster4():
 
 def timed_work(cluster: Cluster, hosts: list) -> list[float]:
     """Wall seconds of the same CPU-bound work started over ssh on each host at once."""
-    procs = [subprocess.Popen(["ssh", "-o", "BatchMode=yes", h.address, f"{sys.executable} -c '{WORK}'"],
-                              stdout=subprocess.PIPE, text=True) for h in hosts]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            ["ssh", "-o", "BatchMode=yes", h.address, f"{sys.executable} -c '{WORK}'"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for h in hosts
+    ]
     outputs = [p.communicate(timeout=60)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     return [float(o.split()[-1]) for o in outputs]
@@ -78,11 +84,20 @@ def test_a_rank_takes_its_own_share_inside_the_one_host_trial(cluster4):
     under the 1-host trial's, so the trial's ranks cannot borrow each other's share."""
     if cpushare.detect().version != 1:
         pytest.skip("cgroup v2: a group with processes cannot give children a cpu quota")
-    env = {**os.environ, "SDZERO_RANK_CPUS": "0.2", "LOCAL_RANK": "1",
-           "PYTHONPATH": str(Path(cpushare.__file__).with_name("rankshare"))}  # fmt: skip
+    env = {
+        **os.environ,
+        "SDZERO_RANK_CPUS": "0.2",
+        "LOCAL_RANK": "1",
+        "PYTHONPATH": str(Path(cpushare.__file__).with_name("rankshare")),
+    }
     with cluster4.local_share(0.8, ranks=2) as group:
-        groups = subprocess.run([sys.executable, "-c", "print(open('/proc/self/cgroup').read())"], env=env,
-                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+        groups = subprocess.run(
+            [sys.executable, "-c", "print(open('/proc/self/cgroup').read())"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert f"/{group.name}/rank1\n" in groups, groups
         quota, period = (
             int((group / "rank1" / f).read_text()) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
@@ -108,8 +123,20 @@ def test_three_host_training_run(cluster4, tiny_model, synth_data, exact_zero2, 
     (tmp_path / ".deepspeed_env").write_text("OMP_NUM_THREADS=1\n")
     out = tmp_path / "run"
     cluster4.set_cpus_per_host(0.5)  # 4 x 0.5 = the 2 cores (host 4 idles): the run is start-up bound
-    args = ["--deepspeed_config", str(exact_zero2), "--model", str(tiny_model), "--data", str(synth_data),
-            "--output-dir", str(out), "--max-steps", "2", "--num-workers", "0"]  # fmt: skip
+    args = [
+        "--deepspeed_config",
+        str(exact_zero2),
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(synth_data),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "2",
+        "--num-workers",
+        "0",
+    ]
     try:
         output = ok(launch(hostfile, args, tmp_path / "launch.log", tmp_path))
     finally:

@@ -27,8 +27,10 @@ JOB = "sdz"
 @pytest.fixture
 def pod_dns(cluster):
     """Each host's /etc/hosts as kubelet and the headless Service make it (`ip netns exec` mounts it)."""
-    lines = "".join(f"{h.address} {JOB}-{i}.{JOB}.default.svc.cluster.local {JOB}-{i}.{JOB} {JOB}-{i}\n"
-                    for i, h in enumerate(cluster.members))  # fmt: skip
+    lines = "".join(
+        f"{h.address} {JOB}-{i}.{JOB}.default.svc.cluster.local {JOB}-{i}.{JOB} {JOB}-{i}\n"
+        for i, h in enumerate(cluster.members)
+    )
     made = []
     for h in cluster.members:
         folder = Path("/etc/netns") / h.netns
@@ -43,24 +45,47 @@ def pod_dns(cluster):
 
 
 def start_pod(
-    cluster, index: int, command: list[str], env: dict[str, str], log: Path, cwd: Path,
+    cluster,
+    index: int,
+    command: list[str],
+    env: dict[str, str],
+    log: Path,
+    cwd: Path,
     private: tuple[Path, Path] | None = None,
-):  # fmt: skip
+):
     """A pod: its own network (the host's namespace), hostname <job>-<index>, the manifest's command;
     `private` = (folder, over) mounts `folder` over `over` for this pod only (a volume it alone sees)."""
     host = cluster.members[index]
     setup = f"hostname {JOB}-{index}"
     if private:
         setup += f" && mkdir -p {private[0]} {private[1]} && mount --bind {private[0]} {private[1]}"
-    pod = ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--mount", "bash", "-c",
-           f'{setup} && exec "$@"', "pod", *command]  # fmt: skip
+    pod = [
+        "ip",
+        "netns",
+        "exec",
+        host.netns,
+        "unshare",
+        "--uts",
+        "--mount",
+        "bash",
+        "-c",
+        f'{setup} && exec "$@"',
+        "pod",
+        *command,
+    ]
     return start(pod, log, cwd, env={**env, "JOB_COMPLETION_INDEX": str(index)})
 
 
 def test_pods_train_take_sigterm_and_resume(cluster, pod_dns, args, reference, tmp_path):
     out = tmp_path / "run"
-    job = K8sJob(nodes=2, gpus_per_node=1, name=JOB, gpus=False, mount_path=str(tmp_path),
-                 train_args=args(out, REFERENCE_STEPS, "--dist-timeout-s", "60"))  # fmt: skip
+    job = K8sJob(
+        nodes=2,
+        gpus_per_node=1,
+        name=JOB,
+        gpus=False,
+        mount_path=str(tmp_path),
+        train_args=args(out, REFERENCE_STEPS, "--dist-timeout-s", "60"),
+    )
     command, env = pod_command(job)
     command[command.index("-u") - 1] = sys.executable  # the image's `python`: this venv's
 
@@ -93,18 +118,28 @@ def test_a_pod_without_the_shared_volume_is_named(cluster, pod_dns, args, tmp_pa
     """Pod 1 mounts a private folder where the others see the shared output folder: the trainer's start-up
     check stops every rank with one line naming it, before any model is loaded."""
     out = tmp_path / "run"
-    job = K8sJob(nodes=2, gpus_per_node=1, name=JOB, gpus=False, mount_path=str(tmp_path),
-                 train_args=args(out, REFERENCE_STEPS, "--dist-timeout-s", "60"))  # fmt: skip
+    job = K8sJob(
+        nodes=2,
+        gpus_per_node=1,
+        name=JOB,
+        gpus=False,
+        mount_path=str(tmp_path),
+        train_args=args(out, REFERENCE_STEPS, "--dist-timeout-s", "60"),
+    )
     command, env = pod_command(job)
     command[command.index("-u") - 1] = sys.executable
     private = (tmp_path / "private", out)
-    pods = [start_pod(cluster, i, command, env, tmp_path / f"pod{i}.log", tmp_path, private if i else None)
-            for i in (0, 1)]  # fmt: skip
+    pods = [
+        start_pod(cluster, i, command, env, tmp_path / f"pod{i}.log", tmp_path, private if i else None)
+        for i in (0, 1)
+    ]
     done = [finish(p, timeout=180) for p in pods]
     assert [code for code, _ in done] == [2, 2], done[0][1][-3000:]
     errors = [line for line in done[0][1].splitlines() if line.startswith("sdzero: error:")]
-    assert errors == [f"sdzero: error: --output-dir {out}: node {JOB}-1 does not share it with node {JOB}-0 "
-                      "(rank 0): a token written there by one was not readable by the other. Every node must "
-                      "mount the same shared folder (NFS, Lustre, a ReadWriteMany volume), or checkpoints and "
-                      "resume diverge"], done[0][1][-3000:]  # fmt: skip
+    assert errors == [
+        f"sdzero: error: --output-dir {out}: node {JOB}-1 does not share it with node {JOB}-0 "
+        "(rank 0): a token written there by one was not readable by the other. Every node must "
+        "mount the same shared folder (NFS, Lustre, a ReadWriteMany volume), or checkpoints and "
+        "resume diverge"
+    ], done[0][1][-3000:]
     assert not (out / "metrics.jsonl").exists()

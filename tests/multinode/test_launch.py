@@ -60,8 +60,14 @@ def killed_then_resumed(cluster, args, tmp_path_factory):
     resumed = launch(
         cluster.hostfile, args(out, REFERENCE_STEPS, "--resume", "auto"), work / "resume.log", work
     )
-    return {"work": work, "killed": killed, "first_metrics": first_metrics, "checkpoints": checkpoints,
-            "resumed": resumed, "resumed_metrics": read_metrics(out / "metrics.jsonl")}  # fmt: skip
+    return {
+        "work": work,
+        "killed": killed,
+        "first_metrics": first_metrics,
+        "checkpoints": checkpoints,
+        "resumed": resumed,
+        "resumed_metrics": read_metrics(out / "metrics.jsonl"),
+    }
 
 
 def test_two_hosts_train_like_one_host(killed_then_resumed, reference):
@@ -111,14 +117,34 @@ def test_deepspeed_env_merged_not_clobbered(killed_then_resumed, cluster):
 def test_openmpi_launcher_across_hosts(cluster, args, reference, tmp_path):
     if shutil.which("mpirun") is None:
         pytest.skip("Open MPI is not installed (apt-get install -y openmpi-bin libopenmpi-dev)")
-    output = ok(launch(cluster.hostfile, args(tmp_path / "run"), tmp_path / "launch.log", tmp_path,
-                       "--launcher", "openmpi"))  # fmt: skip
+    output = ok(
+        launch(
+            cluster.hostfile,
+            args(tmp_path / "run"),
+            tmp_path / "launch.log",
+            tmp_path,
+            "--launcher",
+            "openmpi",
+        )
+    )
     assert "mpirun" in output
     assert_same_losses(losses(tmp_path / "run"), reference, LOSS_RTOL)
 
 
-HOSTILE = ["--validation-prompts", "a $100 bill", "it's", "`id`", "a;b", 'say "hi"', "\u00fcber \u00e9t\u00e9 \u2603",
-           "", "$(touch /tmp/sdzero-pwned)", "back\\slash", "--max-steps", "3"]  # fmt: skip
+HOSTILE = [
+    "--validation-prompts",
+    "a $100 bill",
+    "it's",
+    "`id`",
+    "a;b",
+    'say "hi"',
+    "\u00fcber \u00e9t\u00e9 \u2603",
+    "",
+    "$(touch /tmp/sdzero-pwned)",
+    "back\\slash",
+    "--max-steps",
+    "3",
+]
 ECHO_RANK = """import json, os, sys
 from pathlib import Path
 from sdzero.launch import decode_argv

@@ -19,8 +19,19 @@ def test_mpirun_trains_like_the_deepspeed_launcher(args, reference, tmp_path):
     if shutil.which("mpirun") is None:
         pytest.skip("Open MPI is not installed (apt-get install -y openmpi-bin libopenmpi-dev)")
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install -e '.[mpi]')")
-    command = ["mpirun", "--oversubscribe", "-np", "2", "-x", f"MASTER_PORT={free_port()}",
-               "-x", "TORCH_EXTENSIONS_DIR", sys.executable, str(TRAIN_SCRIPT), *args(tmp_path / "run")]  # fmt: skip
+    command = [
+        "mpirun",
+        "--oversubscribe",
+        "-np",
+        "2",
+        "-x",
+        f"MASTER_PORT={free_port()}",
+        "-x",
+        "TORCH_EXTENSIONS_DIR",
+        sys.executable,
+        str(TRAIN_SCRIPT),
+        *args(tmp_path / "run"),
+    ]
     output = ok(finish(start(command, tmp_path / "mpirun.log", tmp_path)))
     # No launcher set RANK/WORLD_SIZE: the two ranks found each other through mpi4py.
     assert "deepspeed.launcher" not in output

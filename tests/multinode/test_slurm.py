@@ -32,9 +32,15 @@ def test_script_renders_and_parses(tmp_path):
     script.write_text(result.output)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = result.output
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=2-00:00:00", "#SBATCH --signal=B:USR1@120",
-                 "#SBATCH --requeue"):  # fmt: skip
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=2-00:00:00",
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --requeue",
+    ):
         assert line in text
     assert (
         'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
@@ -66,14 +72,28 @@ def test_bad_options_exit_2(options, train, expected):
 @pytest.mark.multinode
 def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path):
     config_args = args(tmp_path / "run", 30)  # absolute paths; the script adds --resume auto
-    rendered = render("--nodes", "2", "--gpus-per-node", "1", "--no-gpus", "--master-port", "29741",
-                      "--signal-lead-s", "60", train=config_args)  # fmt: skip
+    rendered = render(
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--no-gpus",
+        "--master-port",
+        "29741",
+        "--signal-lead-s",
+        "60",
+        train=config_args,
+    )
     assert rendered.exit_code == 0, rendered.output
     script = tmp_path / "job.sbatch"
     script.write_text(rendered.output)
     nodes = ",".join(h.address for h in cluster.members)
-    env = {"PATH": f"{SHIMS}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": nodes,
-           "SHIM_LOG": str(tmp_path / "shim.log")}  # fmt: skip
+    env = {
+        "PATH": f"{SHIMS}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": nodes,
+        "SHIM_LOG": str(tmp_path / "shim.log"),
+    }
     out = tmp_path / "run"
 
     first = start(["bash", str(script)], tmp_path / "first.log", tmp_path, env)
@@ -107,10 +127,20 @@ def test_rank_wrapper_finds_the_interface_from_a_node_name(tmp_path, master):
     """Slurm gives node names; `ip route get NAME` fails, and the interface came back empty."""
     text = render("--nodes", "1", "--gpus-per-node", "1").output
     wrapper = text.split("<<'WRAPPER'\n", 1)[1].split("\nWRAPPER\n", 1)[0]
-    env = {"PATH": os.environ["PATH"], "MASTER_ADDR": master, "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
-           "SLURM_LOCALID": "0"}  # fmt: skip
-    shown = subprocess.run(["bash", "-c", wrapper, "rank", "sh", "-c", "echo $GLOO_SOCKET_IFNAME"],
-                           capture_output=True, text=True, env=env, timeout=30)  # fmt: skip
+    env = {
+        "PATH": os.environ["PATH"],
+        "MASTER_ADDR": master,
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURM_LOCALID": "0",
+    }
+    shown = subprocess.run(
+        ["bash", "-c", wrapper, "rank", "sh", "-c", "echo $GLOO_SOCKET_IFNAME"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == "lo"  # the interface holding 127.0.0.1
 
@@ -119,6 +149,7 @@ def test_rank_wrapper_stops_on_a_master_name_that_does_not_resolve():
     text = render("--nodes", "1", "--gpus-per-node", "1").output
     wrapper = text.split("<<'WRAPPER'\n", 1)[1].split("\nWRAPPER\n", 1)[0]
     env = {"PATH": os.environ["PATH"], "MASTER_ADDR": "no-such-node.invalid"}
-    shown = subprocess.run(["bash", "-c", wrapper, "rank", "true"], capture_output=True, text=True, env=env,
-                           timeout=30)  # fmt: skip
+    shown = subprocess.run(
+        ["bash", "-c", wrapper, "rank", "true"], capture_output=True, text=True, env=env, timeout=30
+    )
     assert shown.returncode == 2 and "master node no-such-node.invalid does not resolve" in shown.stderr

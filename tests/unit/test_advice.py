@@ -46,8 +46,14 @@ def test_trainer_and_advisor_share_one_rule_and_its_defaults(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(BASE))
     ds = load_ds_config(path, world_size=64)  # 4 x 1 x 64 = 256
-    cfg = TrainConfig(deepspeed_config=path, model="m", data=tmp_path, output_dir=tmp_path / "o",
-                      lr_scaling="linear", lr_reference_batch=8)  # fmt: skip
+    cfg = TrainConfig(
+        deepspeed_config=path,
+        model="m",
+        data=tmp_path,
+        output_dir=tmp_path / "o",
+        lr_scaling="linear",
+        lr_reference_batch=8,
+    )
     with pytest.warns(UserWarning, match="capped"):
         assert cfg.effective_lr(ds) == pytest.approx(1e-4 * MAX_LR_FACTOR)
 
@@ -59,11 +65,27 @@ def _predictions(rates: dict[int, float], exposed_inter: float = 0.0) -> pd.Data
     rows = []
     for n, rate in rates.items():
         step = 64 / rate
-        rows.append({"node_count": n, "config_id": "z2-bf16-mb4-off-none", "zero_stage": 2, "dtype": "bf16",
-                     "micro_batch": 4, "offload": "none", "grad_accum": 1, "global_batch": 64, "world_size": 8 * n,
-                     "samples_per_s": rate, "step_time_s": step, "compute_s": step * 0.6,
-                     "exposed_comm_s": step * 0.4, "exposed_intra_s": step * 0.4 - exposed_inter,
-                     "exposed_inter_s": exposed_inter, "mem_per_rank_bytes": 1e9, "feasible": True})  # fmt: skip
+        rows.append(
+            {
+                "node_count": n,
+                "config_id": "z2-bf16-mb4-off-none",
+                "zero_stage": 2,
+                "dtype": "bf16",
+                "micro_batch": 4,
+                "offload": "none",
+                "grad_accum": 1,
+                "global_batch": 64,
+                "world_size": 8 * n,
+                "samples_per_s": rate,
+                "step_time_s": step,
+                "compute_s": step * 0.6,
+                "exposed_comm_s": step * 0.4,
+                "exposed_intra_s": step * 0.4 - exposed_inter,
+                "exposed_inter_s": exposed_inter,
+                "mem_per_rank_bytes": 1e9,
+                "feasible": True,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -92,8 +114,13 @@ def test_provenance_labels_name_the_source_of_each_link():
     assert (
         link_provenance("described by --inter-node-gbps/--inter-node-latency-us") == "assumed (user figure)"
     )
-    table = scaling_table(_predictions({1: 100.0, 2: 190.0}, exposed_inter=0.3), [1, 2], 0.8,
-                          "preset ib-200 (x)", {"z2-bf16-mb4-off-none"})  # fmt: skip
+    table = scaling_table(
+        _predictions({1: 100.0, 2: 190.0}, exposed_inter=0.3),
+        [1, 2],
+        0.8,
+        "preset ib-200 (x)",
+        {"z2-bf16-mb4-off-none"},
+    )
     one, two = table["provenance"].tolist()
     assert one == "modelled from a measured config"
     assert two == "modelled from a measured config; inter-node link assumed (preset ib-200)"
@@ -163,20 +190,37 @@ def test_a_different_target_needs_its_device_memory(monkeypatch, tmp_path, tiny_
     assert not (tmp_path / "out" / "recommendation.json").exists()  # refused before anything ran
     result = CliRunner().invoke(app, ["advise", "--gpus-per-node", "8", "--out", str(tmp_path / "cli")])
     assert result.exit_code == 2 and "--device-memory-gib" in result.output
-    rec = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, gpus_per_node=8, device_memory_gib=None,
-                  target_gpu="a100-80gb", global_batch="256").recommendation  # fmt: skip
+    rec = advise_on_synthetic_trials(
+        monkeypatch,
+        tmp_path,
+        tiny_model,
+        synth_data,
+        gpus_per_node=8,
+        device_memory_gib=None,
+        target_gpu="a100-80gb",
+        global_batch="256",
+    ).recommendation
     assert rec["provenance"]["target_differs"] and "a100-80gb" in rec["provenance"]["device_memory"]
     assert rec["usable_memory_bytes"] == pytest.approx(80 * 2**30 * 0.9)
 
 
-def test_the_budget_note_when_the_recommended_config_was_not_measured(monkeypatch, tmp_path, tiny_model,
-                                                                       synth_data):  # fmt: skip
+def test_the_budget_note_when_the_recommended_config_was_not_measured(
+    monkeypatch, tmp_path, tiny_model, synth_data
+):
     from advisor.measure.grid import GridRequest
 
     # one ladder, every trial 60 s of a 1-minute budget: its two seeds (micro-batch 1 and 4) run, nothing else
     ladder = GridRequest(stages=(2,), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
-    result = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, wall_s=60.0, budget_minutes=1.0,
-                     global_batch="64", grid=ladder)  # fmt: skip
+    result = advise_on_synthetic_trials(
+        monkeypatch,
+        tmp_path,
+        tiny_model,
+        synth_data,
+        wall_s=60.0,
+        budget_minutes=1.0,
+        global_batch="64",
+        grid=ladder,
+    )
     rec = result.recommendation
     note = rec["measured"]
     assert rec["trials_run"] == 2 and rec["config_id"] == "z2-bf16-mb8-off-none"

@@ -34,13 +34,35 @@ ACT_A, ACT_B = 50_000.0, 1_000_000.0
 COMPUTE = {1: 0.10, 2: 0.12, 3: 0.20}
 SLOPE = 0.05
 COMM = {  # a comms_logger op mix per stage, as trials record it at 2 ranks
-    1: {"all_reduce": {"count_per_step": 3, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.01},
-        "all_gather_into_tensor": {"count_per_step": 1, "bytes_per_step": sum(NUMELS), "seconds_per_step": 0.005}},
-    2: {"all_reduce": {"count_per_step": 3, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.01},
-        "all_gather_into_tensor": {"count_per_step": 1, "bytes_per_step": sum(NUMELS), "seconds_per_step": 0.005}},
-    3: {"all_gather_into_tensor": {"count_per_step": 60, "bytes_per_step": sum(NUMELS), "seconds_per_step": 0.01},
-        "reduce_scatter_tensor": {"count_per_step": 1, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.004}},
-}  # fmt: skip
+    1: {
+        "all_reduce": {"count_per_step": 3, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.01},
+        "all_gather_into_tensor": {
+            "count_per_step": 1,
+            "bytes_per_step": sum(NUMELS),
+            "seconds_per_step": 0.005,
+        },
+    },
+    2: {
+        "all_reduce": {"count_per_step": 3, "bytes_per_step": 2 * sum(NUMELS), "seconds_per_step": 0.01},
+        "all_gather_into_tensor": {
+            "count_per_step": 1,
+            "bytes_per_step": sum(NUMELS),
+            "seconds_per_step": 0.005,
+        },
+    },
+    3: {
+        "all_gather_into_tensor": {
+            "count_per_step": 60,
+            "bytes_per_step": sum(NUMELS),
+            "seconds_per_step": 0.01,
+        },
+        "reduce_scatter_tensor": {
+            "count_per_step": 1,
+            "bytes_per_step": 2 * sum(NUMELS),
+            "seconds_per_step": 0.004,
+        },
+    },
+}
 
 
 def brute_force_states(numels, stage: int, n: int) -> dict[str, int]:
@@ -71,14 +93,29 @@ def trial(stage: int, mb: int, precision: str = "bf16", world: int = 2, noise: f
     step = COMPUTE[stage] + SLOPE * mb + comm_s
     bucket = 2 * ZERO.reduce_bucket_size
     row = {
-        "trial_id": f"z{stage}-{precision}-mb{mb}-off-none-r{world}", "status": "ok", "zero_stage": stage,
-        "precision": precision, "micro_batch": mb, "offload": "none", "ranks_per_node": world, "nodes": 1,
-        "grad_accum": 1, "world_size": world, "global_batch": mb * world, "step_time_s": step,
-        "samples_per_s": mb * world / step, "comm_s": comm_s, "comm_ops": json.dumps(COMM[stage]),
-        **{f"{k}_bytes": v for k, v in states.items()}, "model_state_bytes": sum(states.values()),
-        "bucket_bytes": bucket, "frozen_bytes": 7000, "activation_bytes": act,
-        "device_peak_bytes": sum(states.values()) + bucket + 7000 + act, "wall_s": 10.0,
-    }  # fmt: skip
+        "trial_id": f"z{stage}-{precision}-mb{mb}-off-none-r{world}",
+        "status": "ok",
+        "zero_stage": stage,
+        "precision": precision,
+        "micro_batch": mb,
+        "offload": "none",
+        "ranks_per_node": world,
+        "nodes": 1,
+        "grad_accum": 1,
+        "world_size": world,
+        "global_batch": mb * world,
+        "step_time_s": step,
+        "samples_per_s": mb * world / step,
+        "comm_s": comm_s,
+        "comm_ops": json.dumps(COMM[stage]),
+        **{f"{k}_bytes": v for k, v in states.items()},
+        "model_state_bytes": sum(states.values()),
+        "bucket_bytes": bucket,
+        "frozen_bytes": 7000,
+        "activation_bytes": act,
+        "device_peak_bytes": sum(states.values()) + bucket + 7000 + act,
+        "wall_s": 10.0,
+    }
     return row | over
 
 
@@ -168,8 +205,9 @@ def test_scaling_is_monotone_where_the_formulas_say_so():
     measured_net, target = nets(gpus=8)
     models = fit_models(grid_trials(), NUMELS, ZERO, measured_net)
     nodes = node_counts(1024)
-    table = predict_table([Candidate(s, "bf16", 4) for s in (1, 2, 3)], nodes, models.memory, models.timing,
-                          target, 1e12, None)  # fmt: skip
+    table = predict_table(
+        [Candidate(s, "bf16", 4) for s in (1, 2, 3)], nodes, models.memory, models.timing, target, 1e12, None
+    )
     psi = sum(NUMELS)
     for stage, rows in table.groupby("zero_stage"):
         mem = rows.sort_values("node_count")["mem_per_rank_bytes"].to_numpy()
@@ -242,9 +280,15 @@ def test_inter_node_figures_from_flags_and_presets():
 
 # ---------------------------------------------------------------------------------------- recommendation
 
-BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}, "steps_per_print": 1000}  # fmt: skip
+BASE = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
+    "steps_per_print": 1000,
+}
 
 
 def _predictions(usable: float, target: BatchTarget | None = None) -> tuple[pd.DataFrame, object]:
@@ -305,8 +349,11 @@ def test_offload_trials_get_their_own_fixed_cost():
     for mb in (1, 4):
         row = trial(2, mb)
         extra = 0.3  # the CPU optimizer and the transfers, per step
-        row |= {"trial_id": f"z2-bf16-mb{mb}-off-optimizer-r2", "offload": "optimizer",
-                "step_time_s": row["step_time_s"] + extra}  # fmt: skip
+        row |= {
+            "trial_id": f"z2-bf16-mb{mb}-off-optimizer-r2",
+            "offload": "optimizer",
+            "step_time_s": row["step_time_s"] + extra,
+        }
         offloaded.append(row)
     trials = pd.concat([plain, pd.DataFrame(offloaded)], ignore_index=True)
     models = fit_models(trials, NUMELS, ZERO, nets()[0])
@@ -344,8 +391,22 @@ def test_ops_issued_in_bursts_pay_the_burst_latency():
         BURST_CALLS * 13 * 2 * 2.5e-3 + 1e6 / 1e9
     )  # no burst measured for it: blocking latency
     # from a fit: the burst latency per call becomes a per-hop figure like the blocking one (4 ranks: 3 hops)
-    fit = AlphaBetaFit("torch", "gloo", "all_gather", "inter", 4, 4, 3e-3, 1e-9, 9, 4096, 2**20, 0.01,
-                       burst_alpha_s=1.5e-3, burst_in_flight=32)  # fmt: skip
+    fit = AlphaBetaFit(
+        "torch",
+        "gloo",
+        "all_gather",
+        "inter",
+        4,
+        4,
+        3e-3,
+        1e-9,
+        9,
+        4096,
+        2**20,
+        0.01,
+        burst_alpha_s=1.5e-3,
+        burst_in_flight=32,
+    )
     measured = link_from_fits([fit], "inter")
     assert measured.figures("all_gather").burst_hop_latency_s == pytest.approx(0.5e-3)
     assert measured.figures("all_gather").hop_latency_s == pytest.approx(1e-3)
@@ -363,9 +424,21 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
     inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
     one_host, two_hosts = Network(2, intra, inter), Network(1, intra, inter)
     ops = {"all_gather_into_tensor": {"count_per_step": 208, "bytes_per_step": 1e6, "seconds_per_step": 5e-3}}
-    trial = {"status": "ok", "zero_stage": 3, "precision": "bf16", "offload": "none", "micro_batch": 4,
-             "grad_accum": 1, "ranks_per_node": 2, "nodes": 1, "world_size": 2, "step_time_s": 0.3,
-             "step_time_median_s": 0.3, "comm_s": 5e-3, "comm_ops": json.dumps(ops)}  # fmt: skip
+    trial = {
+        "status": "ok",
+        "zero_stage": 3,
+        "precision": "bf16",
+        "offload": "none",
+        "micro_batch": 4,
+        "grad_accum": 1,
+        "ranks_per_node": 2,
+        "nodes": 1,
+        "world_size": 2,
+        "step_time_s": 0.3,
+        "step_time_median_s": 0.3,
+        "comm_s": 5e-3,
+        "comm_ops": json.dumps(ops),
+    }
     model = fit_time_model(pd.DataFrame([trial]), one_host)
     gathers_intra = 208 * 2e-4
     assert model.compute_per_micro_s(3, "bf16", 4) == pytest.approx(0.3 - gathers_intra)
@@ -383,12 +456,27 @@ def test_waits_the_trial_timed_replace_the_benchmark_figure():
     intra = Link(1e9, 1e-4, "intra", per_collective=(CollectiveFigures("all_gather", 1e9, 1e-4, 2e-4),))
     inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
     one_host, two_hosts = Network(2, intra, inter), Network(1, intra, inter)
-    gathers = {"count_per_step": 208, "bytes_per_step": 1e6, "seconds_per_step": 0.12,
-               "waited_seconds_per_step": 0.115}  # fmt: skip
-    trial = {"status": "ok", "zero_stage": 3, "precision": "bf16", "offload": "none", "micro_batch": 4,
-             "grad_accum": 1, "ranks_per_node": 2, "nodes": 1, "world_size": 2, "step_time_s": 0.3,
-             "step_time_median_s": 0.3, "comm_s": 0.12,
-             "comm_ops": json.dumps({"all_gather_into_tensor": gathers})}  # fmt: skip
+    gathers = {
+        "count_per_step": 208,
+        "bytes_per_step": 1e6,
+        "seconds_per_step": 0.12,
+        "waited_seconds_per_step": 0.115,
+    }
+    trial = {
+        "status": "ok",
+        "zero_stage": 3,
+        "precision": "bf16",
+        "offload": "none",
+        "micro_batch": 4,
+        "grad_accum": 1,
+        "ranks_per_node": 2,
+        "nodes": 1,
+        "world_size": 2,
+        "step_time_s": 0.3,
+        "step_time_median_s": 0.3,
+        "comm_s": 0.12,
+        "comm_ops": json.dumps({"all_gather_into_tensor": gathers}),
+    }
     (op,) = ops_from_trial(trial["comm_ops"], 3, 2)
     assert op.waits_measured and op.logged_s == pytest.approx(0.12)
     model = fit_time_model(pd.DataFrame([trial]), one_host)
@@ -400,9 +488,23 @@ def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
     from advisor.model.alphabeta import fit_table
 
     sizes = [4096 * 2**i for i in range(6)]
-    rows = [{"backend": "torch", "library": "gloo", "collective": "all_gather", "link_level": "inter",
-             "ranks": 2, "nodes": 2, "size_bytes": s, "time_s": 2e-3 + s * 1e-8, "correct": True,
-             "emulated": False, "time_spread": 0.0, "in_flight": 1} for s in sizes]  # fmt: skip
+    rows = [
+        {
+            "backend": "torch",
+            "library": "gloo",
+            "collective": "all_gather",
+            "link_level": "inter",
+            "ranks": 2,
+            "nodes": 2,
+            "size_bytes": s,
+            "time_s": 2e-3 + s * 1e-8,
+            "correct": True,
+            "emulated": False,
+            "time_spread": 0.0,
+            "in_flight": 1,
+        }
+        for s in sizes
+    ]
     rows.append(rows[0] | {"time_s": 1e-3 + 4096 * 1e-8, "in_flight": 32})
     (fit,) = fit_table(pd.DataFrame(rows))
     assert fit.n_points == 6 and fit.alpha_s == pytest.approx(2e-3, rel=1e-6)
@@ -417,10 +519,16 @@ def test_check_trials_are_unmeasured_predicted_before_they_run_and_set_the_error
     from advisor.model.search import check_specs
 
     full = grid_trials(noise=False).set_index("trial_id")
-    plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
-                                 ranks_per_node=(2,)), {"bf16": True, "fp16": True})  # fmt: skip
-    fitted_ids = ["z1-bf16-mb1-off-none-r2", "z2-bf16-mb1-off-none-r2", "z3-bf16-mb1-off-none-r2",
-                  "z1-bf16-mb8-off-none-r2"]  # fmt: skip
+    plan = plan_grid(
+        GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8), ranks_per_node=(2,)),
+        {"bf16": True, "fp16": True},
+    )
+    fitted_ids = [
+        "z1-bf16-mb1-off-none-r2",
+        "z2-bf16-mb1-off-none-r2",
+        "z3-bf16-mb1-off-none-r2",
+        "z1-bf16-mb8-off-none-r2",
+    ]
     trials = full.loc[fitted_ids].reset_index()
     checks = check_specs(plan, trials, NUMELS, ZERO, nets()[0], 1e12)
     assert len(checks) == 2 and not {c.trial_id for c in checks} & set(fitted_ids)
@@ -448,8 +556,10 @@ def test_step_time_is_fitted_to_the_median_step():
 
 def test_search_measures_a_fraction_of_the_grid_and_finds_the_best():
     full = grid_trials(noise=False).set_index("trial_id")
-    plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
-                                 ranks_per_node=(2,)), {"bf16": True, "fp16": True})  # fmt: skip
+    plan = plan_grid(
+        GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8), ranks_per_node=(2,)),
+        {"bf16": True, "fp16": True},
+    )
     replay = replayer(full)
 
     measured_net, target = nets(gpus=2)
@@ -474,8 +584,9 @@ def replayer(full: pd.DataFrame):
     return run
 
 
-def advise_on_synthetic_trials(monkeypatch, tmp_path: Path, tiny_model, synth_data, wall_s: float = 10.0,
-                               **options):  # fmt: skip
+def advise_on_synthetic_trials(
+    monkeypatch, tmp_path: Path, tiny_model, synth_data, wall_s: float = 10.0, **options
+):
     """run_advise with trials answered from the synthetic grid (accumulation checks included) and no
     collectives benchmark."""
     import advisor.advise as advise
@@ -490,15 +601,30 @@ def advise_on_synthetic_trials(monkeypatch, tmp_path: Path, tiny_model, synth_da
     monkeypatch.setattr(advise, "trial_runner", lambda *_args: replayer(full))
     monkeypatch.setattr(advise, "trained_numels", lambda model: NUMELS)
     monkeypatch.setattr(advisor.measure.collectives_launch, "run_comm", no_comm)
-    monkeypatch.setattr(advisor.measure.profile, "device_support",
-                        lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False})  # fmt: skip
-    base = {**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_size": ZERO.reduce_bucket_size,
-                                          "overlap_comm": False, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+    monkeypatch.setattr(
+        advisor.measure.profile,
+        "device_support",
+        lambda: {"device": "cpu", "count": 0, "bf16": True, "fp16": False},
+    )
+    base = {
+        **BASE,
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": ZERO.reduce_bucket_size,
+            "overlap_comm": False,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
     base_path = tmp_path / "base.json"
     base_path.write_text(json.dumps(base))
     options = {"max_nodes": 32, "device_memory_gib": 1.0} | options
-    return advise.run_advise(model=str(tiny_model), data=synth_data, out_dir=tmp_path / "out",
-                             deepspeed_config=base_path, **options)  # fmt: skip
+    return advise.run_advise(
+        model=str(tiny_model),
+        data=synth_data,
+        out_dir=tmp_path / "out",
+        deepspeed_config=base_path,
+        **options,
+    )
 
 
 def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_path, tiny_model, synth_data):
@@ -506,8 +632,15 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
     from advisor.report.advise_page import build_advise_report
     from advisor.report.page import NoteItem
 
-    result = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, max_nodes=64,
-                                        global_batch="512-2048", lr_scaling="sqrt")  # fmt: skip
+    result = advise_on_synthetic_trials(
+        monkeypatch,
+        tmp_path,
+        tiny_model,
+        synth_data,
+        max_nodes=64,
+        global_batch="512-2048",
+        lr_scaling="sqrt",
+    )
     rec = result.recommendation
     assert 512 <= rec["global_batch"] <= 2048 and rec["lr_scaling"] == "sqrt"
     assert rec["trials_run"] < rec["full_grid"] == 12
@@ -516,8 +649,15 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
     validation = pd.read_csv(tmp_path / "out" / "validation.csv")
     accum_checks = validation[(validation["grad_accum"] == 4) & validation["check"]]
     assert accum_checks["config_id"].nunique() == 1  # the accumulation check trial, predicted before it ran
-    for name in ("predictions.csv", "validation.csv", "recommendation.json", "recommended_ds_config.json",
-                 "trials.csv", "environment.json", "report.html"):  # fmt: skip
+    for name in (
+        "predictions.csv",
+        "validation.csv",
+        "recommendation.json",
+        "recommended_ds_config.json",
+        "trials.csv",
+        "environment.json",
+        "report.html",
+    ):
         assert (tmp_path / "out" / name).is_file(), name
     report = build_advise_report(tmp_path / "out")
     notes = {s.key: [i.text for i in s.items if isinstance(i, NoteItem)] for s in report.sections}
@@ -534,14 +674,26 @@ def test_under_a_fixed_batch_the_search_looks_past_the_node_count_only_micro_bat
     from advisor.model.predict import BatchTarget
 
     full = grid_trials(noise=False).set_index("trial_id")
-    plan = plan_grid(GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8),
-                                 ranks_per_node=(2,)), {"bf16": True, "fp16": True})  # fmt: skip
+    plan = plan_grid(
+        GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8), ranks_per_node=(2,)),
+        {"bf16": True, "fp16": True},
+    )
     seeds = {ladder[0].trial_id for ladder in plan.ladders}
 
     def searched(target_nodes):
         measured_net, target_net = nets(gpus=2)
-        result = run_search(plan, replayer(full), NUMELS, ZERO, measured_net, target_net, target_nodes, 1e12,
-                            BatchTarget(8, 8), budget_s=600)  # fmt: skip
+        result = run_search(
+            plan,
+            replayer(full),
+            NUMELS,
+            ZERO,
+            measured_net,
+            target_net,
+            target_nodes,
+            1e12,
+            BatchTarget(8, 8),
+            budget_s=600,
+        )
         return set(result.trials["trial_id"]) - seeds
 
     assert searched(4) == set()  # the old aim: nothing beyond the seeds

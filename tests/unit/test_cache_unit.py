@@ -54,8 +54,9 @@ def flip_cache(tiny_model, synth_data, tmp_path_factory):
 
 def spec_for(comps, random_flip: bool) -> SampleSpec:
     side = comps.native_resolution // comps.vae_scale_factor
-    return SampleSpec(comps.native_resolution, (comps.latent_channels, side, side), 1000, seed=5,
-                      random_flip=random_flip)  # fmt: skip
+    return SampleSpec(
+        comps.native_resolution, (comps.latent_channels, side, side), 1000, seed=5, random_flip=random_flip
+    )
 
 
 def test_interrupted_build_resumes_without_redoing_committed_shards(tiny_model, synth_data, tmp_path):
@@ -144,8 +145,14 @@ def test_flip_and_crop_policies(tiny_model, synth_data, tmp_path):
     with pytest.raises(UserError, match=r"--random-flip needs both orientations"):
         open_cache(out, str(tiny_model), synth_data, None, False, "fp32", random_flip=True)
     with pytest.raises(UserError, match="--random-crop cannot be served from --cache-dir"):
-        TrainConfig(deepspeed_config="x.json", model=str(tiny_model), data=synth_data, output_dir=tmp_path / "r",
-                    cache_dir=out, random_crop=True)  # fmt: skip
+        TrainConfig(
+            deepspeed_config="x.json",
+            model=str(tiny_model),
+            data=synth_data,
+            output_dir=tmp_path / "r",
+            cache_dir=out,
+            random_crop=True,
+        )
 
 
 def test_cli_refuses_another_build_into_the_same_folder(tiny_model, synth_data, flip_cache):
@@ -232,10 +239,14 @@ def test_resume_with_another_shard_size_rebuilds_what_no_longer_fits(tiny_model,
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("{\"format\": 1, \"spec\": {", "is damaged (Expecting"), ("[1, 2]", "cache format list is not"),
-     ("\xff\xfe", "is damaged"), ("{\"format\": %d, \"spec\": {}}", "spec, samples, shards or data_files missing"),
-     ("{\"format\": %d, \"spec\": {}, \"samples\": [{}], \"shards\": [], \"data_files\": []}", "a malformed entry")],
-)  # fmt: skip
+    [
+        ('{"format": 1, "spec": {', "is damaged (Expecting"),
+        ("[1, 2]", "cache format list is not"),
+        ("\xff\xfe", "is damaged"),
+        ('{"format": %d, "spec": {}}', "spec, samples, shards or data_files missing"),
+        ('{"format": %d, "spec": {}, "samples": [{}], "shards": [], "data_files": []}', "a malformed entry"),
+    ],
+)
 def test_a_corrupt_index_is_one_clear_error(tmp_path, text, expected):
     from sdzero.cache import CACHE_FORMAT, INDEX_NAME
 

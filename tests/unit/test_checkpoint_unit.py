@@ -31,9 +31,18 @@ def fake_checkpoint(root: Path, step: int, serial: int | None = None, commit: bo
     if commit:
         files = {n: ck.describe_file(folder / n) for n in ck.list_files(folder)}
         manifest = ck.Manifest(
-            tag=folder.name, step=step, serial=step if serial is None else serial, zero_stage=2, dtype="bf16",
-            world_size=2, seed=0, model="m", prediction_type="epsilon", ema=True, files=files,
-        )  # fmt: skip
+            tag=folder.name,
+            step=step,
+            serial=step if serial is None else serial,
+            zero_stage=2,
+            dtype="bf16",
+            world_size=2,
+            seed=0,
+            model="m",
+            prediction_type="epsilon",
+            ema=True,
+            files=files,
+        )
         ck.atomic_write_text(folder / ck.MANIFEST, manifest.to_json())
     return folder
 
@@ -56,9 +65,13 @@ def test_manifest_round_trip_lists_every_file_with_size_and_hash(tmp_path):
 
 @pytest.mark.parametrize(
     "content, reason",
-    [(None, "missing"), ("{not json", "unreadable"), ('{"tag": "x"}', "not an sdzero manifest"),
-     ('{"format": 99}', "not an sdzero manifest")],
-)  # fmt: skip
+    [
+        (None, "missing"),
+        ("{not json", "unreadable"),
+        ('{"tag": "x"}', "not an sdzero manifest"),
+        ('{"format": 99}', "not an sdzero manifest"),
+    ],
+)
 def test_invalid_manifests_are_refused_with_the_reason(tmp_path, content, reason):
     folder = fake_checkpoint(tmp_path, 2, commit=False)
     if content is not None:
@@ -127,23 +140,65 @@ def test_retention_keeps_the_newest_k_complete_ones_and_drops_stale_staging(tmp_
 
 @pytest.mark.parametrize("keep", [1, -1])
 def test_keep_last_below_two_is_refused_with_the_reason(tmp_path, keep):
-    args = ["--deepspeed_config", "x.json", "--model", "org/model", "--data", str(tmp_path),
-            "--output-dir", str(tmp_path / "out"), "--keep-last", str(keep)]  # fmt: skip
+    args = [
+        "--deepspeed_config",
+        "x.json",
+        "--model",
+        "org/model",
+        "--data",
+        str(tmp_path),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--keep-last",
+        str(keep),
+    ]
     with pytest.raises(UserError, match="at least 2 checkpoints.*nothing to resume from"):
         parse_train_args(args)
 
 
 def test_checkpoint_flags_parse(tmp_path):
     cfg = parse_train_args(
-        ["--deepspeed_config", "x.json", "--model", "org/model", "--data", str(tmp_path), "--output-dir",
-         str(tmp_path), "--checkpoint-every", "5", "--keep-last", "0", "--resume", "auto", "--ema-decay",
-         "0.999", "--validation-prompts", "a cat", "a dog", "--validation-every", "10"]
-    )  # fmt: skip
+        [
+            "--deepspeed_config",
+            "x.json",
+            "--model",
+            "org/model",
+            "--data",
+            str(tmp_path),
+            "--output-dir",
+            str(tmp_path),
+            "--checkpoint-every",
+            "5",
+            "--keep-last",
+            "0",
+            "--resume",
+            "auto",
+            "--ema-decay",
+            "0.999",
+            "--validation-prompts",
+            "a cat",
+            "a dog",
+            "--validation-every",
+            "10",
+        ]
+    )
     assert (cfg.checkpoint_every, cfg.keep_last, cfg.resume, cfg.ema_decay) == (5, 0, "auto", 0.999)
     assert cfg.validation_prompts == ["a cat", "a dog"] and cfg.validation_every == 10
     with pytest.raises(UserError, match="--resume"):
-        parse_train_args(["--deepspeed_config", "x.json", "--model", "m", "--data", str(tmp_path),
-                          "--output-dir", str(tmp_path), "--resume", str(tmp_path / "nope")])  # fmt: skip
+        parse_train_args(
+            [
+                "--deepspeed_config",
+                "x.json",
+                "--model",
+                "m",
+                "--data",
+                str(tmp_path),
+                "--output-dir",
+                str(tmp_path),
+                "--resume",
+                str(tmp_path / "nope"),
+            ]
+        )
 
 
 def test_first_verified_falls_back_and_names_the_bad_file(tmp_path):
@@ -173,8 +228,11 @@ def test_resuming_another_stage_precision_or_world_size_stops_with_the_fix(tmp_p
     folder = fake_checkpoint(tmp_path, 2)
     manifest = ck.load_manifest(folder)
     ck.check_compatible(folder, manifest, {"zero_stage": 2, "dtype": "bf16", "world_size": 2})
-    for key, value, said in [("zero_stage", 3, "ZeRO stage 2 -> 3"), ("dtype", "fp32", "precision bf16 -> fp32"),
-                             ("world_size", 4, "world size (ranks) 2 -> 4")]:  # fmt: skip
+    for key, value, said in [
+        ("zero_stage", 3, "ZeRO stage 2 -> 3"),
+        ("dtype", "fp32", "precision bf16 -> fp32"),
+        ("world_size", 4, "world size (ranks) 2 -> 4"),
+    ]:
         with pytest.raises(UserError) as err:
             ck.check_compatible(
                 folder, manifest, {"zero_stage": 2, "dtype": "bf16", "world_size": 2, key: value}
@@ -190,8 +248,19 @@ def run_identity(model: Path, data: Path, tmp_path: Path, *extra: str, micro: in
     from sdzero.run_identity import describe_run
 
     config = write_config(tmp_path / f"ds_{micro}_{accum}.json", fp32_config(2, micro=micro, accum=accum))
-    cfg = parse_train_args(["--deepspeed_config", str(config), "--model", str(model), "--data", str(data),
-                            "--output-dir", str(tmp_path / "out"), *extra])  # fmt: skip
+    cfg = parse_train_args(
+        [
+            "--deepspeed_config",
+            str(config),
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "out"),
+            *extra,
+        ]
+    )
     comps = type("Comps", (), {"family": "sd", "native_resolution": 32})()
     return describe_run(cfg, load_ds_config(config, 2), comps, "epsilon", str(model))
 
@@ -204,12 +273,31 @@ def test_resume_compares_everything_that_makes_a_continuation_exact(tiny_model, 
     saved = run_identity(tiny_model, synth_data, tmp_path)
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    manifest = ck.Manifest(tag="step_00000002", step=2, serial=1, ema=False, files={"f": {"bytes": 1, "sha256": "x"}},
-                           **dataclasses.asdict(saved))  # fmt: skip
+    manifest = ck.Manifest(
+        tag="step_00000002",
+        step=2,
+        serial=1,
+        ema=False,
+        files={"f": {"bytes": 1, "sha256": "x"}},
+        **dataclasses.asdict(saved),
+    )
     ck.atomic_write_text(folder / ck.MANIFEST, manifest.to_json())
     manifest = ck.load_manifest(folder)  # through JSON, as a resume reads it
-    same = run_identity(tiny_model, synth_data, tmp_path, "--max-steps", "9", "--checkpoint-every", "3",
-                        "--validation-prompts", "a cat", "--num-workers", "0", "--keep-last", "5")  # fmt: skip
+    same = run_identity(
+        tiny_model,
+        synth_data,
+        tmp_path,
+        "--max-steps",
+        "9",
+        "--checkpoint-every",
+        "3",
+        "--validation-prompts",
+        "a cat",
+        "--num-workers",
+        "0",
+        "--keep-last",
+        "5",
+    )
     ck.check_compatible(folder, manifest, dataclasses.asdict(same))
 
     other_model = shutil.copytree(tiny_model, tmp_path / "other_model")
@@ -222,14 +310,18 @@ def test_resume_compares_everything_that_makes_a_continuation_exact(tiny_model, 
     (other_data / "000000.png").symlink_to(other_data / "000001.png")  # same name, another image size
     changes = {
         "micro-batch (DeepSpeed JSON) 4 -> 2": run_identity(tiny_model, synth_data, tmp_path, micro=2),
-        "gradient accumulation (DeepSpeed JSON) 1 -> 2": run_identity(tiny_model, synth_data, tmp_path, accum=2),
+        "gradient accumulation (DeepSpeed JSON) 1 -> 2": run_identity(
+            tiny_model, synth_data, tmp_path, accum=2
+        ),
         "--resolution 32 -> 48": run_identity(tiny_model, synth_data, tmp_path, "--resolution", "48"),
         "--buckets False -> True": run_identity(tiny_model, synth_data, tmp_path, "--buckets"),
         "--snr-gamma None -> 5.0": run_identity(tiny_model, synth_data, tmp_path, "--snr-gamma", "5"),
         "--noise-offset 0.0 -> 0.1": run_identity(tiny_model, synth_data, tmp_path, "--noise-offset", "0.1"),
         "model weights/config (--model) changed": run_identity(other_model, synth_data, tmp_path),
-        "data (--data / --cache-dir: files, sizes or captions) changed": run_identity(tiny_model, other_data, tmp_path),
-    }  # fmt: skip
+        "data (--data / --cache-dir: files, sizes or captions) changed": run_identity(
+            tiny_model, other_data, tmp_path
+        ),
+    }
     for said, now in changes.items():
         with pytest.raises(UserError) as err:
             ck.check_compatible(folder, manifest, dataclasses.asdict(now))

@@ -52,10 +52,23 @@ def test_each_stage_issues_its_own_collectives():
 def one_rank_zero3_trial(**over) -> dict:
     """A ZeRO-3 trial on one rank: DeepSpeed skipped every gather, the logger saw one scalar."""
     ops = {"all_reduce": {"count_per_step": 1, "bytes_per_step": 8, "seconds_per_step": 1e-5}}
-    return {"status": "ok", "zero_stage": 3, "precision": "bf16", "offload": "none", "micro_batch": 2,
-            "grad_accum": 1, "ranks_per_node": 1, "nodes": 1, "world_size": 1, "step_time_s": 0.5,
-            "step_time_median_s": 0.5, "comm_s": 1e-5, "comm_ops": json.dumps(ops), "optimizer_s": 0.1,
-            **over}  # fmt: skip
+    return {
+        "status": "ok",
+        "zero_stage": 3,
+        "precision": "bf16",
+        "offload": "none",
+        "micro_batch": 2,
+        "grad_accum": 1,
+        "ranks_per_node": 1,
+        "nodes": 1,
+        "world_size": 1,
+        "step_time_s": 0.5,
+        "step_time_median_s": 0.5,
+        "comm_s": 1e-5,
+        "comm_ops": json.dumps(ops),
+        "optimizer_s": 0.1,
+        **over,
+    }
 
 
 def test_a_one_rank_zero3_trial_still_pays_its_gathers_at_n_nodes():
@@ -119,11 +132,15 @@ def test_the_error_is_given_by_micro_batch_accumulation_and_node_count():
 
     validation = pd.DataFrame(
         {
-            "quantity": "step_time_s", "held_out": [True, True, True, False],
-            "predicted": [1.1, 2.0, 4.4, 9.0], "measured": [1.0, 2.0, 4.0, 1.0],
-            "micro_batch": [1, 1, 2, 2], "grad_accum": [1, 1, 4, 4], "node_count": [1, 1, 1, 2],
+            "quantity": "step_time_s",
+            "held_out": [True, True, True, False],
+            "predicted": [1.1, 2.0, 4.4, 9.0],
+            "measured": [1.0, 2.0, 4.0, 1.0],
+            "micro_batch": [1, 1, 2, 2],
+            "grad_accum": [1, 1, 4, 4],
+            "node_count": [1, 1, 1, 2],
         }
-    )  # fmt: skip
+    )
     by_accum = error_by(validation, "grad_accum").set_index("grad_accum")
     assert by_accum.loc[1, "mape"] == pytest.approx(0.05) and by_accum.loc[4, "mape"] == pytest.approx(0.1)
     assert list(by_accum["trials"]) == [2, 1]  # the row fitted on (held_out false) does not count

@@ -42,8 +42,10 @@ def test_shipped_configs_parse_here_and_in_deepspeed(path):
 
 
 def test_batch_triple_mismatch_is_explained(tmp_path):
-    path = write(tmp_path, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
-                            "gradient_accumulation_steps": 2})  # fmt: skip
+    path = write(
+        tmp_path,
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+    )
     with pytest.raises(UserError) as err:
         load_ds_config(path, world_size=2)
     msg = str(err.value)
@@ -91,8 +93,14 @@ def test_lr_scaling_rules():
 
 
 def test_effective_lr_uses_json_lr_and_its_own_batch_as_reference(tmp_path):
-    cfg_path = write(tmp_path, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-                                "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}}})  # fmt: skip
+    cfg_path = write(
+        tmp_path,
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
+        },
+    )
     ds = load_ds_config(cfg_path, world_size=4)
     data = tmp_path / "data"
     data.mkdir()
@@ -125,16 +133,39 @@ def test_nonsense_values_are_refused(tmp_path, flags, fragment):
 
 def test_missing_data_and_non_pipeline_model_folder(tmp_path):
     with pytest.raises(UserError, match="--data"):
-        parse_train_args(["--deepspeed_config", "x", "--model", "m", "--data", str(tmp_path / "no"),
-                          "--output-dir", "o"])  # fmt: skip
+        parse_train_args(
+            ["--deepspeed_config", "x", "--model", "m", "--data", str(tmp_path / "no"), "--output-dir", "o"]
+        )
     with pytest.raises(UserError, match="model_index.json"):
-        parse_train_args(["--deepspeed_config", "x", "--model", str(tmp_path), "--data", str(tmp_path),
-                          "--output-dir", "o"])  # fmt: skip
+        parse_train_args(
+            [
+                "--deepspeed_config",
+                "x",
+                "--model",
+                str(tmp_path),
+                "--data",
+                str(tmp_path),
+                "--output-dir",
+                "o",
+            ]
+        )
 
 
 def test_unknown_flag_exits_2_with_usage(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        parse_train_args(["--deepspeed_config", "x", "--model", "m", "--data", ".", "--output-dir", "o",
-                          "--zero-stage", "3"])  # fmt: skip
+        parse_train_args(
+            [
+                "--deepspeed_config",
+                "x",
+                "--model",
+                "m",
+                "--data",
+                ".",
+                "--output-dir",
+                "o",
+                "--zero-stage",
+                "3",
+            ]
+        )
     assert exc.value.code == 2
     assert "unrecognized arguments: --zero-stage" in capsys.readouterr().err

@@ -21,7 +21,7 @@ NODE = {
         "cuda": "12.8",
         "nccl": "2.27.3",
         "driver": "570.1",
-    },  # fmt: skip
+    },
     "free_disk_bytes": 2 * MIN_FREE_DISK_BYTES,
     "data_fingerprint": "abc",
 }

@@ -53,8 +53,15 @@ def test_frozen_false_skips_encoders_but_keeps_the_geometry(family, models, comp
     assert bare.vae is None and bare.text_encoder is None and bare.text_encoder_2 is None
     assert bare.frozen_modules() == () and not bare.frozen_loaded
     assert len(full.frozen_modules()) == {"sdxl": 3, "sd3": 4}[family]
-    for name in ("vae_scale_factor", "native_resolution", "latent_channels", "latent_scaling_factor",
-                 "latent_shift_factor", "trained_subfolder", "sampler_class"):  # fmt: skip
+    for name in (
+        "vae_scale_factor",
+        "native_resolution",
+        "latent_channels",
+        "latent_scaling_factor",
+        "latent_shift_factor",
+        "trained_subfolder",
+        "sampler_class",
+    ):
         assert getattr(bare, name) == getattr(full, name), name
     assert full.latent_shift_factor == (0.06 if family == "sd3" else 0.0)
     batch = {k: v[None] for k, v in tokenize(bare, PROMPT).items()}
@@ -101,13 +108,24 @@ def test_sdxl_micro_conditioning_reaches_the_unet():
     from diffusers import DDPMScheduler
 
     batch = {
-        "noise": torch.randn(2, 4, 8, 8), "timestep": torch.tensor([10, 900]),
-        "original_size": torch.tensor([[40, 50], [64, 48]]), "crop_top_left": torch.tensor([[3, 9], [0, 8]]),
+        "noise": torch.randn(2, 4, 8, 8),
+        "timestep": torch.tensor([10, 900]),
+        "original_size": torch.tensor([[40, 50], [64, 48]]),
+        "crop_top_left": torch.tensor([[3, 9], [0, 8]]),
         "target_size": torch.tensor([[32, 32], [32, 32]]),
-    }  # fmt: skip
+    }
     cond = {"encoder_hidden_states": torch.randn(2, 16, 48), "pooled_prompt_embeds": torch.randn(2, 24)}
-    denoising_loss(model, torch.float32, DDPMScheduler(), torch.randn(2, 4, 8, 8), cond, batch, "epsilon",
-                   None, family="sdxl")  # fmt: skip
+    denoising_loss(
+        model,
+        torch.float32,
+        DDPMScheduler(),
+        torch.randn(2, 4, 8, 8),
+        cond,
+        batch,
+        "epsilon",
+        None,
+        family="sdxl",
+    )
     expected = [[40, 50, 3, 9, 32, 32], [64, 48, 0, 8, 32, 32]]  # (orig h, w, crop top, left, target h, w)
     assert seen["time_ids"].tolist() == expected
     assert torch.equal(seen["text_embeds"], cond["pooled_prompt_embeds"])
@@ -227,8 +245,19 @@ def test_sigma_is_a_function_of_seed_epoch_index(synth_data, comps, flow_schedul
 
 def _cfg(tmp_path: Path, model: Path, *flags: str) -> TrainConfig:
     (tmp_path / "data").mkdir(exist_ok=True)
-    return parse_train_args(["--deepspeed_config", "ds.json", "--model", str(model), "--data",
-                             str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), *flags])  # fmt: skip
+    return parse_train_args(
+        [
+            "--deepspeed_config",
+            "ds.json",
+            "--model",
+            str(model),
+            "--data",
+            str(tmp_path / "data"),
+            "--output-dir",
+            str(tmp_path / "out"),
+            *flags,
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -270,9 +299,20 @@ def test_trainer_refuses_sd3_flags_on_sdxl_before_any_process_group(models, synt
 
     from sdzero.loop import run
 
-    cfg = parse_train_args(["--deepspeed_config", str(CONFIGS / "zero3_bf16.json"), "--model",
-                            str(models["sdxl"]), "--data", str(synth_data), "--output-dir",
-                            str(tmp_path / "out"), "--logit-mean", "0.5"])  # fmt: skip
+    cfg = parse_train_args(
+        [
+            "--deepspeed_config",
+            str(CONFIGS / "zero3_bf16.json"),
+            "--model",
+            str(models["sdxl"]),
+            "--data",
+            str(synth_data),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--logit-mean",
+            "0.5",
+        ]
+    )
     with pytest.raises(UserError, match="--logit-mean: SD3"):
         run(cfg)
     assert not dist.is_initialized() and not (tmp_path / "out").exists()

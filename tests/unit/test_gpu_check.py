@@ -14,8 +14,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_check_refuses_without_cuda(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing started, nothing written

@@ -141,15 +141,23 @@ def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, ste
     monkeypatch.setattr(loop, "encode_batch", lambda comps, batch: (None, None))
     hooks = FakeHooks([], stop_from)
     monkeypatch.setattr(loop, "denoising_loss", lambda *a, **k: torch.tensor(float(hooks.step + 1)))
-    cfg = SimpleNamespace(max_steps=steps, sync_timing=mode == "sync", export_final=False, output_dir=tmp_path,
-                          profile_out=None, profile_warmup_steps=0, snr_gamma=None)  # fmt: skip
+    cfg = SimpleNamespace(
+        max_steps=steps,
+        sync_timing=mode == "sync",
+        export_final=False,
+        output_dir=tmp_path,
+        profile_out=None,
+        profile_warmup_steps=0,
+        snr_gamma=None,
+    )
     ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="bf16", micro_batch=2)
     comps = SimpleNamespace(family="sd", frozen_modules=lambda: (), noise_scheduler=None)
     batches = SimpleNamespace(next=lambda: {}, epoch=0, batches_in_epoch=0)
     writer = SimpleNamespace(write=hooks.lines.append, close=lambda: None)
     try:
-        summary = loop.train_steps(cfg, ds, comps, FakeEngine(), batches, writer, "epsilon", 0,
-                                   torch.device("cpu"), hooks)  # fmt: skip
+        summary = loop.train_steps(
+            cfg, ds, comps, FakeEngine(), batches, writer, "epsilon", 0, torch.device("cpu"), hooks
+        )
     except SystemExit:
         summary = None
     return hooks, summary
@@ -200,10 +208,17 @@ def tiny_unet():
 
     torch.manual_seed(0)
     return UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=16, attention_head_dim=4, norm_num_groups=8,
-    )  # fmt: skip
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=4,
+        norm_num_groups=8,
+    )
 
 
 def options(**kw) -> SimpleNamespace:
@@ -308,17 +323,34 @@ def test_optimizer_implementation_is_read_from_the_innermost_optimizer():
 def test_speed_options_parse_from_the_command_line(tmp_path):
     from sdzero.config import parse_train_args
 
-    base = ["--deepspeed_config", "x.json", "--model", "org/model", "--data", str(tmp_path), "--output-dir",
-            str(tmp_path / "out")]  # fmt: skip
+    base = [
+        "--deepspeed_config",
+        "x.json",
+        "--model",
+        "org/model",
+        "--data",
+        str(tmp_path),
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     cfg = parse_train_args(base)
     assert (cfg.tf32, cfg.channels_last, cfg.compile, cfg.attention, cfg.sync_timing) == (
-        True, False, False, "auto", False,
-    )  # fmt: skip
-    cfg = parse_train_args([*base, "--no-tf32", "--channels-last", "--compile", "--attention", "math",
-                            "--sync-timing"])  # fmt: skip
+        True,
+        False,
+        False,
+        "auto",
+        False,
+    )
+    cfg = parse_train_args(
+        [*base, "--no-tf32", "--channels-last", "--compile", "--attention", "math", "--sync-timing"]
+    )
     assert (cfg.tf32, cfg.channels_last, cfg.compile, cfg.attention, cfg.sync_timing) == (
-        False, True, True, "math", True,
-    )  # fmt: skip
+        False,
+        True,
+        True,
+        "math",
+        True,
+    )
 
 
 def test_advisor_trials_ask_for_exact_phase_times():

@@ -14,8 +14,12 @@ SCRIPT = REPO / "bench" / "gpu_throughput.py"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_gpu_throughput_refuses_without_cuda(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "gpu_throughput: no CUDA device visible to torch; run this on a CUDA machine (--cpu-rehearsal checks "

@@ -80,9 +80,13 @@ def test_parameter_offload_runs_at_stage_3_only():
 
 def test_comm_knobs_multiply_only_when_asked():
     request = GridRequest(
-        stages=(2,), precisions=("bf16",), micro_batches=(2,), ranks_per_node=(1, 2),
-        overlap_comm=(True, False), reduce_bucket_sizes=(1000, 2000),
-    )  # fmt: skip
+        stages=(2,),
+        precisions=("bf16",),
+        micro_batches=(2,),
+        ranks_per_node=(1, 2),
+        overlap_comm=(True, False),
+        reduce_bucket_sizes=(1000, 2000),
+    )
     specs = [s for ladder in plan_grid(request, CPU).ladders for s in ladder]
     assert len(specs) == 2 * 2 * 2
     assert "z2-bf16-mb2-off-none-r1-oc1-rb1000" in ids(specs)
@@ -116,8 +120,13 @@ def test_bad_requests_name_the_flag(kwargs, match):
 
 
 def spec(**overrides) -> TrialSpec:
-    fields = {"zero_stage": 3, "precision": "fp16", "micro_batch": 8, "offload": "optimizer+params",
-              "ranks_per_node": 2}  # fmt: skip
+    fields = {
+        "zero_stage": 3,
+        "precision": "fp16",
+        "micro_batch": 8,
+        "offload": "optimizer+params",
+        "ranks_per_node": 2,
+    }
     return TrialSpec(**{**fields, **overrides})
 
 
@@ -207,13 +216,17 @@ def test_an_oom_recorded_while_iterating_stops_the_ladder():
         ran.append(s.trial_id)
         done[s.trial_id] = "oom" if s.micro_batch == 2 else "ok"
     assert [r.split("-")[:3] for r in ran] == [
-        ["z1", "bf16", "mb1"], ["z1", "bf16", "mb2"], ["z2", "bf16", "mb1"], ["z2", "bf16", "mb2"]
-    ]  # fmt: skip
+        ["z1", "bf16", "mb1"],
+        ["z1", "bf16", "mb2"],
+        ["z2", "bf16", "mb1"],
+        ["z2", "bf16", "mb2"],
+    ]
 
 
 def test_finished_trials_match_setup_and_the_last_attempt_wins():
-    rows = table(("a", "s1", "crash"), ("a", "s1", "ok"), ("b", "s1", "timeout"), ("c", "s2", "ok"),
-                 ("d", "s1", "oom"))  # fmt: skip
+    rows = table(
+        ("a", "s1", "crash"), ("a", "s1", "ok"), ("b", "s1", "timeout"), ("c", "s2", "ok"), ("d", "s1", "oom")
+    )
     assert finished_trials(rows, "s1") == {"a": "ok", "b": "timeout", "d": "oom"}
     # --retry-failed runs crashes and timeouts again, never an OOM (a property of the config)
     assert finished_trials(rows, "s1", retry_failed=True) == {"a": "ok", "d": "oom"}

@@ -74,8 +74,11 @@ def test_unresolvable_host():
 
 def test_unreachable_hosts_are_all_named(tmp_path):
     entries = hosts.parse_hostfile(hostfile(tmp_path, "a slots=1\nb slots=1\nc slots=1\n"))
-    runner = answers(a=(0, "", ""), b=(255, "", "ssh: connect to host b port 22: Connection refused\n"),
-                     c=(255, "", "Permission denied (publickey).\n"))  # fmt: skip
+    runner = answers(
+        a=(0, "", ""),
+        b=(255, "", "ssh: connect to host b port 22: Connection refused\n"),
+        c=(255, "", "Permission denied (publickey).\n"),
+    )
     with pytest.raises(UserError) as err:
         hosts.check_reachable(entries, runner)
     message = str(err.value)
@@ -86,8 +89,10 @@ def test_unreachable_hosts_are_all_named(tmp_path):
 
 def test_interface_is_the_one_that_routes_to_the_master(tmp_path):
     entries = hosts.parse_hostfile(hostfile(tmp_path, "m slots=1\nw slots=1\n"))
-    master_side = ("local 10.1.0.1 dev lo src 10.1.0.1 uid 0 \\    cache <local>\n"
-                   "3: ib0    inet 10.1.0.1/16 brd 10.1.255.255 scope global ib0\n")  # fmt: skip
+    master_side = (
+        "local 10.1.0.1 dev lo src 10.1.0.1 uid 0 \\    cache <local>\n"
+        "3: ib0    inet 10.1.0.1/16 brd 10.1.255.255 scope global ib0\n"
+    )
     worker_side = "10.1.0.1 dev ib0 src 10.1.0.2 uid 0 \\    cache\n"
     runner = answers(m=(0, master_side, ""), w=(0, worker_side, ""))
     assert hosts.pick_interface(entries, "10.1.0.1", runner) == "ib0"
@@ -141,8 +146,9 @@ def test_plan_builds_the_openmpi_command(tmp_path):
     runner = answers(
         **{"127.0.0.1": (0, "local 127.0.0.1 dev lo\n1: lo    inet 127.0.0.1/8 scope host lo\n", "")}
     )
-    plan = hosts.plan_launch(path, ["--max-steps", "2"], launcher="openmpi", master_port=29999,
-                             workdir=tmp_path, runner=runner)  # fmt: skip
+    plan = hosts.plan_launch(
+        path, ["--max-steps", "2"], launcher="openmpi", master_port=29999, workdir=tmp_path, runner=runner
+    )
     cmd = plan.command
     assert (
         cmd[cmd.index("--launcher") + 1] == "openmpi"
@@ -222,9 +228,12 @@ def test_env_values_are_quoted_for_the_remote_shell(tmp_path):
 
 @pytest.mark.parametrize(
     ("addr", "expected"),
-    [("10.0.0.1;reboot", "a host name or IP address only"), ("$(id)", "a host name or IP address only"),
-     ("no-such-host.invalid", "does not resolve")],
-)  # fmt: skip
+    [
+        ("10.0.0.1;reboot", "a host name or IP address only"),
+        ("$(id)", "a host name or IP address only"),
+        ("no-such-host.invalid", "does not resolve"),
+    ],
+)
 def test_master_addr_is_validated_before_any_ssh(tmp_path, addr, expected):
     path = hostfile(tmp_path, "127.0.0.1 slots=1\n")
     runner = answers(**{"127.0.0.1": (0, "local 127.0.0.1 dev lo\n", "")})
@@ -243,8 +252,21 @@ def test_master_addr_name_is_resolved_for_the_route_query(tmp_path):
     assert any("route get 127.0.0.1" in command for _, command in runner.calls)
 
 
-HOSTILE = ["--validation-prompts", "a $100 bill", "it's", "`id`", "a;b", 'say "hi"', "\u00fcber \u00e9t\u00e9 \u2603",
-           "", "  two  spaces ", "$(touch /tmp/pwned)", "back\\slash", "--max-steps", "3"]  # fmt: skip
+HOSTILE = [
+    "--validation-prompts",
+    "a $100 bill",
+    "it's",
+    "`id`",
+    "a;b",
+    'say "hi"',
+    "\u00fcber \u00e9t\u00e9 \u2603",
+    "",
+    "  two  spaces ",
+    "$(touch /tmp/pwned)",
+    "back\\slash",
+    "--max-steps",
+    "3",
+]
 
 
 def test_trainer_options_survive_a_remote_shell(tmp_path):
@@ -259,7 +281,11 @@ def test_trainer_options_survive_a_remote_shell(tmp_path):
     echoed = json.loads(subprocess.run(["sh", "-c", line], capture_output=True, text=True, check=True).stdout)
     assert decode_argv(echoed) == ["--local_rank=0", *HOSTILE]
     assert shell_proof_args(["--max-steps", "3", "--output-dir", "/runs/a_b-1"]) == [
-        "--max-steps", "3", "--output-dir", "/runs/a_b-1"]  # fmt: skip
+        "--max-steps",
+        "3",
+        "--output-dir",
+        "/runs/a_b-1",
+    ]
     with pytest.raises(UserError, match="--sdzero-argv-b64"):
         decode_argv(["--sdzero-argv-b64", "not base64!"])
 

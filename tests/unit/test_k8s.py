@@ -18,8 +18,16 @@ from sdzero.k8s import K8sJob, manifests, pod_command, render
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
 K8S_VERSION = "1.37.0"
-TRAIN = ["--deepspeed_config", "/shared/ds.json", "--model", "/shared/model", "--data", "/shared/data",
-         "--output-dir", "/shared/run"]  # fmt: skip
+TRAIN = [
+    "--deepspeed_config",
+    "/shared/ds.json",
+    "--model",
+    "/shared/model",
+    "--data",
+    "/shared/data",
+    "--output-dir",
+    "/shared/run",
+]
 
 
 def job(**kw) -> K8sJob:
@@ -30,8 +38,14 @@ def by_kind(objects: list[dict]) -> dict[str, dict]:
     return {o["kind"]: o for o in objects}
 
 
-@pytest.mark.parametrize("options", [{}, {"pvc_size": "500Gi", "storage_class": "nfs", "namespace": "ml",
-                                          "cpu": "32", "memory": "200Gi"}, {"gpus": False}])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"pvc_size": "500Gi", "storage_class": "nfs", "namespace": "ml", "cpu": "32", "memory": "200Gi"},
+        {"gpus": False},
+    ],
+)
 def test_manifests_validate_against_the_kubernetes_schema(options):
     text = render(job(**options))
     docs = list(yaml.safe_load_all(text))
@@ -104,8 +118,9 @@ def test_bad_options_are_one_clear_error(options, message):
 def test_cli_writes_the_file_or_exits_2(tmp_path):
     out = tmp_path / "job.yaml"
     runner = CliRunner()
-    result = runner.invoke(app, ["k8s", "--nodes", "2", "--gpus-per-node", "1", "--no-gpus", "--out", str(out),
-                                 "--", *TRAIN])  # fmt: skip
+    result = runner.invoke(
+        app, ["k8s", "--nodes", "2", "--gpus-per-node", "1", "--no-gpus", "--out", str(out), "--", *TRAIN]
+    )
     assert result.exit_code == 0, result.output
     assert [d["kind"] for d in yaml.safe_load_all(out.read_text())] == ["Service", "Job"]
     bad = runner.invoke(app, ["k8s", "--nodes", "2", "--gpus-per-node", "1", "--", "--output-dir", "/tmp/x"])
@@ -114,16 +129,27 @@ def test_cli_writes_the_file_or_exits_2(tmp_path):
 
 def pod_env(index: int, **extra: str) -> dict[str, str]:
     _, env = pod_command(job(nodes=3, gpus_per_node=2))
-    return {"PATH": os.environ["PATH"], **env, "SDZERO_MASTER_ADDR": "localhost", "SDZERO_DNS_WAIT_S": "1",
-            "JOB_COMPLETION_INDEX": str(index), **extra}  # fmt: skip
+    return {
+        "PATH": os.environ["PATH"],
+        **env,
+        "SDZERO_MASTER_ADDR": "localhost",
+        "SDZERO_DNS_WAIT_S": "1",
+        "JOB_COMPLETION_INDEX": str(index),
+        **extra,
+    }
 
 
 def run_pod(index: int, rank_command: list[str], **extra: str) -> subprocess.Popen:
     """The pod's container command, with the trainer swapped for `rank_command`, as Kubernetes starts it."""
     command, _ = pod_command(job(nodes=3, gpus_per_node=2))
     entry = command[: command.index("sdzero-pod") + 1]
-    return subprocess.Popen([*entry, *rank_command], env=pod_env(index, **extra), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [*entry, *rank_command],
+        env=pod_env(index, **extra),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_entrypoint_numbers_ranks_from_the_job_index():

@@ -26,8 +26,12 @@ def test_many_small_buckets_on_a_high_latency_link_are_worth_a_larger_bucket():
     # with one bucket already, nothing on this link is worth a trial
     big = knob_choices(model(), NUMELS, ZeroSettings(reduce_bucket_size=10**6), 2, "bf16", 1, 1, 8, SLOW_HOPS)
     assert worth_measuring(big) == []
-    notes = tune_buckets(pd.Series({"zero_stage": 2, "dtype": "bf16", "micro_batch": 1, "offload": "none"}), big,
-                         lambda specs: pytest.fail("nothing should run"), 2)  # fmt: skip
+    notes = tune_buckets(
+        pd.Series({"zero_stage": 2, "dtype": "bf16", "micro_batch": 1, "offload": "none"}),
+        big,
+        lambda specs: pytest.fail("nothing should run"),
+        2,
+    )
     assert "none measured" in notes[0]
 
 

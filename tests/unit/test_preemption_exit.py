@@ -43,8 +43,9 @@ WATCHDOG = textwrap.dedent("""
 
 
 def test_after_the_commit_the_rank_exits_143_without_waiting_on_its_children(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", STUCK_CHILD_THEN_PREEMPTED], cwd=tmp_path,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK_CHILD_THEN_PREEMPTED], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
     child = int(proc.stdout.readline())
     try:
         assert proc.wait(timeout=30) == EXIT_PREEMPTED

@@ -23,8 +23,20 @@ GRADS_BYTES = 4_000_000
 def fits(inter_slowdown: float) -> list[dict]:
     made = []
     for collective in ("all_reduce", "all_gather", "reduce_scatter"):
-        intra = AlphaBetaFit("torch", "gloo", collective, "intra", 2, 1, alpha_s=1e-4, beta_s_per_byte=1e-9,
-                             n_points=10, min_bytes=4096, max_bytes=2**24, rel_rmse=0.01)  # fmt: skip
+        intra = AlphaBetaFit(
+            "torch",
+            "gloo",
+            collective,
+            "intra",
+            2,
+            1,
+            alpha_s=1e-4,
+            beta_s_per_byte=1e-9,
+            n_points=10,
+            min_bytes=4096,
+            max_bytes=2**24,
+            rel_rmse=0.01,
+        )
         inter = replace(intra, link_level="inter", nodes=2, beta_s_per_byte=1e-9 * inter_slowdown)
         made += [intra.to_dict(), inter.to_dict()]
     return made
@@ -32,9 +44,22 @@ def fits(inter_slowdown: float) -> list[dict]:
 
 def one_host_trial(comm_s: float = 0.05) -> pd.DataFrame:
     ops = {"all_reduce": {"count_per_step": 1, "bytes_per_step": GRADS_BYTES}}
-    row = {"trial_id": "z2", "status": "ok", "zero_stage": 2, "precision": "bf16", "micro_batch": 4,
-           "grad_accum": 1, "offload": "none", "ranks_per_node": 2, "world_size": 2, "nodes": 1,
-           "step_time_s": 0.30, "step_time_median_s": 0.30, "comm_s": comm_s, "comm_ops": json.dumps(ops)}  # fmt: skip
+    row = {
+        "trial_id": "z2",
+        "status": "ok",
+        "zero_stage": 2,
+        "precision": "bf16",
+        "micro_batch": 4,
+        "grad_accum": 1,
+        "offload": "none",
+        "ranks_per_node": 2,
+        "world_size": 2,
+        "nodes": 1,
+        "step_time_s": 0.30,
+        "step_time_median_s": 0.30,
+        "comm_s": comm_s,
+        "comm_ops": json.dumps(ops),
+    }
     return pd.DataFrame([row])
 
 

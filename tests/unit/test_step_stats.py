@@ -14,8 +14,10 @@ def test_step_stats_tensor_lives_on_the_loss_device(monkeypatch):
         seen["device"] = local.device
         seen["dtype"] = local.dtype
         # what two ranks would have sent: (mean loss, peak bytes, stop flag)
-        parts[:] = [torch.tensor([3.0, 100.0, 0.0], dtype=torch.float64),
-                    torch.tensor([1.0, 300.0, 1.0], dtype=torch.float64)]  # fmt: skip
+        parts[:] = [
+            torch.tensor([3.0, 100.0, 0.0], dtype=torch.float64),
+            torch.tensor([1.0, 300.0, 1.0], dtype=torch.float64),
+        ]
 
     monkeypatch.setattr(loop.dist, "all_gather", fake_all_gather)
     monkeypatch.setattr(loop, "peak_memory_bytes", lambda: 100)

@@ -73,8 +73,18 @@ def test_cli_nonsense_values(tmp_path):
 def test_train_entrypoint_reports_bad_input_in_one_line(tmp_path, capsys):
     from sdzero.train import main
 
-    code = main(["--deepspeed_config", str(tmp_path / "missing.json"), "--model", "m", "--data", str(tmp_path),
-                 "--output-dir", str(tmp_path / "o")])  # fmt: skip
+    code = main(
+        [
+            "--deepspeed_config",
+            str(tmp_path / "missing.json"),
+            "--model",
+            "m",
+            "--data",
+            str(tmp_path),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err == [
@@ -112,8 +122,9 @@ def test_a_bad_input_on_another_rank_waits_for_rank_0_then_names_its_rank(tmp_pa
     )
     assert alone.stderr == "sdzero: error: rank 1: bad batch\n"  # rank 0 did not find it: rank 1 says so
     # Rank 0 found it too, so the launcher SIGTERMs rank 1 during its wait: it dies silently.
-    waiting = subprocess.Popen([sys.executable, "-c", script, "1", "60"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", script, "1", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert waiting.stdout.readline() == "ready\n"
     time.sleep(0.5)  # into the wait
     waiting.send_signal(signal.SIGTERM)

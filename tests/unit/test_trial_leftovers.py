@@ -30,8 +30,9 @@ def test_a_timed_out_trial_leaves_no_checkpoint(tmp_path, monkeypatch):
         trials, "trial_command", lambda *a: [sys.executable, "-c", SAVES_ON_SIGTERM, str(trial_dir)]
     )
     monkeypatch.setattr(trials, "POLL_S", 0.05)
-    settings = trials.TrialSettings(model="m", data=Path("d"), steps=1, warmup_steps=0, trial_timeout_s=1.5,
-                                    stall_timeout_s=None)  # fmt: skip
+    settings = trials.TrialSettings(
+        model="m", data=Path("d"), steps=1, warmup_steps=0, trial_timeout_s=1.5, stall_timeout_s=None
+    )
     outcome = trials.run_trial(None, settings, tmp_path / "ds.json", trial_dir)
     assert "timeout" in outcome.reason and outcome.returncode == 143  # it did save, then was discarded
     assert not (trial_dir / "run" / "checkpoints").exists()

@@ -20,8 +20,9 @@ from advisor.measure.profile import TRIAL_COLUMNS, profile_command, read_trials,
 from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, classify_trial, error_line, trainer_args
 from sdzero.errors import UserError
 
-SETTINGS = TrialSettings(model="/m", data=Path("/d"), steps=3, warmup_steps=1, trial_timeout_s=60,
-                         stall_timeout_s=20)  # fmt: skip
+SETTINGS = TrialSettings(
+    model="/m", data=Path("/d"), steps=3, warmup_steps=1, trial_timeout_s=60, stall_timeout_s=20
+)
 
 
 def profile_json(peak: int) -> dict:
@@ -29,8 +30,14 @@ def profile_json(peak: int) -> dict:
     return {"ranks": [rank, {**rank, "rank": 1, "device_peak_bytes": peak // 2}], "device_peak_bytes": peak}
 
 
-def classify(tmp_path: Path, log: str, returncode: int | None = 1, killed_for: str | None = None,
-             profile: dict | None = None, cap: int | None = None) -> TrialOutcome:  # fmt: skip
+def classify(
+    tmp_path: Path,
+    log: str,
+    returncode: int | None = 1,
+    killed_for: str | None = None,
+    profile: dict | None = None,
+    cap: int | None = None,
+) -> TrialOutcome:
     (tmp_path / "log.txt").write_text(log)
     if profile is not None:
         (tmp_path / "profile.json").write_text(json.dumps(profile))
@@ -131,8 +138,11 @@ class FakeRunner:
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    monkeypatch.setattr(profile_module, "device_support",
-                        lambda env=None: {"device": "cpu", "count": 1, "bf16": True, "fp16": False})  # fmt: skip
+    monkeypatch.setattr(
+        profile_module,
+        "device_support",
+        lambda env=None: {"device": "cpu", "count": 1, "bf16": True, "fp16": False},
+    )
     monkeypatch.setattr("sdzero.models.detect_family", lambda model: "sd")
     (tmp_path / "data").mkdir()
 
@@ -201,8 +211,22 @@ def test_command_parses_and_delegates(monkeypatch, tmp_path):
     monkeypatch.setattr(profile_module, "run_profile", lambda **kw: seen.update(kw) or _empty(tmp_path))
     app = typer.Typer()
     app.command()(profile_command)
-    args = ["--model", "/m", "--data", str(tmp_path), "--stage", "3", "--precision", "bf16",
-            "--micro-batch", "2", "--overlap-comm", "off", "--train-args", "--num-workers 1"]  # fmt: skip
+    args = [
+        "--model",
+        "/m",
+        "--data",
+        str(tmp_path),
+        "--stage",
+        "3",
+        "--precision",
+        "bf16",
+        "--micro-batch",
+        "2",
+        "--overlap-comm",
+        "off",
+        "--train-args",
+        "--num-workers 1",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     grid = seen["grid"]
