@@ -235,6 +235,8 @@ class TrainConfig:
     """Complete checkpoints kept under <output-dir>/checkpoints (0: all); at least 2, see `check_keep_last`."""
     resume: str = "none"
     """"auto" (newest complete checkpoint under the output folder, else a fresh start), "none", or a path."""
+    resume_elastic: bool = False
+    """Allow resuming on another world size through DeepSpeed's universal checkpoint (docs/checkpointing.md)."""
     ema_decay: float | None = None
     """Keep an EMA of the trained weights with this decay (diffusers EMAModel schedule); exported as unet_ema."""
     validation_prompts: list[str] = field(default_factory=list)
@@ -474,6 +476,11 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--keep-last", type=int, default=3, help="complete checkpoints to keep (>= 2; 0: all)")
     g.add_argument("--resume", default="none", help="auto | none | PATH (a checkpoint, or a folder of them)")
+    g.add_argument(
+        "--resume-elastic",
+        action="store_true",
+        help="allow --resume on another world size (converted to DeepSpeed's universal checkpoint)",
+    )
     g.add_argument("--ema-decay", type=float, default=None, help="keep an EMA of the weights (e.g. 0.9999)")
     g.add_argument("--validation-prompts", nargs="+", default=[], metavar="PROMPT", help="prompts to sample")
     g.add_argument(
