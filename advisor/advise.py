@@ -35,7 +35,6 @@ from advisor.measure.grid import (
     setup_id,
     write_trial_config,
 )
-from advisor.model.alphabeta import write_json_atomic
 from advisor.model.error import ERROR_EXPLAINED, check_rows, error_summary, fit_models, validation_table
 from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import PRESETS, Network, build_network
@@ -53,6 +52,7 @@ from advisor.model.scaling import (
 )
 from advisor.model.search import check_specs, run_search
 from sdzero.errors import UserError
+from sdzero.io import write_csv_atomic, write_json_atomic
 from sdzero.lr import DEFAULT_LR_SCALING, check_rule
 from sdzero.lr import reference_batch as lr_reference_batch_of
 
@@ -243,12 +243,6 @@ def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:
         if same.empty or spec.micro_batch < same["micro_batch"].min():
             out.append(Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload))
     return list(dict.fromkeys(out))
-
-
-def write_csv_atomic(table: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    table.to_csv(tmp, index=False)
-    os.replace(tmp, path)
 
 
 def run_advise(

@@ -300,7 +300,8 @@ def write_sd15_sized_model(out: Path, small: bool) -> Path:
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from sdzero.tiny import _ddpm_settings, atomic_dir, build_tokenizer
+    from sdzero.io import new_dir
+    from sdzero.tiny import _ddpm_settings, build_tokenizer
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(max_length=77)
@@ -355,7 +356,7 @@ def write_sd15_sized_model(out: Path, small: bool) -> Path:
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    with atomic_dir(out) as tmp:
+    with new_dir(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
     return out
 

@@ -46,8 +46,8 @@ from cluster import Cluster  # noqa: E402
 from advisor.measure.grid import TrialSpec, load_base_config  # noqa: E402
 from advisor.measure.profile import trial_settings  # noqa: E402
 from advisor.model.scaleout import check_config, merge_fits, probe_link, rows_table, trial_table  # noqa: E402
-from sdzero.checkpoint import atomic_write_text  # noqa: E402
 from sdzero.hosts import prepare_hosts  # noqa: E402
+from sdzero.io import write_text_atomic  # noqa: E402
 from sdzero.launch import shipped_config  # noqa: E402
 from sdzero.tiny import write_synthetic_dataset, write_tiny_model  # noqa: E402
 
@@ -213,13 +213,13 @@ def run_layout(
 def set_env_lines(env_file: Path, values: dict[str, str]) -> None:
     """Set these keys in the bench's own .deepspeed_env (its work folder), keeping every other line."""
     lines = [line for line in env_file.read_text().splitlines() if line.split("=", 1)[0] not in values]
-    atomic_write_text(env_file, "\n".join([*lines, *(f"{k}={v}" for k, v in values.items())]) + "\n")
+    write_text_atomic(env_file, "\n".join([*lines, *(f"{k}={v}" for k, v in values.items())]) + "\n")
 
 
 def append(csv: Path, rows: pd.DataFrame) -> None:
     """Add finished cases to the table at once (atomically): a chunk cut short keeps what it measured."""
     table = pd.concat([pd.read_csv(csv), rows], ignore_index=True) if csv.exists() else rows
-    atomic_write_text(csv, table.to_csv(index=False))
+    write_text_atomic(csv, table.to_csv(index=False))
 
 
 def print_table(table: pd.DataFrame) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -259,12 +258,6 @@ def differences(
         ]
         out.append(f"data {cache.data} vs {run.data}: " + ("; ".join(parts) or "captions differ"))
     return out
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def spec_from(obj: dict[str, Any]) -> CacheSpec:

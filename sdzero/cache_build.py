@@ -32,10 +32,10 @@ from sdzero.cache import (
     run_spec,
     shard_name,
     spec_from,
-    write_json_atomic,
 )
 from sdzero.data import Record, open_rgb, resize_and_crop
 from sdzero.errors import UserError
+from sdzero.io import write_json_atomic
 
 log = logging.getLogger("sdzero.cache")
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from sdzero.errors import UserError
+from sdzero.io import fsync_dir, write_text_atomic
 from sdzero.run_lock import claim_output_dir
 
 log = logging.getLogger("sdzero.checkpoint")
@@ -63,27 +64,6 @@ def checkpoint_root(output_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- files
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable (POSIX: the directory entry is data of the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that readers see the old or the new content, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def describe_file(path: Path, fsync: bool = False) -> dict[str, Any]:
@@ -494,7 +474,7 @@ class Checkpointer:
             created_unix_s=time.time(),
             **asdict(self.ident),
         )
-        atomic_write_text(staging / MANIFEST, manifest.to_json())
+        write_text_atomic(staging / MANIFEST, manifest.to_json())
         # The same step saved by an earlier timeline: replaced only now. The old copy moves aside under a
         # visible name, so a kill between the two renames leaves it listed (its manifest is valid) rather
         # than hidden among staging folders with nothing at `final`; an interrupted commit's is removed.
@@ -506,7 +486,7 @@ class Checkpointer:
         os.replace(staging, final)
         fsync_dir(self.root)
         shutil.rmtree(old, ignore_errors=True)
-        atomic_write_text(self.root / LATEST, final.name)
+        write_text_atomic(self.root / LATEST, final.name)
         for victim in retention_victims(self.root, self.keep_last):
             shutil.rmtree(victim, ignore_errors=True)
 

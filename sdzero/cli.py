@@ -291,9 +291,9 @@ def k8s(
     if out is None:
         typer.echo(text, nl=False)
         return
-    from sdzero.checkpoint import atomic_write_text
+    from sdzero.io import write_text_atomic
 
-    atomic_write_text(out, text)
+    write_text_atomic(out, text)
     typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
 
 

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import io
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from sdzero.errors import UserError
+from sdzero.io import publish_dir
 
 log = logging.getLogger("sdzero.export")
 
@@ -38,18 +38,6 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     if state is None:
         return None
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
-
-
-def atomic_publish(tmp: Path, out: Path) -> None:
-    """Replace `out` with the finished folder `tmp`; the old `out` is removed only after the move."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def unet_from_state(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, cls: Any = None):
@@ -153,7 +141,7 @@ def write_pipeline(
             unet_from_state(comps.unet.config, state, dtype, cls).save_pretrained(
                 tmp / folder, safe_serialization=True
             )
-        atomic_publish(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

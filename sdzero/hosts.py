@@ -17,16 +17,15 @@ import os
 import re
 import shlex
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from sdzero.errors import UserError
+from sdzero.io import write_text_atomic
 from sdzero.launch import REPO_ROOT, TRAIN_SCRIPT, deepspeed_executable, free_port, shell_proof_args
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$", re.ASCII)
@@ -210,24 +209,6 @@ def read_env_file(path: Path) -> dict[str, str]:
     return existing
 
 
-def replace_keeping_mode(path: Path, body: str) -> None:
-    """Write `body` to `path` through a unique temp file beside it; a symlink stays a symlink (its target
-    is replaced) and the file keeps its permission bits (a 0600 file of tokens stays 0600)."""
-    target = Path(os.path.realpath(path))
-    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)  # never a half-written file where the user's stood
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
     """Add the missing keys to `path`; the user's own keys and lines are never changed."""
     text = path.read_text() if path.exists() else ""
@@ -242,7 +223,7 @@ def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
     if added:
         body = text if not text or text.endswith("\n") else text + "\n"
         body += "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
-        replace_keeping_mode(path, body)
+        write_text_atomic(path, body)
     return EnvMerge(added, kept)
 
 

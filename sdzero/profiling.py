@@ -21,7 +21,6 @@ raises at the start of step N on every rank; SDZERO_TEST_HANG_AT_STEP=N sleeps f
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from sdzero.io import write_json_atomic
 
 PROFILE_VERSION = 1
 STATE_KINDS = ("params", "grads", "master", "optimizer")
@@ -554,15 +555,6 @@ class Probe:
             "device_peak_bytes": max(r["device_peak_bytes"] for r in ranks),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
         }
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a profile."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdzero.errors import UserError
+from sdzero.io import write_text_atomic
 
 TOKEN_DIR = ".sdzero-shared-check"
 
@@ -49,10 +50,7 @@ def data_fingerprint(data: Path) -> str:
 
 
 def write_token(folder: Path, host: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{host}.tmp{os.getpid()}"
-    tmp.write_text(host)
-    os.replace(tmp, folder / f"{host}.token")  # readers see a whole token or none
+    write_text_atomic(folder / f"{host}.token", host)  # readers see a whole token or none
 
 
 def unseen_tokens(folder: Path, hosts: list[str]) -> tuple[str, ...]:

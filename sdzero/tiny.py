@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from sdzero.errors import UserError
+from sdzero.io import new_dir
 
 # Words of the synthetic captions; the tokenizer gets one whole-word token for each of them.
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -34,27 +31,6 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES = ("circle", "square", "triangle")
 SIZES = ("small", "large")
 FILLER = ("a", "on", "background", "in", "the", "middle")
-
-
-@contextmanager
-def atomic_dir(out: Path) -> Iterator[Path]:
-    """Build a folder next to `out` and move it into place only when complete.
-
-    An existing non-empty `out` is refused rather than overwritten: nothing the user had is lost.
-    """
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} already exists and is not empty; choose a new folder or remove it first")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _byte_level_chars() -> list[str]:
@@ -290,7 +266,7 @@ def write_tiny_model(out: Path, family: str = "sd15", seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     pipe = TINY_BUILDERS[family]()
-    with atomic_dir(Path(out)) as tmp:
+    with new_dir(Path(out)) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
     return Path(out)
 
@@ -326,7 +302,7 @@ def write_synthetic_dataset(out: Path, images: int, size: int = 48, seed: int = 
     if size < 8:
         raise UserError(f"--size must be at least 8 pixels, got {size}")
     rng = np.random.default_rng(seed)
-    with atomic_dir(Path(out)) as tmp, open(tmp / "metadata.jsonl", "w") as meta:
+    with new_dir(Path(out)) as tmp, open(tmp / "metadata.jsonl", "w") as meta:
         for i in range(images):
             side = int(size + rng.integers(0, size // 4 + 1))
             caption, img = _caption_and_image(rng, side)

@@ -131,7 +131,8 @@ def write_training_run(
 def write_comm(folder: Path) -> None:
     """comm.csv in advisor.measure.collectives_rank' columns and comm_fit.json fitted by advisor.model.alphabeta itself."""
     from advisor.measure.collectives_rank import CSV_COLUMNS
-    from advisor.model.alphabeta import busbw_gbps, fit_table, fits_payload, write_json_atomic
+    from advisor.model.alphabeta import busbw_gbps, fit_table, fits_payload
+    from sdzero.io import write_json_atomic
 
     links = {"torch": ("gloo", 40e-6, 1 / 3e9), "mpi": ("Open MPI 4.1.4", 15e-6, 1 / 4e9)}
     rows = []

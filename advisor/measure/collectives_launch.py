@@ -28,8 +28,9 @@ import pandas as pd
 import typer
 
 import advisor
-from advisor.model.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload, write_json_atomic
+from advisor.model.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload
 from sdzero.errors import UserError
+from sdzero.io import write_csv_atomic, write_json_atomic
 
 BACKENDS: tuple[str, ...] = ("torch", "mpi")
 MIB = 2**20
@@ -305,13 +306,6 @@ def run_backend(
     if table.empty:
         raise CommRunError(f"{backend}: no measurements in {csv_path}; see {log_path}")
     return table, log_path
-
-
-def write_csv_atomic(table: pd.DataFrame, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    table.to_csv(tmp, index=False)
-    os.replace(tmp, path)
 
 
 def run_comm(

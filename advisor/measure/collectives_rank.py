@@ -51,6 +51,7 @@ from advisor.measure.communicators import (
     make_buffers,
 )
 from advisor.model.alphabeta import COLLECTIVES, algbw_gbps, busbw_gbps
+from sdzero.io import write_csv_atomic
 
 
 @dataclass
@@ -342,10 +343,7 @@ def _rank0_printer(enabled: bool) -> Callable[[str], None]:
 def write_rows(rows: Sequence[dict[str, Any]], csv_path: Path) -> None:
     """Write rows as CSV through a temporary file, so a reader never sees half a table."""
     table = pd.DataFrame([asdict(Row(**row)) for row in rows], columns=list(CSV_COLUMNS))
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = csv_path.with_name(f".{csv_path.name}.tmp")
-    table.to_csv(tmp, index=False)
-    os.replace(tmp, csv_path)
+    write_csv_atomic(table, csv_path)
 
 
 # --------------------------------------------------------------------------------------------------

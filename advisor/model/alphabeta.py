@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -357,20 +355,6 @@ def fits_payload(fits: Iterable[AlphaBetaFit], meta: dict[str, Any] | None = Non
         "meta": meta or {},
         "fits": [fit.to_dict() for fit in fits],
     }
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON next to `path` and rename it into place, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, allow_nan=False)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_fits(path: Path) -> list[AlphaBetaFit]:

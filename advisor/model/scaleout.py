@@ -22,9 +22,10 @@ import pandas as pd
 
 from advisor.measure.grid import TrialSpec, write_trial_config
 from advisor.measure.trials import TrialSettings, run_trial
-from advisor.model.alphabeta import FIT_SCHEMA, write_json_atomic
+from advisor.model.alphabeta import FIT_SCHEMA
 from advisor.model.network import Network, build_network
 from advisor.model.step_time import fit_time_model, measured_step_s
+from sdzero.io import write_json_atomic
 
 MIB = 2**20
 

@@ -63,8 +63,9 @@ from typing import Annotated
 
 import typer
 
-from advisor.report.page import Report, render_html, write_atomic
+from advisor.report.page import Report, render_html
 from sdzero.errors import UserError
+from sdzero.io import write_text_atomic
 
 REPORTS_DIR = Path("reports")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -83,7 +84,7 @@ def default_output(source: Path, out: Path | None, reports_dir: Path = REPORTS_D
 
 def write_report(report: Report, out: Path) -> Path:
     """Render in memory, then replace `out` atomically; a failure leaves any previous `out` as it was."""
-    return write_atomic(out, render_html(report))
+    return write_text_atomic(out, render_html(report))
 
 
 def write_training_report(run_dir: Path, out: Path | None = None) -> Path:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -221,30 +219,3 @@ def render_html(report: Report) -> str:
     """The whole page as one string: CSS inline, figures as data URIs, nothing fetched."""
     check_unique_keys(report)
     return _environment().get_template("report.html.j2").render(report=report, csp=CSP)
-
-
-def write_atomic(path: Path, text: str) -> Path:
-    """Write `text` to `path` via a temporary file in the same folder, fsync, rename, fsync the folder.
-
-    A reader (or a crash) sees the old file or the new one, never a mix; the temporary file is removed
-    when anything fails.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # makes the rename itself durable
-    finally:
-        os.close(dir_fd)
-    return path

@@ -19,8 +19,8 @@ from advisor.model.alphabeta import (
     fits_payload,
     load_fits,
     ring_latency_steps,
-    write_json_atomic,
 )
+from sdzero.io import write_json_atomic
 
 SIZES = np.array([4096 * 2**k for k in range(17)], dtype=float)  # 4 KiB .. 256 MiB
 

@@ -18,6 +18,7 @@ from sdzero import checkpoint as ck
 from sdzero import ema as ema_mod
 from sdzero.config import parse_train_args
 from sdzero.errors import UserError
+from sdzero.io import write_text_atomic
 
 
 def fake_checkpoint(root: Path, step: int, serial: int | None = None, commit: bool = True) -> Path:
@@ -43,7 +44,7 @@ def fake_checkpoint(root: Path, step: int, serial: int | None = None, commit: bo
             ema=True,
             files=files,
         )
-        ck.atomic_write_text(folder / ck.MANIFEST, manifest.to_json())
+        write_text_atomic(folder / ck.MANIFEST, manifest.to_json())
     return folder
 
 
@@ -281,7 +282,7 @@ def test_resume_compares_everything_that_makes_a_continuation_exact(tiny_model, 
         files={"f": {"bytes": 1, "sha256": "x"}},
         **dataclasses.asdict(saved),
     )
-    ck.atomic_write_text(folder / ck.MANIFEST, manifest.to_json())
+    write_text_atomic(folder / ck.MANIFEST, manifest.to_json())
     manifest = ck.load_manifest(folder)  # through JSON, as a resume reads it
     same = run_identity(
         tiny_model,
@@ -339,8 +340,8 @@ def test_resume_compares_everything_that_makes_a_continuation_exact(tiny_model, 
 
 def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
     target = tmp_path / "latest"
-    ck.atomic_write_text(target, "step_00000002")
-    ck.atomic_write_text(target, "step_00000004")
+    write_text_atomic(target, "step_00000002")
+    write_text_atomic(target, "step_00000004")
     assert target.read_text() == "step_00000004"
     assert [p.name for p in tmp_path.iterdir()] == ["latest"]
 

@@ -193,7 +193,7 @@ def test_a_failed_render_leaves_the_old_report_and_no_temp_file(tmp_path, monkey
 
 
 def test_a_failed_write_leaves_the_old_report_and_no_temp_file(tmp_path, monkeypatch):
-    import advisor.report.page as page_module
+    import sdzero.io as io_module
 
     run = write_training_run(tmp_path / "run")
     out = write_training_report(run, tmp_path / "out" / "report.html")
@@ -202,7 +202,7 @@ def test_a_failed_write_leaves_the_old_report_and_no_temp_file(tmp_path, monkeyp
     def full_disk(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(page_module.os, "replace", full_disk)
+    monkeypatch.setattr(io_module.os, "replace", full_disk)
     with pytest.raises(OSError, match="No space left"):
         write_training_report(run, out)
     assert out.read_bytes() == before

@@ -12,10 +12,11 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from advisor.model.alphabeta import FIT_SCHEMA, AlphaBetaFit, write_json_atomic
+from advisor.model.alphabeta import FIT_SCHEMA, AlphaBetaFit
 from advisor.model.network import build_network
 from advisor.model.scaleout import predict_from_one_host
 from advisor.model.step_time import fit_time_model
+from sdzero.io import write_json_atomic
 
 GRADS_BYTES = 4_000_000
 

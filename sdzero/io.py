@@ -1,0 +1,96 @@
+"""Atomic file and folder writes: a reader, or a crash, sees the old content or the new, never a mix.
+
+Every file sdzero rewrites in place (checkpoint pointers, profiles, caches' indexes, reports, the user's
+`.deepspeed_env`) goes through here, so the rules hold everywhere: a unique temporary file in the same
+folder (same filesystem, so the rename is atomic; unique, so two writers never share one), flushed to disk
+before the rename, the temporary removed when anything fails, an existing file's permission bits kept
+(a 0600 file of tokens stays 0600) and a symlink written through to its target, not replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from sdzero.errors import UserError
+
+NEW_FILE_MODE = 0o644  # mkstemp makes 0600; results are meant to be read by the team
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (POSIX: the directory entry is data of the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    """Replace the file at `path` with `text`; returns the path written (a symlink's target)."""
+    target = Path(os.path.realpath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else NEW_FILE_MODE
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+    return target
+
+
+def write_json_atomic(path: Path | str, obj: Any, indent: int = 2, allow_nan: bool = True) -> Path:
+    return write_text_atomic(path, json.dumps(obj, indent=indent, allow_nan=allow_nan) + "\n")
+
+
+def write_csv_atomic(table: pd.DataFrame, path: Path | str) -> Path:
+    return write_text_atomic(path, table.to_csv(index=False))
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """Replace the folder `out` with the finished folder `tmp`; the old `out` is removed only after the move."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def new_dir(out: Path) -> Iterator[Path]:
+    """Build a folder next to `out` and move it into place only when complete.
+
+    An existing non-empty `out` is refused rather than overwritten: nothing the user had is lost.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} already exists and is not empty; choose a new folder or remove it first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
