@@ -51,12 +51,12 @@ from advisor.model.scaling import (
     DEFAULT_MIN_EFFICIENCY,
 )
 from advisor.model.search import check_specs, run_search
+from sdzero.constants import GIB
 from sdzero.errors import UserError
 from sdzero.io import write_csv_atomic, write_json_atomic
 from sdzero.lr import DEFAULT_LR_SCALING, check_rule
 from sdzero.lr import reference_batch as lr_reference_batch_of
 
-GIB = 2**30
 CPU_GRID = GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
 """On a CPU: 12 grid points, of which the search measures about 5 (a few minutes on 2 cores)."""
 

@@ -26,6 +26,7 @@ from advisor.model.scaling import (
     table_records,
 )
 from advisor.model.search import CHECK_TRIALS, SearchResult
+from sdzero.constants import GIB
 from sdzero.lr import LrChoice
 
 
@@ -82,7 +83,7 @@ def provenance(o: Outcome) -> dict[str, Any]:
     inter = link_provenance(o.target_net.inter.source)
     headline = f"Trials ran on {here}; target: {target}. " + (
         f"The target differs from this machine: compute is scaled from {here}, memory checked against "
-        f"{o.memory_bytes / 2**30:.3g} GiB, {o.memory_source}. "
+        f"{o.memory_bytes / GIB:.3g} GiB, {o.memory_source}. "
         if o.differs
         else ""
     )
@@ -94,7 +95,7 @@ def provenance(o: Outcome) -> dict[str, Any]:
         "target_differs": o.differs is not None,
         "compute": f"{MEASURED} on {here} (trials); {MODELLED} for other configs and node counts",
         "memory_per_rank": f"{MODELLED} (fitted to the trials' measured peaks)",
-        "device_memory": f"{o.memory_bytes / 2**30:.3g} GiB, {o.memory_source}",
+        "device_memory": f"{o.memory_bytes / GIB:.3g} GiB, {o.memory_source}",
         "intra_node_link": f"{link_provenance(o.target_net.intra.source)}: {o.target_net.intra.source}",
         "inter_node_link": f"{inter}: {o.target_net.inter.source}",
     }

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sdzero.constants import MIB
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster lives with the tests
 
@@ -26,7 +28,6 @@ from cluster import Cluster  # noqa: E402
 from advisor.measure.collectives_launch import run_comm  # noqa: E402
 from sdzero.hosts import prepare_hosts  # noqa: E402
 
-MIB = 2**20
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 

@@ -41,6 +41,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sdzero.constants import GIB
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -48,7 +50,6 @@ if str(REPO) not in sys.path:
 TINY_CONFIGS = ("zero2_fp16", "zero3_bf16", "zero1_bf16")
 RESUME_CONFIG = "zero2_fp16"
 MEMORY_MICRO_BATCHES = (1, 2, 4)
-GIB = 2**30
 
 
 def parse() -> argparse.Namespace:

@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from sdzero.constants import GIB
 from sdzero.errors import UserError
 from sdzero.storage import TOKEN_DIR, data_fingerprint, unseen_tokens, write_token
 
@@ -143,7 +144,7 @@ def assess(
         found.blockers.append(f"--output-dir is not shared: {detail}")
     for f in facts:
         if f["free_disk_bytes"] < MIN_FREE_DISK_BYTES:
-            found.warnings.append(f"{f['host']}: {f['free_disk_bytes'] / 2**30:.1f} GiB free in --output-dir")
+            found.warnings.append(f"{f['host']}: {f['free_disk_bytes'] / GIB:.1f} GiB free in --output-dir")
     if len(pairs_gbps) > 1:
         ordered = sorted(pairs_gbps.values())
         median = ordered[len(ordered) // 2]
@@ -259,7 +260,7 @@ def render_report(facts: list[dict[str, Any]], pairs: dict[tuple[str, str], floa
     for f in facts:
         acc = f["accelerators"]
         accel = (
-            f"{len(acc)} x {acc[0]['name']} ({acc[0]['memory_bytes'] / 2**30:.0f} GiB)"
+            f"{len(acc)} x {acc[0]['name']} ({acc[0]['memory_bytes'] / GIB:.0f} GiB)"
             if acc
             else f"CPU: {f['cpu']} ({f['cpu_count']} cores)"
         )
@@ -269,7 +270,7 @@ def render_report(facts: list[dict[str, Any]], pairs: dict[tuple[str, str], floa
             accel,
             f"{v['driver'] or '-'} / {v['cuda'] or '-'} / {v['nccl'] or '-'}",
             f"{v['python']} / {v['torch']} / {v['deepspeed']} / {v['diffusers']}",
-            f"{f['free_disk_bytes'] / 2**30:.0f}",
+            f"{f['free_disk_bytes'] / GIB:.0f}",
             f["data_fingerprint"] or "-",
         )
     console = Console()

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sdzero.constants import STEP_PHASES as PHASES
 from sdzero.timing import PendingPhases
-
-PHASES = ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")
 
 
 class PendingStats:

@@ -29,11 +29,11 @@ import typer
 
 import advisor
 from advisor.model.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload
+from sdzero.constants import MIB
 from sdzero.errors import UserError
 from sdzero.io import write_csv_atomic, write_json_atomic
 
 BACKENDS: tuple[str, ...] = ("torch", "mpi")
-MIB = 2**20
 # Starting ranks (imports, rendezvous) is not part of the budget; this much slack covers it before a
 # run that has not finished is declared hung and killed.
 STARTUP_SLACK_S = 180.0

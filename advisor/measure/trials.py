@@ -26,9 +26,9 @@ from typing import Any
 
 from advisor.measure.grid import TrialSpec
 from sdzero.checkpoint import CHECKPOINTS
+from sdzero.constants import GIB
 from sdzero.launch import deepspeed_command
 
-GIB = 2**30
 POLL_S = 0.5
 # A rank that died is followed by the launcher's own clean-up; past this grace the whole session is
 # killed (a rank whose data-loader workers ignore SIGTERM never exits by itself).

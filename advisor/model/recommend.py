@@ -23,10 +23,10 @@ from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
 from advisor.model.predict import Candidate
 from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
+from sdzero.constants import GIB
 from sdzero.errors import UserError
 from sdzero.lr import LrChoice, base_lr_of, check_rule, choose_lr
 
-GIB = 2**30
 COMM_BOUND_SHARE = 0.3
 """A config whose exposed communication is above this share of its step is called communication-bound."""
 RUNNERS_UP = 5

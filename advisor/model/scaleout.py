@@ -25,9 +25,8 @@ from advisor.measure.trials import TrialSettings, run_trial
 from advisor.model.alphabeta import FIT_SCHEMA
 from advisor.model.network import Network, build_network
 from advisor.model.step_time import fit_time_model, measured_step_s
+from sdzero.constants import MIB
 from sdzero.io import write_json_atomic
-
-MIB = 2**20
 
 
 def probe_link(

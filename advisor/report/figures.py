@@ -23,7 +23,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-GIB = 2**30
+from sdzero.constants import BINARY_UNITS, GIB
+
 WIDTH_IN = 9.0
 STAGE_COLOURS = {0: "#7f7f7f", 1: "#1f77b4", 2: "#ff7f0e", 3: "#2ca02c"}
 DTYPE_STYLES = {"bf16": "-", "fp16": "--", "fp32": ":"}
@@ -80,7 +81,7 @@ def _line_style(stage: int, dtype: str) -> dict[str, object]:
 
 def _bytes_tick(value: float, _pos: int | None = None) -> str:
     """4096 -> '4 KiB'; binary multiples, as message sizes are chosen."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in BINARY_UNITS:
         if value >= scale:
             return f"{value / scale:g} {unit}"
     return f"{value:g} B"

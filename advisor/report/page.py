@@ -23,6 +23,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from sdzero.constants import BINARY_UNITS
 from sdzero.environment import environment_snapshot
 from sdzero.errors import UserError
 
@@ -174,7 +175,7 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
 def human_bytes(value: float | None) -> str:
     if value is None or pd.isna(value):
         return "–"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in BINARY_UNITS:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value:.0f} B"

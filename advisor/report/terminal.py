@@ -11,8 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from advisor.model.scaling import short_provenance
-
-GIB = 2**30
+from sdzero.constants import GIB
 
 
 def _percent(value: Any) -> str:

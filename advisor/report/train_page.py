@@ -44,11 +44,11 @@ from advisor.report.page import (
     mapping_table,
     read_json_object,
 )
+from sdzero.constants import STEP_PHASES as PHASES
 from sdzero.errors import UserError
 
 METRICS = "metrics.jsonl"
 REQUIRED = ("step", "loss", "samples_per_s", "step_time_s")
-PHASES = ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")
 NUMERIC = ("loss", "samples_per_s", "step_time_s", *PHASES, "loss_scale", "skipped_steps", "peak_mem_bytes")
 MAX_POINTS = 1500
 """Longer runs are drawn in this many bins: an SVG with a point per step of a 100k-step run would weigh

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from advisor.model.memory import ActivationFit, MemoryModel, ZeroSettings, largest_sub_group
+from sdzero.constants import GIB
 
-GIB = 2**30
 REPO = Path(__file__).resolve().parents[2]
 SD15_UNET_PARAMS = 859_520_964  # trained parameters, docs/measurements.md "On a GPU (H200)"
 # docs/measurements.md table, micro-batch -> torch.cuda.max_memory_allocated (GiB) and the old model's figure
