@@ -123,16 +123,32 @@ def test_recommended_config_trains_two_steps(advised, tmp_path):
 
 def test_a_global_batch_no_config_reaches_is_refused(advised, tmp_path):
     # 2 ranks per node: every global batch is even, so 3 cannot be reached (fails before any trial)
-    result = CliRunner().invoke(cli(), ["advise", "--out", str(tmp_path / "o"), "--global-batch", "3",
-                                        "--model", str(advised["out"] / "model"), "--data", str(advised["out"] / "data")])
+    result = CliRunner().invoke(
+        cli(),
+        [
+            "advise",
+            "--out",
+            str(tmp_path / "o"),
+            "--global-batch",
+            "3",
+            "--model",
+            str(advised["out"] / "model"),
+            "--data",
+            str(advised["out"] / "data"),
+        ],
+    )
     assert result.exit_code == EXIT_USER_ERROR
     assert "--global-batch 3: no config reaches it" in result.output
     assert not (tmp_path / "o" / "profile").exists()
 
 
 def test_bad_flags_are_one_line_errors(tmp_path):
-    for flags, message in ((["--max-nodes", "0"], "--max-nodes 0"), (["--preset", "ib-999"], "--preset 'ib-999'"),
-                           (["--headroom", "1.5"], "--headroom 1.5"), (["--gpus-per-node", "0"], "--gpus-per-node 0")):
+    for flags, message in (
+        (["--max-nodes", "0"], "--max-nodes 0"),
+        (["--preset", "ib-999"], "--preset 'ib-999'"),
+        (["--headroom", "1.5"], "--headroom 1.5"),
+        (["--gpus-per-node", "0"], "--gpus-per-node 0"),
+    ):
         result = CliRunner().invoke(cli(), ["advise", "--out", str(tmp_path / "o"), *flags])
         assert result.exit_code == EXIT_USER_ERROR, flags
         assert message in result.output and "Traceback" not in result.output

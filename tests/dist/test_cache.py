@@ -27,17 +27,53 @@ def runs(tiny_model, synth_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("cache_runs")
     cache = root / "cache"
     build = subprocess.run(
-        [sys.executable, "-m", "sdzero.cli", "cache", "--model", str(tiny_model), "--data", str(synth_data),
-         "--out", str(cache), "--dtype", "fp32", "--shard-size", "8", "--num-gpus", "2"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "sdzero.cli",
+            "cache",
+            "--model",
+            str(tiny_model),
+            "--data",
+            str(synth_data),
+            "--out",
+            str(cache),
+            "--dtype",
+            "fp32",
+            "--shard-size",
+            "8",
+            "--num-gpus",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr[-4000:]
     config = write_config(root / "ds.json", fp32_config(2))
     profile = ["--profile-warmup-steps", "1"]
-    online = run_trainer(config, tiny_model, synth_data, root / "online", "--profile-out",
-                         str(root / "online.json"), *profile, steps=STEPS)
-    cached = run_trainer(config, tiny_model, synth_data, root / "cached", "--cache-dir", str(cache),
-                         "--profile-out", str(root / "cached.json"), *profile, steps=STEPS)
+    online = run_trainer(
+        config,
+        tiny_model,
+        synth_data,
+        root / "online",
+        "--profile-out",
+        str(root / "online.json"),
+        *profile,
+        steps=STEPS,
+    )
+    cached = run_trainer(
+        config,
+        tiny_model,
+        synth_data,
+        root / "cached",
+        "--cache-dir",
+        str(cache),
+        "--profile-out",
+        str(root / "cached.json"),
+        *profile,
+        steps=STEPS,
+    )
     return {
         "root": root,
         "cache": cache,
@@ -76,8 +112,17 @@ def test_training_from_the_cache_loads_no_frozen_part(runs):
 
 
 def test_mismatched_cache_is_refused(runs, tiny_model, synth_data):
-    proc = run_trainer(runs["config"], tiny_model, synth_data, runs["root"] / "bad", "--cache-dir",
-                       str(runs["cache"]), "--resolution", "48", timeout=300)
+    proc = run_trainer(
+        runs["config"],
+        tiny_model,
+        synth_data,
+        runs["root"] / "bad",
+        "--cache-dir",
+        str(runs["cache"]),
+        "--resolution",
+        "48",
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "does not match this run: resolution 32 vs 48" in proc.stderr
     assert proc.stderr.count("sdzero: error:") == 1 and "Traceback" not in proc.stderr

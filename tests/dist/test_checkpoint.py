@@ -58,8 +58,20 @@ def runs(tiny_model, synth_data, tmp_path_factory):
         key = f"ref{stage}"
         if key not in made:
             out = base / key
-            ok(launch(out, stage, "--checkpoint-every", "4", *EMA, *PROMPTS, "--validation-every", "4",
-                      "--export-final", steps=8))
+            ok(
+                launch(
+                    out,
+                    stage,
+                    "--checkpoint-every",
+                    "4",
+                    *EMA,
+                    *PROMPTS,
+                    "--validation-every",
+                    "4",
+                    "--export-final",
+                    steps=8,
+                )
+            )
             made[key] = out
         return made[key]
 
@@ -82,8 +94,17 @@ def runs(tiny_model, synth_data, tmp_path_factory):
         if key not in made:
             out = base / key
             sgd = fp32_config(stage, optimizer={"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}})
-            ok(run(write_config(base / f"{key}.json", sgd), tiny_model, synth_data, out, *EMA, "--export-final",
-                   steps=4))
+            ok(
+                run(
+                    write_config(base / f"{key}.json", sgd),
+                    tiny_model,
+                    synth_data,
+                    out,
+                    *EMA,
+                    "--export-final",
+                    steps=4,
+                )
+            )
             made[key] = out
         return made[key]
 
@@ -219,8 +240,10 @@ def test_ema_at_zero3_equals_ema_at_zero2(runs, tiny_model):
     near-zero gradients into lr-sized steps (its update is ~lr whatever the gradient's size): with Adam
     the stages' final weights already differ by up to 2.5e-5 after 8 steps, and so do their EMAs.
     """
-    ema = {s: load_file(runs.sgd_ema(s) / "final" / "unet_ema" / "diffusion_pytorch_model.safetensors")
-           for s in (2, 3)}
+    ema = {
+        s: load_file(runs.sgd_ema(s) / "final" / "unet_ema" / "diffusion_pytorch_model.safetensors")
+        for s in (2, 3)
+    }
     final = load_file(runs.sgd_ema(3) / "final" / "unet" / "diffusion_pytorch_model.safetensors")
     initial = load_file(tiny_model / "unet" / "diffusion_pytorch_model.safetensors")
     assert ema[2].keys() == ema[3].keys() == initial.keys()
@@ -269,8 +292,9 @@ def test_zero3_bf16_export_loads_as_is_and_resume_refuses_what_it_cannot_continu
         assert image.shape == (32, 32, 3) and image.std() > 0
 
     smaller = write_config(tmp_path / "micro2.json", {**bf16, "train_micro_batch_size_per_gpu": 2})
-    code, log = run(smaller, runs.model, runs.data, out, "--resume", "auto", "--prediction-type", "v_prediction",
-                    steps=4)
+    code, log = run(
+        smaller, runs.model, runs.data, out, "--resume", "auto", "--prediction-type", "v_prediction", steps=4
+    )
     assert code == 2, log[-3000:]
     errors = [line for line in log.splitlines() if "sdzero: error:" in line]
     assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
@@ -280,6 +304,20 @@ def test_zero3_bf16_export_loads_as_is_and_resume_refuses_what_it_cannot_continu
     )
     assert [m.step for _, m in ck.complete_checkpoints(ck.checkpoint_root(out))] == [2]  # nothing written
 
-    log = ok(run(config, runs.model, runs.data, out, "--resume", "auto", "--checkpoint-every", "1",
-                 *PROMPTS, "--validation-every", "3", steps=3))
+    log = ok(
+        run(
+            config,
+            runs.model,
+            runs.data,
+            out,
+            "--resume",
+            "auto",
+            "--checkpoint-every",
+            "1",
+            *PROMPTS,
+            "--validation-every",
+            "3",
+            steps=3,
+        )
+    )
     assert f"resumed from {step_dir(out, 2)} (step 2)" in log and [r["step"] for r in metrics(out)] == [3]

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.dist
 
 ACCUM = 4
 ZERO_KNOBS = {
-    "overlap_comm": True, "reduce_bucket_size": 200_000, "stage3_prefetch_bucket_size": 150_000,
+    "overlap_comm": True,
+    "reduce_bucket_size": 200_000,
+    "stage3_prefetch_bucket_size": 150_000,
     "stage3_param_persistence_threshold": 20_000,
 }
 """The tiny UNet (985,444 parameters, the largest 73,728) then fills 6 reduce buckets, 4 prefetch chunks
@@ -38,10 +40,16 @@ def mixed(tiny_model: Path, synth_data: Path, tmp_path_factory) -> tuple[pd.Data
     base["zero_optimization"].update(ZERO_KNOBS)
     (out / "base.json").write_text(json.dumps(base))
     result = run_profile(
-        model=str(tiny_model), data=synth_data, out_dir=out / "profile",
+        model=str(tiny_model),
+        data=synth_data,
+        out_dir=out / "profile",
         grid=GridRequest(stages=(0, 3), precisions=("bf16",), micro_batches=(1,), ranks_per_node=(2,)),
-        base_config=out / "base.json", steps=1, warmup_steps=1, trial_timeout_s=400.0,
-        stall_timeout_s=120.0, train_args=["--num-workers", "0"],
+        base_config=out / "base.json",
+        steps=1,
+        warmup_steps=1,
+        trial_timeout_s=400.0,
+        stall_timeout_s=120.0,
+        train_args=["--num-workers", "0"],
     )
     return result.table.set_index("zero_stage"), base
 

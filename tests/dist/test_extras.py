@@ -63,8 +63,13 @@ def test_tensorboard_and_wandb_record_sdzero_scalars_from_parquet_data(
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs  # rank 0 only
     records = wandb_records(runs[0])
-    logged = [json.loads(i.value_json) for r in records if r.HasField("history") for i in r.history.item
-              if i.key == LOSS_TAG or "/".join(i.nested_key) == LOSS_TAG]
+    logged = [
+        json.loads(i.value_json)
+        for r in records
+        if r.HasField("history")
+        for i in r.history.item
+        if i.key == LOSS_TAG or "/".join(i.nested_key) == LOSS_TAG
+    ]
     assert logged == pytest.approx(losses, rel=1e-6)
     assert any(r.HasField("exit") and r.exit.exit_code == 0 for r in records)  # the run was finished
 

@@ -43,9 +43,20 @@ def family_runs(synth_data, tmp_path_factory):
             work = tmp_path_factory.mktemp(family)
             model = write_tiny_model(work / "model", family=family)
             proc = run_trainer(
-                CONFIGS / "zero3_bf16.json", model, synth_data, work / "run", *OPTIONS[family], "--export-final",
-                "--checkpoint-every", str(STEPS[family]), "--validation-prompts", "a red circle",
-                "--validation-inference-steps", "2", "--profile-out", str(work / "profile.json"),
+                CONFIGS / "zero3_bf16.json",
+                model,
+                synth_data,
+                work / "run",
+                *OPTIONS[family],
+                "--export-final",
+                "--checkpoint-every",
+                str(STEPS[family]),
+                "--validation-prompts",
+                "a red circle",
+                "--validation-inference-steps",
+                "2",
+                "--profile-out",
+                str(work / "profile.json"),
                 steps=STEPS[family],
             )
             check_ok(proc)

@@ -42,8 +42,20 @@ def rank_processes(
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_comm_ends_its_ranks_on_a_signal(sig, tmp_path):
-    command = [SDZERO, "comm", "--out", str(tmp_path), "--backend", "torch", "--budget-s", "300",
-               "--min-bytes", "4KiB", "--max-bytes", "64MiB"]
+    command = [
+        SDZERO,
+        "comm",
+        "--out",
+        str(tmp_path),
+        "--backend",
+        "torch",
+        "--budget-s",
+        "300",
+        "--min-bytes",
+        "4KiB",
+        "--max-bytes",
+        "64MiB",
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         root = psutil.Process(proc.pid)

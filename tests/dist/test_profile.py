@@ -47,10 +47,18 @@ def base_config(path: Path) -> Path:
 
 def profile_kwargs(tiny_model: Path, synth_data: Path, out: Path) -> dict:
     return {
-        "model": str(tiny_model), "data": synth_data, "out_dir": out,
-        "grid": GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1,), ranks_per_node=(RANKS,)),
-        "base_config": base_config(out.parent / "base.json"), "steps": STEPS, "warmup_steps": WARMUP,
-        "trial_timeout_s": TRIAL_TIMEOUT_S, "stall_timeout_s": 120.0, "train_args": ["--num-workers", "1"],
+        "model": str(tiny_model),
+        "data": synth_data,
+        "out_dir": out,
+        "grid": GridRequest(
+            stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1,), ranks_per_node=(RANKS,)
+        ),
+        "base_config": base_config(out.parent / "base.json"),
+        "steps": STEPS,
+        "warmup_steps": WARMUP,
+        "trial_timeout_s": TRIAL_TIMEOUT_S,
+        "stall_timeout_s": 120.0,
+        "train_args": ["--num-workers", "1"],
     }
 
 
@@ -91,8 +99,12 @@ def profiled(tiny_model, synth_data, tmp_path_factory) -> dict:
     started = time.monotonic()
     result = run_profile(**kwargs)  # the resumed profile
     return {
-        "result": result, "out": out, "after_interrupt": after_interrupt, "leftovers": leftovers,
-        "first_row": first_row, "first_profile_unchanged": first_profile.stat().st_mtime_ns == first_mtime,
+        "result": result,
+        "out": out,
+        "after_interrupt": after_interrupt,
+        "leftovers": leftovers,
+        "first_row": first_row,
+        "first_profile_unchanged": first_profile.stat().st_mtime_ns == first_mtime,
         "resume_s": time.monotonic() - started,
     }
 
@@ -115,9 +127,22 @@ def test_one_row_per_trial_with_the_fields(profiled):
     assert list(table["zero_stage"]) == [1, 2, 3]
     assert (table["world_size"] == RANKS).all() and (table["global_batch"] == RANKS).all()
     assert (table["measured_steps"] == STEPS).all() and (table["warmup_steps"] == WARMUP).all()
-    for column in ("samples_per_s", "step_time_s", "forward_s", "backward_s", "optimizer_s", "ds_fwd_s",
-                   "ds_bwd_s", "ds_step_s", "comm_s", "comm_bytes", "activation_bytes", "peak_rss_bytes",
-                   "device_peak_bytes", "frozen_bytes"):
+    for column in (
+        "samples_per_s",
+        "step_time_s",
+        "forward_s",
+        "backward_s",
+        "optimizer_s",
+        "ds_fwd_s",
+        "ds_bwd_s",
+        "ds_step_s",
+        "comm_s",
+        "comm_bytes",
+        "activation_bytes",
+        "peak_rss_bytes",
+        "device_peak_bytes",
+        "frozen_bytes",
+    ):
         assert (table[column] > 0).all(), column
     # throughput is what the step times say: global batch / mean step time
     expected = table["global_batch"] / table["step_time_s"]
@@ -188,8 +213,13 @@ def test_activation_and_peak_memory_are_consistent(profiled):
         profile = json.loads((Path(row["trial_dir"]) / "profile.json").read_text())
         for rank in profile["ranks"]:
             # On the CPU the device peak is what an accelerator would hold, summed from its parts.
-            parts = (rank["model_state_total_bytes"] + rank["bucket_bytes"] - rank["offloaded_bytes"]
-                     + rank["frozen_bytes"] + rank["activation_bytes"])
+            parts = (
+                rank["model_state_total_bytes"]
+                + rank["bucket_bytes"]
+                - rank["offloaded_bytes"]
+                + rank["frozen_bytes"]
+                + rank["activation_bytes"]
+            )
             assert rank["device_peak_bytes"] == parts
             assert rank["peak_rss_bytes"] > rank["model_state_total_bytes"]
         # ZeRO changes where states live, not what one micro-batch's forward saves
@@ -234,8 +264,14 @@ def failures(tiny_model, synth_data, tmp_path_factory) -> ProfileResult:
     out = tmp_path_factory.mktemp("failures") / "out"
     kwargs = profile_kwargs(tiny_model, synth_data, out)
     # no data-loader workers: fewer processes on 2 cores, and a crashed rank exits at once
-    kwargs.update(steps=1, warmup_steps=1, stall_timeout_s=STALL_S, mem_cap_gib=CAP_GIB,
-                  train_args=["--num-workers", "0"], trial_env=inject)
+    kwargs.update(
+        steps=1,
+        warmup_steps=1,
+        stall_timeout_s=STALL_S,
+        mem_cap_gib=CAP_GIB,
+        train_args=["--num-workers", "0"],
+        trial_env=inject,
+    )
     return run_profile(**kwargs)
 
 

@@ -17,8 +17,17 @@ def real_fp16_run(tiny_model: Path, synth_data: Path, tmp_path_factory: pytest.T
     from launch import CONFIGS, check_ok, run_trainer
 
     out = tmp_path_factory.mktemp("report-run") / "fp16-run"
-    proc = run_trainer(CONFIGS / "zero2_fp16.json", tiny_model, synth_data, out, "--checkpoint-every", "3",
-                       steps=6, fp16_on_cpu=True, timeout=600)
+    proc = run_trainer(
+        CONFIGS / "zero2_fp16.json",
+        tiny_model,
+        synth_data,
+        out,
+        "--checkpoint-every",
+        "3",
+        steps=6,
+        fp16_on_cpu=True,
+        timeout=600,
+    )
     check_ok(proc)
     return out
 

@@ -29,7 +29,11 @@ def test_plain_shell_loads_the_prebuilt_op_without_building(tmp_path):
     # What a fresh login shell has: no TORCH_EXTENSIONS_DIR, no venv on PATH, an empty home.
     clean_env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8"}
     proc = subprocess.run(
-        [sys.executable, "-c", LOAD_CPU_ADAM], env=clean_env, cwd=tmp_path, capture_output=True, text=True,
+        [sys.executable, "-c", LOAD_CPU_ADAM],
+        env=clean_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,8 +15,22 @@ pytestmark = pytest.mark.dist
 
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.json"))
 REQUIRED_FIELDS = {
-    "step", "epoch", "loss", "lr", "samples_per_s", "step_time_s", "forward_s", "backward_s", "optimizer_s",
-    "world_size", "zero_stage", "dtype", "micro_batch", "grad_accum", "loss_scale", "skipped_steps",
+    "step",
+    "epoch",
+    "loss",
+    "lr",
+    "samples_per_s",
+    "step_time_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "world_size",
+    "zero_stage",
+    "dtype",
+    "micro_batch",
+    "grad_accum",
+    "loss_scale",
+    "skipped_steps",
     "peak_mem_bytes",
 }
 
@@ -135,15 +149,26 @@ def test_speed_options_reach_a_real_run_and_an_impossible_kernel_is_refused(tiny
     then an SDPA kernel the CPU lacks, refused with one line and exit 2 before any step."""
     config = CONFIGS / "zero2_bf16.json"
     out = tmp_path / "run"
-    proc = run_trainer(config, tiny_model, synth_data, out, "--channels-last", "--attention", "math",
-                       "--sync-timing", "--no-tf32", ranks=1)
+    proc = run_trainer(
+        config,
+        tiny_model,
+        synth_data,
+        out,
+        "--channels-last",
+        "--attention",
+        "math",
+        "--sync-timing",
+        "--no-tf32",
+        ranks=1,
+    )
     check_ok(proc)
     used = json.loads((out / "environment.json").read_text())["speed"]
     assert used["channels_last"] is True and used["attention_requested"] == "math"
     assert used["attention_kernel_by_head_size"] == {"8": "math"}
     assert [r["step"] for r in metrics(out)] == [1, 2]
-    refused = run_trainer(config, tiny_model, synth_data, tmp_path / "refused", "--attention", "efficient",
-                          ranks=1)
+    refused = run_trainer(
+        config, tiny_model, synth_data, tmp_path / "refused", "--attention", "efficient", ranks=1
+    )
     assert refused.returncode == 2
     errors = [line for line in refused.stderr.splitlines() if line.startswith("sdzero: error:")]
     assert errors == [

@@ -22,8 +22,19 @@ def test_loss_falls_and_unreadable_images_are_skipped(tiny_model, synth_data, tm
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "t"}
     cfg = write_config(tmp_path / "ds.json", config)
     out = tmp_path / "run"
-    proc = run_trainer(cfg, tiny_model, data, out, "--lr", "1e-3", "--lr-scaling", "sqrt",
-                        "--lr-reference-batch", "4", steps=24)
+    proc = run_trainer(
+        cfg,
+        tiny_model,
+        data,
+        out,
+        "--lr",
+        "1e-3",
+        "--lr-scaling",
+        "sqrt",
+        "--lr-reference-batch",
+        "4",
+        steps=24,
+    )
     check_ok(proc)
     rows = metrics(out)
     assert len(rows) == 24
@@ -47,7 +58,10 @@ def test_inconsistent_batch_stops_before_any_process_group(tiny_model, synth_dat
     start = time.monotonic()
     proc = run_trainer(cfg, tiny_model, synth_data, tmp_path / "run", timeout=300)
     assert proc.returncode != 0
-    assert "train_batch_size 64 != micro-batch 4 x gradient_accumulation_steps 1 x world size 2 (= 8)" in proc.stderr
+    assert (
+        "train_batch_size 64 != micro-batch 4 x gradient_accumulation_steps 1 x world size 2 (= 8)"
+        in proc.stderr
+    )
     assert proc.stderr.count("sdzero: error:") == 1  # one line, from rank 0 only
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()  # nothing written
