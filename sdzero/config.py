@@ -11,17 +11,28 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sdzero.errors import UserError
-from sdzero.lr import DEFAULT_LR_SCALING, LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
-from sdzero.speed import add_speed_args
+from sdzero.lr import LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
+from sdzero.options import (
+    PREDICTION_TYPES,
+    TRAIN_GROUPS,
+    WEIGHTING_SCHEMES,
+    CheckpointOptions,
+    DataOptions,
+    ExportOptions,
+    FlowOptions,
+    ObjectiveOptions,
+    ProfileOptions,
+    RunOptions,
+    SpeedOptions,
+    ValidationOptions,
+    argv_parser,
+)
 
-PREDICTION_TYPES = ("epsilon", "v_prediction")
-WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")
-"""SD3 timestep densities / loss weights, as diffusers.training_utils names them."""
 MODE_SCALE_MAX = 2 / (math.pi - 2)
 """Above this the `mode` density is not monotone in u (SD3 paper, eq. 20: -1 <= s <= 2/(pi-2))."""
 
@@ -192,95 +203,20 @@ def _resolve_batch_triple(
     return total // (accum * world), accum
 
 
-@dataclass
-class TrainConfig:
-    """Run options: what the DeepSpeed JSON does not say."""
-
-    deepspeed_config: Path
-    model: str
-    """A diffusers pipeline folder or a hub id; loaded with `from_pretrained` either way."""
-    data: Path
-    """Image folder with metadata.jsonl (or metadata.csv / metadata.parquet): file_name, text."""
-    output_dir: Path
-    max_steps: int = 100
-    """Optimizer steps (not micro-steps)."""
-    seed: int = 0
-    resolution: int | None = None
-    """Square training resolution in pixels; default: the model's native size."""
-    lr: float | None = None
-    """Base learning rate; default: the JSON's optimizer.params.lr, else 1e-4."""
-    lr_scaling: str = DEFAULT_LR_SCALING
-    """How the LR follows the global batch (sdzero.lr): applied only when it differs from the reference."""
-    lr_reference_batch: int | None = None
-    """The global batch at which `lr` is right; default: the JSON's own, so a JSON run as written keeps its LR."""
-    lr_warmup_steps: int = 0
-    prediction_type: str | None = None
-    """Training target; default: the scheduler's own prediction_type."""
-    snr_gamma: float | None = None
-    """Min-SNR loss weighting (Hang et al. 2023); 5.0 is the value the paper recommends."""
-    noise_offset: float = 0.0
-    gradient_checkpointing: bool = False
-    random_flip: bool = False
-    random_crop: bool = False
-    cache_dir: Path | None = None
-    """Train from a latent/text cache written by `sdzero cache` (the VAE and text encoders are not loaded)."""
-    buckets: bool = False
-    """Aspect-ratio buckets: each optimizer step trains one resolution of about the --resolution pixel count."""
-    num_workers: int = 2
-    max_bad_fraction: float = 0.5
-    """Above this fraction of unreadable images the run stops instead of skipping them."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every N optimizer steps (and at the end); 0: only when preempted."""
-    keep_last: int = 3
-    """Complete checkpoints kept under <output-dir>/checkpoints (0: all); at least 2, see `check_keep_last`."""
-    resume: str = "none"
-    """"auto" (newest complete checkpoint under the output folder, else a fresh start), "none", or a path."""
-    resume_elastic: bool = False
-    """Allow resuming on another world size through DeepSpeed's universal checkpoint (docs/checkpointing.md)."""
-    ema_decay: float | None = None
-    """Keep an EMA of the trained weights with this decay (diffusers EMAModel schedule); exported as unet_ema."""
-    validation_prompts: list[str] = field(default_factory=list)
-    """Prompts sampled with the current weights; images go to <output-dir>/validation/step_N/."""
-    validation_every: int = 0
-    """Sample the validation prompts every N steps (and at the end); 0: only at the end."""
-    validation_inference_steps: int = 25
-    preempt_timeout_s: float = 300.0
-    """After SIGTERM/SIGUSR1, exit 143 at the latest this long after the signal even if the save hangs."""
-    dist_timeout_s: float = 600.0
-    """How long a collective may wait for a peer before the process group raises: a rank whose host died
-    makes the others fail (and the job exit non-zero) within this bound instead of hanging for ever."""
-    weighting_scheme: str | None = None
-    """SD3 only: timestep density / loss weight (WEIGHTING_SCHEMES); default logit_normal."""
-    logit_mean: float | None = None
-    """SD3 only, logit_normal: mean of the normal whose sigmoid is u (default 0.0)."""
-    logit_std: float | None = None
-    """SD3 only, logit_normal: its standard deviation (default 1.0)."""
-    mode_scale: float | None = None
-    """SD3 only, mode: the scale s of the mode density (default 1.29)."""
-    precondition_outputs: bool = False
-    """SD3 only: compare an x0 estimate from the prediction with the latents (see FlowSettings)."""
-    max_sequence_length: int | None = None
-    """SD3 only: T5 tokens per caption (default 77, at most 512 as in diffusers' SD3 pipeline)."""
-    export_final: bool = False
-    """Write `<output-dir>/final`, a complete diffusers pipeline with the trained UNet, at the end."""
-    max_image_pixels: int = 8192 * 8192
-    """Images over width x height pixels are skipped as unreadable, from their header (decompression bombs)."""
-    export_dtype: str = "fp32"
-    """Every component of `final` in this dtype (fp32 loads with a bare `from_pretrained(final)`)."""
-    profile_out: Path | None = None
-    """Write steady-state throughput, memory by kind and DeepSpeed's breakdown here (see sdzero.profiling)."""
-    profile_warmup_steps: int = 1
-    """Steps left out of the profile's figures (allocations, JIT builds, worker start-up)."""
-    tf32: bool = True
-    """TF32 tensor cores for fp32 matmuls/convolutions (sdzero.speed); the 16-bit parts are unaffected."""
-    channels_last: bool = False
-    """Channels-last (NHWC) activations into the trained network."""
-    compile: bool = False
-    """torch.compile the trained network (DeepSpeed's engine.compile)."""
-    attention: str = "auto"
-    """SDPA kernel for the trained network: auto, flash, efficient, cudnn or math."""
-    sync_timing: bool = False
-    """Synchronize the GPU after each phase for exact per-phase times (the advisor's trials)."""
+@dataclass(kw_only=True)
+class TrainConfig(
+    RunOptions,
+    ObjectiveOptions,
+    FlowOptions,
+    DataOptions,
+    CheckpointOptions,
+    ValidationOptions,
+    ExportOptions,
+    ProfileOptions,
+    SpeedOptions,
+):
+    """Run options: what the DeepSpeed JSON does not say. Every field, its default and its help is declared
+    once, in the option groups of sdzero.options; this class adds the checks and the derived settings."""
 
     def __post_init__(self) -> None:
         self.deepspeed_config = Path(self.deepspeed_config)
@@ -466,146 +402,13 @@ def check_keep_last(keep_last: int) -> None:
         )
 
 
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpoints, resume, EMA and validation (docs/checkpointing.md)")
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        help="save every N steps and at the end (0: only on SIGTERM/SIGUSR1)",
-    )
-    g.add_argument("--keep-last", type=int, default=3, help="complete checkpoints to keep (>= 2; 0: all)")
-    g.add_argument("--resume", default="none", help="auto | none | PATH (a checkpoint, or a folder of them)")
-    g.add_argument(
-        "--resume-elastic",
-        action="store_true",
-        help="allow --resume on another world size (converted to DeepSpeed's universal checkpoint)",
-    )
-    g.add_argument("--ema-decay", type=float, default=None, help="keep an EMA of the weights (e.g. 0.9999)")
-    g.add_argument("--validation-prompts", nargs="+", default=[], metavar="PROMPT", help="prompts to sample")
-    g.add_argument(
-        "--validation-every", type=int, default=0, help="sample every N steps (0: only at the end)"
-    )
-    g.add_argument("--validation-inference-steps", type=int, default=25, help="denoising steps per image")
-    g.add_argument(
-        "--preempt-timeout-s",
-        type=float,
-        default=300.0,
-        help="exit 143 at most this long after SIGTERM/SIGUSR1",
-    )
-
-
-def add_flow_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("SD3 flow matching (only for SD3 models)")
-    g.add_argument(
-        "--weighting-scheme",
-        choices=WEIGHTING_SCHEMES,
-        default=None,
-        help="timestep density / loss weight (default logit_normal)",
-    )
-    g.add_argument("--logit-mean", type=float, default=None, help="logit_normal mean (default 0.0)")
-    g.add_argument("--logit-std", type=float, default=None, help="logit_normal std (default 1.0)")
-    g.add_argument("--mode-scale", type=float, default=None, help="mode density scale (default 1.29)")
-    g.add_argument(
-        "--precondition-outputs",
-        action="store_true",
-        help="compare an x0 estimate (noisy - sigma * prediction) with the latents",
-    )
-    g.add_argument(
-        "--max-sequence-length",
-        type=int,
-        default=None,
-        help="T5 tokens per caption (default 77, at most 512)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The trainer's argv parser, generated from the option groups (sdzero.options)."""
+    p = argv_parser(
+        TRAIN_GROUPS,
         prog="sdzero/train.py",
         description="Fine-tune a Stable Diffusion UNet under DeepSpeed ZeRO. Launch with `deepspeed`.",
     )
-    p.add_argument(
-        "--deepspeed_config",
-        "--deepspeed-config",
-        dest="deepspeed_config",
-        required=True,
-        help="DeepSpeed JSON: ZeRO stage, precision, micro-batch, accumulation (see ds_configs/)",
-    )
-    p.add_argument("--model", required=True, help="diffusers pipeline folder or hub id")
-    p.add_argument("--data", required=True, help="image folder with metadata.jsonl (file_name, text)")
-    p.add_argument("--output-dir", required=True, help="where metrics.jsonl and checkpoints go")
-    p.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resolution", type=int, default=None, help="pixels; default: the model's native size")
-    p.add_argument("--lr", type=float, default=None, help="base LR; default: the JSON's optimizer lr")
-    p.add_argument(
-        "--lr-scaling",
-        choices=LR_SCALINGS,
-        default=DEFAULT_LR_SCALING,
-        help="LR rule when the global batch differs from --lr-reference-batch (sdzero/lr.py; capped)",
-    )
-    p.add_argument(
-        "--lr-reference-batch",
-        type=int,
-        default=None,
-        help="global batch the base LR was tuned for; default: the JSON's own (LR unchanged)",
-    )
-    p.add_argument("--lr-warmup-steps", type=int, default=0)
-    p.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None)
-    p.add_argument("--snr-gamma", type=float, default=None, help="Min-SNR weighting gamma (e.g. 5.0)")
-    p.add_argument("--noise-offset", type=float, default=0.0)
-    add_flow_args(p)
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--random-flip", action="store_true")
-    p.add_argument("--random-crop", action="store_true", help="random instead of center crop")
-    p.add_argument(
-        "--cache-dir",
-        default=None,
-        help="train from this `sdzero cache` folder (no VAE or text encoder is loaded)",
-    )
-    p.add_argument(
-        "--buckets",
-        action="store_true",
-        help="aspect-ratio buckets: one resolution of about equal pixel count per optimizer step",
-    )
-    p.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes per rank")
-    p.add_argument("--max-bad-fraction", type=float, default=0.5)
-    p.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=8192 * 8192,
-        help="skip images over this many pixels (width x height), checked before decoding",
-    )
-    p.add_argument(
-        "--export-final",
-        action="store_true",
-        help="write <output-dir>/final as a diffusers pipeline (safetensors) at the end",
-    )
-    p.add_argument(
-        "--export-dtype",
-        choices=("fp32", "bf16", "fp16"),
-        default="fp32",
-        help="dtype of every component of <output-dir>/final",
-    )
-    p.add_argument(
-        "--profile-out",
-        default=None,
-        help="write a trial profile (throughput, memory by kind, DeepSpeed breakdown) to this JSON file",
-    )
-    p.add_argument(
-        "--profile-warmup-steps",
-        type=int,
-        default=1,
-        help="steps left out of the profile's figures",
-    )
-    p.add_argument(
-        "--dist-timeout-s",
-        type=float,
-        default=600.0,
-        help="seconds a collective waits for a peer before the job fails (a dead host ends the run)",
-    )
-    add_checkpoint_args(p)
-    add_speed_args(p)
     # Set by the deepspeed launcher; the rank is read from the environment instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p

@@ -7,16 +7,13 @@ class, an SDPA probe), not from the options. docs/gpu.md says what each does and
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from typing import Any
 
 import torch
 
 from sdzero.errors import UserError
-
-ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
-"""`--attention`: PyTorch's scaled_dot_product_attention kernels; auto lets PyTorch pick per call."""
+from sdzero.options import ATTENTION_BACKENDS  # declared with the other options
 
 
 def _backend(name: str) -> Any:
@@ -28,38 +25,6 @@ def _backend(name: str) -> Any:
         "cudnn": SDPBackend.CUDNN_ATTENTION,
         "math": SDPBackend.MATH,
     }[name]
-
-
-def add_speed_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("GPU speed (docs/gpu.md)")
-    g.add_argument(
-        "--tf32",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="TF32 tensor cores for fp32 matmuls and convolutions (default on; --no-tf32: full fp32)",
-    )
-    g.add_argument(
-        "--channels-last",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="feed the trained network channels-last (NHWC) activations (default off)",
-    )
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the trained network through DeepSpeed's engine.compile (minutes to build)",
-    )
-    g.add_argument(
-        "--attention",
-        choices=ATTENTION_BACKENDS,
-        default="auto",
-        help="SDPA kernel for the trained network's attention (default auto: PyTorch picks)",
-    )
-    g.add_argument(
-        "--sync-timing",
-        action="store_true",
-        help="synchronize the GPU after every phase: exact per-phase times, lower throughput",
-    )
 
 
 def check_speed_options(cfg: Any, ds: Any) -> None:
