@@ -56,6 +56,7 @@ from sdzero.errors import UserError
 from sdzero.io import write_csv_atomic, write_json_atomic
 from sdzero.lr import DEFAULT_LR_SCALING, check_rule
 from sdzero.lr import reference_batch as lr_reference_batch_of
+from sdzero.options import DEFAULTS, cli_option, input_option
 
 CPU_GRID = GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
 """On a CPU: 12 grid points, of which the search measures about 5 (a few minutes on 2 cores)."""
@@ -175,11 +176,15 @@ ADVISOR_OWNED = (
 
 def check_train_args(train_args: Sequence[str] | str) -> tuple[str, ...]:
     """The user's extra trainer options (--resolution, --cache-dir, --gradient-checkpointing, ...), which
-    change what a step costs and so must be measured; refused if they take over what the trials set."""
+    change what a step costs and so must be measured; checked by the trainer's own parser, and refused if
+    they take over what the trials set."""
+    from sdzero.config import build_parser, given_train_options
+
     args = tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args)
-    for arg in args:
-        name = arg.split("=", 1)[0]
-        if name.replace("_", "-") in {owned.replace("_", "-") for owned in ADVISOR_OWNED}:
+    given = given_train_options(args, "--train-args")
+    owned = {build_parser()._option_string_actions[flag].dest for flag in ADVISOR_OWNED}
+    for dest, name in given.items():
+        if dest in owned:
             raise UserError(
                 f"--train-args: {name} is set by the advisor for every trial (use --model, --data or "
                 "--deepspeed-config of `sdzero advise` instead, or leave it out)"
@@ -580,20 +585,14 @@ def _environment(
 def advise_command(
     max_nodes: Annotated[int, typer.Option(help="Predict for 1, 2, 4, ... up to this many nodes.")] = 32,
     model: Annotated[
-        str | None,
-        typer.Option(
-            help="diffusers pipeline folder or hub id; default: the embedded tiny model, written into --out."
-        ),
+        str | None, input_option("model", note="default: the embedded tiny model, written into --out")
     ] = None,
     data: Annotated[
-        Path | None,
-        typer.Option(help="image folder with metadata.jsonl; default: synthetic data written into --out."),
+        Path | None, input_option("data", note="default: synthetic data written into --out")
     ] = None,
     deepspeed_config: Annotated[
         Path | None,
-        typer.Option(
-            help="base DeepSpeed JSON (optimizer, buckets, ...); default ds_configs/zero2_bf16.json."
-        ),
+        input_option("deepspeed_config", note="the base of every trial; default ds_configs/zero2_bf16.json"),
     ] = None,
     out: Annotated[
         Path,
@@ -607,10 +606,8 @@ def advise_command(
     ] = None,
     hostfile: Annotated[
         Path | None,
-        typer.Option(
-            help="DeepSpeed hostfile: trials and benchmark run across its hosts (measured inter-node link)."
-        ),
-    ] = None,
+        input_option("hostfile", note="trials and benchmark run across its hosts (measured inter-node link)"),
+    ] = DEFAULTS.hostfile,
     gpus_per_node: Annotated[
         int | None, typer.Option(help="ranks per node of the target cluster; default: this machine's.")
     ] = None,
@@ -662,14 +659,14 @@ def advise_command(
     nodes: Annotated[
         int | None, typer.Option(help="recommend for this node count instead of choosing by efficiency.")
     ] = None,
-    lr_scaling: Annotated[
-        str,
-        typer.Option(help="LR rule when the global batch differs from the reference: sqrt, linear or none."),
-    ] = DEFAULT_LR_SCALING,
+    lr_scaling: Annotated[str, cli_option("lr_scaling")] = DEFAULTS.lr_scaling,
     lr_reference_batch: Annotated[
         int | None,
-        typer.Option(help="global batch the base LR was tuned for; default: the base config's on one node."),
-    ] = None,
+        cli_option(
+            "lr_reference_batch",
+            help="global batch the base LR was tuned for; default: the base config's on one node",
+        ),
+    ] = DEFAULTS.lr_reference_batch,
     train_args: Annotated[
         str,
         typer.Option(

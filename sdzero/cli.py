@@ -12,6 +12,9 @@ from typing import Annotated, Any
 import typer
 
 from sdzero.errors import EXIT_USER_ERROR, UserError
+from sdzero.options import DEFAULTS, cli_option, input_option
+
+LAUNCH_PANEL = "Launch"
 
 app = typer.Typer(
     name="sdzero",
@@ -71,27 +74,31 @@ def synth_data(
 
 @command("cache")
 def cache(
-    model: Annotated[str, typer.Option(help="diffusers pipeline folder or hub id")],
-    data: Annotated[Path, typer.Option(help="image folder with metadata.jsonl (file_name, text)")],
+    model: Annotated[str, input_option("model")],
+    data: Annotated[Path, input_option("data")],
     out: Annotated[Path, typer.Option(help="cache folder (new, or an interrupted build of the same cache)")],
-    resolution: Annotated[int | None, typer.Option(help="pixels; default: the model's native size")] = None,
-    buckets: Annotated[bool, typer.Option(help="aspect-ratio buckets, as the trainer's --buckets")] = False,
+    resolution: Annotated[int | None, cli_option("resolution")] = DEFAULTS.resolution,
+    buckets: Annotated[bool, cli_option("buckets", note="as the trainer's --buckets")] = DEFAULTS.buckets,
     flip: Annotated[
         str, typer.Option(help="none, or both: also cache mirrored images (--random-flip)")
     ] = "none",
     dtype: Annotated[str, typer.Option(help="the training run's precision: bf16, fp16 or fp32")] = "bf16",
-    max_sequence_length: Annotated[int | None, typer.Option(help="SD3: T5 tokens per caption")] = None,
+    max_sequence_length: Annotated[
+        int | None, cli_option("max_sequence_length", note="SD3 only")
+    ] = DEFAULTS.max_sequence_length,
     shard_size: Annotated[int, typer.Option(help="samples per shard file")] = 256,
     batch_size: Annotated[int, typer.Option(help="images per VAE / text-encoder call")] = 16,
-    max_bad_fraction: Annotated[
-        float, typer.Option(help="stop above this fraction of unreadable images")
-    ] = 0.5,
-    num_gpus: Annotated[int | None, typer.Option(help="start this many ranks (deepspeed launcher)")] = None,
-    hostfile: Annotated[Path | None, typer.Option(help="DeepSpeed hostfile: ranks on every host")] = None,
+    max_bad_fraction: Annotated[float, cli_option("max_bad_fraction")] = DEFAULTS.max_bad_fraction,
+    max_image_pixels: Annotated[int, cli_option("max_image_pixels")] = DEFAULTS.max_image_pixels,
+    num_gpus: Annotated[int | None, cli_option("num_gpus", panel=LAUNCH_PANEL)] = DEFAULTS.num_gpus,
+    hostfile: Annotated[
+        Path | None, input_option("hostfile", note="every host builds its share")
+    ] = DEFAULTS.hostfile,
 ) -> None:
     """Encode latents and text embeddings once, into sharded safetensors files (see docs/caching.md)."""
     from sdzero.cache_build import build_cache, launcher_command
     from sdzero.config import rank_from_env
+    from sdzero.data import set_max_image_pixels
 
     if num_gpus is not None or hostfile is not None:
         args = [
@@ -111,6 +118,8 @@ def cache(
             str(batch_size),
             "--max-bad-fraction",
             str(max_bad_fraction),
+            "--max-image-pixels",
+            str(max_image_pixels),
         ]
         args += ["--resolution", str(resolution)] if resolution else []
         args += ["--max-sequence-length", str(max_sequence_length)] if max_sequence_length else []
@@ -118,6 +127,9 @@ def cache(
         cmd = launcher_command(args, num_gpus, hostfile)
         typer.echo("+ " + " ".join(cmd), err=True)
         raise typer.Exit(subprocess.call(cmd))
+    if max_image_pixels < 1:
+        raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
+    set_max_image_pixels(max_image_pixels)  # the header check before any image is decoded, as in training
     result = build_cache(
         model,
         data,
@@ -148,13 +160,12 @@ def cache(
 )
 def train(
     ctx: typer.Context,
-    num_gpus: Annotated[int | None, typer.Option(help="ranks on this machine (deepspeed --num_gpus)")] = None,
-    hostfile: Annotated[
-        Path | None, typer.Option(help="DeepSpeed hostfile: one `host slots=N` per line")
-    ] = None,
-    master_port: Annotated[int | None, typer.Option(help="rendezvous port; default: a free one")] = None,
+    num_gpus: Annotated[int | None, cli_option("num_gpus", panel=LAUNCH_PANEL)] = DEFAULTS.num_gpus,
+    hostfile: Annotated[Path | None, cli_option("hostfile", panel=LAUNCH_PANEL)] = DEFAULTS.hostfile,
+    master_port: Annotated[int | None, cli_option("master_port", panel=LAUNCH_PANEL)] = DEFAULTS.master_port,
 ) -> None:
-    """Launch sdzero/train.py through the deepspeed launcher; other options go to the trainer."""
+    """Launch sdzero/train.py through the deepspeed launcher; other options go to the trainer
+    (`python sdzero/train.py --help` lists them)."""
     from sdzero.launch import deepspeed_command
 
     cmd = deepspeed_command(list(ctx.args), num_gpus=num_gpus, hostfile=hostfile, master_port=master_port)
@@ -168,14 +179,10 @@ def train(
 )
 def launch(
     ctx: typer.Context,
-    hostfile: Annotated[Path, typer.Option(help="DeepSpeed hostfile: one `host slots=N` line per node")],
-    launcher: Annotated[
-        str, typer.Option(help="how ranks start on the hosts: pdsh (ssh) or openmpi")
-    ] = "pdsh",
-    master_addr: Annotated[
-        str | None, typer.Option(help="rendezvous address; default: the first host's address")
-    ] = None,
-    master_port: Annotated[int | None, typer.Option(help="rendezvous port; default: a free one")] = None,
+    hostfile: Annotated[Path, cli_option("hostfile", panel=LAUNCH_PANEL)],
+    launcher: Annotated[str, cli_option("launcher", panel=LAUNCH_PANEL)] = DEFAULTS.launcher,
+    master_addr: Annotated[str | None, cli_option("master_addr", panel=LAUNCH_PANEL)] = DEFAULTS.master_addr,
+    master_port: Annotated[int | None, cli_option("master_port", panel=LAUNCH_PANEL)] = DEFAULTS.master_port,
     check_only: Annotated[
         bool, typer.Option(help="check the hosts and write .deepspeed_env, but start nothing")
     ] = False,
@@ -300,12 +307,12 @@ def k8s(
 @command("doctor")
 def doctor(
     hostfile: Annotated[
-        Path | None, typer.Option(help="DeepSpeed hostfile: check these nodes over ssh (default: this one)")
-    ] = None,
-    output_dir: Annotated[
-        Path, typer.Option(help="the run's output folder: free disk, shared by all?")
-    ] = Path("."),
-    data: Annotated[Path | None, typer.Option(help="the image folder: the same on every node?")] = None,
+        Path | None, cli_option("hostfile", note="check these nodes over ssh (default: this one)")
+    ] = DEFAULTS.hostfile,
+    output_dir: Annotated[Path, cli_option("output_dir", note="checked: free disk, shared by all?")] = Path(
+        "."
+    ),
+    data: Annotated[Path | None, cli_option("data", note="checked: the same on every node?")] = None,
     probe_mib: Annotated[float, typer.Option(help="all-reduce size of the pair bandwidth probe")] = 16,
 ) -> None:
     """Pre-flight check of the nodes: hardware, versions, shared storage, links; exit 1 on a blocker."""

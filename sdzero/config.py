@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -419,3 +420,24 @@ def parse_train_args(argv: list[str] | None = None) -> TrainConfig:
     values = vars(ns)
     values.pop("local_rank", None)
     return TrainConfig(**values)
+
+
+def given_train_options(argv: list[str] | tuple[str, ...], what: str) -> dict[str, str]:
+    """The trainer options `argv` sets, as {dest: the spelling used}, checked by the trainer's own parser
+    (unknown options, bad values and invalid choices are refused as `sdzero/train.py` would refuse them).
+    The required options are not required here: the caller (the advisor) sets those itself."""
+    parser = build_parser()
+    for action in parser._actions:  # only what argv sets lands in the namespace
+        action.default, action.required = argparse.SUPPRESS, False
+
+    def refuse(message: str) -> typing.NoReturn:
+        raise UserError(f"{what}: {message} (see `python sdzero/train.py --help`)")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    given = vars(parser.parse_args(list(argv)))
+    spelled: dict[str, str] = {}
+    for arg in argv:
+        action = parser._option_string_actions.get(arg.split("=", 1)[0])
+        if action is not None and action.dest in given:
+            spelled.setdefault(action.dest, arg.split("=", 1)[0])
+    return {dest: spelled.get(dest, "--" + dest.replace("_", "-")) for dest in given}

@@ -296,6 +296,20 @@ def default(name: str) -> Any:
     return None if f.default is MISSING else f.default
 
 
+class _Defaults:
+    """`DEFAULTS.name`: the dataclass default of option `name`, read when asked (typer signatures use it, so
+    a command stays a plain function whose defaults are the dataclass's)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return default(name)
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+DEFAULTS = _Defaults()
+
+
 def flags_of(f: dataclasses.Field) -> tuple[str, ...]:
     return f.metadata["cli"].flags or ("--" + f.name.replace("_", "-"),)
 
@@ -355,14 +369,14 @@ def _add_argument(target: Any, owner: type, f: dataclasses.Field) -> None:
 
 def cli_option(name: str, *, note: str = "", panel: str | None = None, help: str | None = None) -> Any:
     """`typer.Option` for option `name`: its spellings and help from the dataclass field (`note` adds what
-    this command does with it). The default goes in the signature, `= default(name)`, so the command stays
+    this command does with it). The default goes in the signature, `= DEFAULTS.name`, so the command stays
     a plain function with real defaults; a required field's parameter has none."""
     import typer
 
     f = option_field(name)
     cli: Cli = f.metadata["cli"]
     text = help if help is not None else cli.help
-    flags = cli.flags if cli.flags else ()
+    flags = tuple(sorted(cli.flags, key=lambda flag: "_" in flag))  # the dashed spelling first in --help
     if cli.negatable:
         flags = (f"--{name.replace('_', '-')}/--no-{name.replace('_', '-')}",)
     return typer.Option(*flags, help=text + (f"; {note}" if note else ""), rich_help_panel=panel)

@@ -42,6 +42,7 @@ from advisor.measure.grid import (
 from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
 from sdzero.errors import UserError
 from sdzero.launch import shipped_config
+from sdzero.options import input_option
 
 TRIAL_COLUMNS: tuple[str, ...] = (
     "trial_id",
@@ -422,16 +423,15 @@ def run_profile(
 
 
 def profile_command(
-    model: Annotated[str, typer.Option(help="diffusers pipeline folder or hub id (as for `sdzero train`).")],
-    data: Annotated[Path, typer.Option(help="image folder with metadata.jsonl (as for `sdzero train`).")],
+    model: Annotated[str, input_option("model")],
+    data: Annotated[Path, input_option("data")],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="folder for trials.csv and one folder per trial.")
     ] = Path("reports/profile"),
     deepspeed_config: Annotated[
         Path | None,
-        typer.Option(
-            "--deepspeed-config",
-            help="base DeepSpeed JSON each trial's JSON is made from [default: ds_configs/zero2_bf16.json]",
+        input_option(
+            "deepspeed_config", note="the base of every trial [default: ds_configs/zero2_bf16.json]"
         ),
     ] = None,
     stage: Annotated[
@@ -457,9 +457,7 @@ def profile_command(
         list[int] | None,
         typer.Option("--ranks", "-n", help="ranks per node; repeat. [default: all GPUs, or 2 on a CPU]"),
     ] = None,
-    hostfile: Annotated[
-        Path | None, typer.Option(help="DeepSpeed hostfile ('host slots=N'): trials span its nodes.")
-    ] = None,
+    hostfile: Annotated[Path | None, input_option("hostfile", note="trials span its nodes")] = None,
     overlap_comm: Annotated[
         list[str] | None,
         typer.Option("--overlap-comm", help="on and/or off; repeat. [default: as in the base JSON]"),
