@@ -45,7 +45,16 @@ from cluster import Cluster  # noqa: E402
 
 from advisor.measure.grid import TrialSpec, load_base_config  # noqa: E402
 from advisor.measure.profile import trial_settings  # noqa: E402
-from advisor.model.scaleout import check_config, merge_fits, probe_link, rows_table, trial_table  # noqa: E402
+from advisor.model.network import NCCL  # noqa: E402
+from advisor.model.scaleout import (  # noqa: E402
+    check_config,
+    flat_ring_step_s,
+    merge_fits,
+    predict_from_one_host,
+    probe_link,
+    rows_table,
+    trial_table,
+)
 from sdzero.hosts import prepare_hosts  # noqa: E402
 from sdzero.io import write_text_atomic  # noqa: E402
 from sdzero.launch import shipped_config  # noqa: E402
@@ -80,6 +89,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--table", default="scaleout.csv", help="the CSV in --work that the cases go to")
     p.add_argument("--table-only", action="store_true", help="print the cases in <work>/<table>")
     p.add_argument(
+        "--repredict",
+        action="store_true",
+        help="predict every case in <work>/<table> again with the current model, from the 1-host trial "
+        "and link fits each case saved (the measurements stay); writes <table> with the new predictions",
+    )
+    p.add_argument(
         "--overlap",
         action="store_true",
         help="the overlap check: every case with ZeRO's overlap_comm on and then off; the table "
@@ -95,6 +110,11 @@ def main() -> int:
     csv = work / args.table
     if args.table_only:
         print_table(pd.read_csv(csv))
+        return 0
+    if args.repredict:
+        table = repredict(pd.read_csv(csv))
+        write_text_atomic(csv, table.to_csv(index=False))
+        print_table(table)
         return 0
     os.chdir(work)  # the launchers read .deepspeed_env from here
     # Each rank gets its share of a core (cgroup quota): one torch thread, on the hosts (.deepspeed_env
@@ -170,6 +190,7 @@ def run_layout(
                 one_host = trial_table(
                     replace(spec, ranks_per_node=hosts * slots), local, case_base, case_dir / "1host", nodes=1
                 )
+            one_host.to_csv(case_dir / "1host.csv", index=False)  # for --repredict
             for rate in args.rates:
                 cluster.shape(rate, delay_ms=args.delay_ms or None)
                 try:
@@ -200,6 +221,8 @@ def run_layout(
                         delay_ms=args.delay_ms,
                         cpus_per_rank=args.cpus_per_rank,
                         overlap_comm="" if overlap is None else overlap,
+                        one_host_csv=str(case_dir / "1host.csv"),
+                        fit_json=str(fits[rate]),
                     ),
                 )
                 print(
@@ -208,6 +231,29 @@ def run_layout(
                     f"({row.error:+.1%})",
                     flush=True,
                 )
+
+
+def repredict(table: pd.DataFrame) -> pd.DataFrame:
+    """Every case predicted again by the current model from what it saved (its 1-host trial, its link
+    fits); the measured columns are kept. Cases recorded before they saved these are left as they were."""
+    table = table.copy()
+    for i, r in table.iterrows():
+        if not isinstance(r.get("one_host_csv"), str) or not Path(r["one_host_csv"]).is_file():
+            continue
+        one_host = pd.read_csv(r["one_host_csv"])
+        hosts, slots, fit = int(r["hosts"]), int(r["slots"]), Path(r["fit_json"])
+        step, comm, net = predict_from_one_host(one_host, fit, hosts, slots)
+        table.loc[i, ["predicted_step_s", "predicted_comm_s", "predicted_compute_s"]] = [
+            step,
+            comm,
+            step - comm,
+        ]
+        table.loc[i, "inter_busbw_gbit_s"] = net.inter.busbw_bytes_s * 8 / 1e9
+        if slots > 1:
+            table.loc[i, "flat_ring_step_s"] = flat_ring_step_s(one_host, fit, hosts, slots)
+            table.loc[i, "hierarchy_step_s"] = predict_from_one_host(one_host, fit, hosts, slots, NCCL)[0]
+        table.loc[i, "error"] = step / float(r["measured_step_s"]) - 1
+    return table
 
 
 def set_env_lines(env_file: Path, values: dict[str, str]) -> None:
@@ -237,14 +283,18 @@ def print_table(table: pd.DataFrame) -> None:
     flat = table[table["slots"] > 1] if "flat_ring_step_s" in table else table.iloc[:0]
     if len(flat):
         print(
-            "\n| round | hosts x ranks | link | config | hierarchy predicted | flat ring predicted | measured "
-            "| error (hierarchy) | error (flat ring) |\n|---|---|---|---|---|---|---|---|---|"
+            "\n| round | hosts x ranks | link | config | model (gloo: ring bytes across hosts) | hierarchy (NCCL) "
+            "| all flat ring | measured |\n|---|---|---|---|---|---|---|---|"
         )
         for _, r in flat.iterrows():
+            cells = [
+                f"{r[c]:.3f} s ({r[c] / r['measured_step_s'] - 1:+.1%})" if pd.notna(r.get(c)) else "-"
+                for c in ("predicted_step_s", "hierarchy_step_s", "flat_ring_step_s")
+            ]
             print(
-                f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']} | {r['config']} "
-                f"| {r['predicted_step_s']:.3f} s | {r['flat_ring_step_s']:.3f} s | {r['measured_step_s']:.3f} s "
-                f"| {r['error']:+.1%} | {r['flat_ring_step_s'] / r['measured_step_s'] - 1:+.1%} |"
+                f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']} | {r['config']} | "
+                + " | ".join(cells)
+                + f" | {r['measured_step_s']:.3f} s |"
             )
     print("\n| round | cases | within 10% | median |error| | largest |error| |\n|---|---|---|---|---|")
     for round_, rows in table.groupby("round"):

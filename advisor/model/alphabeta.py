@@ -9,6 +9,9 @@ Bandwidths follow nccl-tests' doc/PERFORMANCE.md:
   busbw = algbw * 2(n-1)/n   for all-reduce
   busbw = algbw * (n-1)/n    for reduce-scatter and all-gather
 busbw is the per-link figure that does not depend on n, so it is what the advisor extrapolates with.
+A collective the library runs as another (gloo's reduce-scatter is a whole all-reduce: `emulated`) is
+normalised by what really crosses the wire, the all-reduce's 2(n-1)/n and 2(n-1) ring steps, so its busbw
+is a link rate like the others' and extrapolates to another n as an all-reduce does.
 
 beta is fitted over the largest sizes and alpha over the smallest (see fit_line for why not one line
 over everything): the model is right at both ends and reports how far the middle strays.
@@ -39,9 +42,9 @@ FIT_KEYS: tuple[str, ...] = ("backend", "library", "collective", "link_level", "
 # A clamped parameter is set to this fraction of the scale the data shows (see fit_line).
 _FLOOR_FRACTION = 1e-3
 REGIME_SPAN = 8.0
+"""Sizes within this factor of the largest set beta; within it of the smallest, alpha (4 doublings each)."""
 NOISY_SPREAD = 1.0
 """A point whose timed repeats differ by more than this fraction of their median is noise, not transport."""
-"""Sizes within this factor of the largest set beta; within it of the smallest, alpha (4 doublings each)."""
 
 
 def _check_collective(collective: str) -> None:
@@ -94,6 +97,8 @@ def _relative_errors(x: np.ndarray, t: np.ndarray, alpha: float, beta: float) ->
     return (alpha + beta * x - t) / t
 
 
+BANDWIDTH_BOUND = 2.0
+"""A fit's sweep reached the bandwidth regime when its largest size's bytes took this many latencies."""
 SLOW_OUTLIER = 0.25
 """A bandwidth-regime point this much slower than the line through the others is left out of the slope."""
 
@@ -221,20 +226,33 @@ class AlphaBetaFit:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def wire_collective(self) -> str:
+        """What crosses the wire: an emulated reduce-scatter is an all-reduce (see the module doc)."""
+        return "all_reduce" if self.emulated and self.collective == "reduce_scatter" else self.collective
+
+    @property
+    def bandwidth_bound(self) -> bool:
+        """The sweep reached the bandwidth regime: its largest size spent at least BANDWIDTH_BOUND times
+        the latency on bytes. Short of it the slope is read in the transition, where a pipelined ring
+        hides part of its latency under the transfer, and under-reads the cost per byte (a 4-host gloo
+        all-reduce through 1 Gbit/s links read 1.2 Gbit/s busbw with 2 MiB its largest size)."""
+        return self.beta_s_per_byte * self.max_bytes >= BANDWIDTH_BOUND * self.alpha_s
+
+    @property
     def latency_us(self) -> float:
         return self.alpha_s * 1e6
 
     @property
     def hop_latency_us(self) -> float:
         """alpha divided by the ring's sequential steps: a per-hop latency comparable across n."""
-        return self.latency_us / max(ring_latency_steps(self.collective, self.ranks), 1)
+        return self.latency_us / max(ring_latency_steps(self.wire_collective, self.ranks), 1)
 
     @property
     def burst_hop_latency_s(self) -> float | None:
         """burst_alpha_s per ring step, like hop_latency_us."""
         if self.burst_alpha_s is None:
             return None
-        return self.burst_alpha_s / max(ring_latency_steps(self.collective, self.ranks), 1)
+        return self.burst_alpha_s / max(ring_latency_steps(self.wire_collective, self.ranks), 1)
 
     @property
     def algbw_gbps(self) -> float:
@@ -244,7 +262,7 @@ class AlphaBetaFit:
     @property
     def bandwidth_gbps(self) -> float:
         """Asymptotic bus bandwidth (nccl-tests busbw of an infinitely large message), GB/s."""
-        return self.algbw_gbps * bus_factor(self.collective, self.ranks)
+        return self.algbw_gbps * bus_factor(self.wire_collective, self.ranks)
 
     def predict_s(self, size_bytes: float) -> float:
         return self.alpha_s + size_bytes * self.beta_s_per_byte
@@ -258,14 +276,15 @@ class AlphaBetaFit:
             hop_latency_us=self.hop_latency_us,
             algbw_gbps=self.algbw_gbps,
             bandwidth_gbps=self.bandwidth_gbps,
-            busbw_factor=bus_factor(self.collective, self.ranks),
+            busbw_factor=bus_factor(self.wire_collective, self.ranks),
+            bandwidth_bound=self.bandwidth_bound,
         )
         out.update(extra)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AlphaBetaFit:
-        names = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        names = {f for f in cls.__dataclass_fields__ if f != "extra"}  # derived figures are recomputed
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["clamped"] = tuple(kwargs.get("clamped", ()))
         return cls(**kwargs)
@@ -345,10 +364,14 @@ def fits_payload(fits: Iterable[AlphaBetaFit], meta: dict[str, Any] | None = Non
             "alpha_s": "seconds",
             "beta_s_per_byte": "seconds per byte",
             "latency_us": "alpha in microseconds",
-            "hop_latency_us": "alpha / ring steps (2(n-1) all-reduce, n-1 otherwise), microseconds",
+            "hop_latency_us": "alpha / ring steps (2(n-1) all-reduce and emulated reduce-scatter, n-1 "
+            "otherwise), microseconds",
             "burst_alpha_s": "latency per call with burst_in_flight calls started before waiting, seconds",
             "algbw_gbps": "1 / beta in GB/s, G = 1e9 bytes (nccl-tests unit, not gigabits)",
-            "bandwidth_gbps": "asymptotic busbw = algbw_gbps * busbw_factor, GB/s (1e9 bytes/s)",
+            "bandwidth_gbps": "asymptotic busbw = algbw_gbps * busbw_factor, GB/s (1e9 bytes/s); an "
+            "emulated reduce-scatter takes the all-reduce's factor",
+            "bandwidth_bound": f"the largest size's bytes took >= {BANDWIDTH_BOUND:g}x alpha (else the busbw "
+            "may over-read: the sweep stopped in the latency-to-bandwidth transition)",
             "rel_rmse": "root mean square of (fit - measured) / measured over all sizes",
             "max_rel_error": "largest |fit - measured| / measured; high when the transport changes regime",
         },

@@ -5,6 +5,11 @@ are measured when a hostfile with several hosts was benchmarked (link level `int
 the user (--inter-node-gbps, --inter-node-latency-us) or by a named preset. Bandwidths here are bus
 bandwidths in bytes/s (nccl-tests' busbw: the per-link rate that does not depend on the group size), and
 latencies are per ring hop in seconds.
+
+How a collective crosses the nodes depends on the library (`CollectiveAlgorithm`): NCCL follows the
+topology (within the node, then across nodes on the node's share), gloo knows no hosts and runs every
+collective as one ring over all ranks in rank order. The measured inter-node link's library says which;
+a preset or described link is a GPU cluster's, costed as NCCL.
 """
 
 from __future__ import annotations
@@ -61,6 +66,37 @@ ASSUMED_INTRA_GBYTE_S = 188.0
 
 
 @dataclass(frozen=True)
+class CollectiveAlgorithm:
+    """How a communication library runs a collective over ranks on several nodes."""
+
+    name: str
+    hierarchical: bool
+    """Within each node first, then across nodes on the node's share of the buffer (NCCL's rings and trees
+    follow the topology). False: one ring over all nodes x ranks-per-node ranks in rank order, whose
+    every step waits for a hop across nodes, so a node's link carries the W-rank ring's volume."""
+    tree_latency: bool
+    """An all-reduce's latency may take a tree's 2 ceil(log2 n) steps where fewer than the ring's 2(n-1)
+    (NCCL picks its tree for small messages; MPI libraries recursive doubling). False: the ring's steps
+    at every size (gloo's all-reduce is a ring: gloo/allreduce.cc)."""
+
+
+NCCL = CollectiveAlgorithm("nccl", hierarchical=True, tree_latency=True)
+GLOO = CollectiveAlgorithm("gloo", hierarchical=False, tree_latency=False)
+FLAT_TREE = CollectiveAlgorithm("mpi", hierarchical=False, tree_latency=True)
+"""An MPI library's default collectives: no hierarchy unless asked for, recursive doubling when small."""
+
+
+def algorithm_for(library: str) -> CollectiveAlgorithm:
+    """The algorithm of a library as comm_fit.json names it (gloo, nccl, "Open MPI 4.1.4", ...)."""
+    name = library.lower()
+    if name.startswith(("nccl", "rccl")):
+        return NCCL
+    if name.startswith("gloo"):
+        return GLOO
+    return FLAT_TREE
+
+
+@dataclass(frozen=True)
 class CollectiveFigures:
     """One collective's own figures on a link, where `sdzero comm` measured them."""
 
@@ -69,6 +105,14 @@ class CollectiveFigures:
     hop_latency_s: float
     burst_hop_latency_s: float | None = None
     """Per call and hop when many calls are in flight at once (a measured burst), else None."""
+    emulated: bool = False
+    """The library runs it as another collective (gloo's reduce-scatter is a whole all-reduce): it is
+    costed as that one (ring steps and bus volume), see `costed_as`."""
+
+    @property
+    def costed_as(self) -> str:
+        """The collective whose steps and volume this one really takes on the wire."""
+        return "all_reduce" if self.emulated and self.collective == "reduce_scatter" else self.collective
 
 
 @dataclass(frozen=True)
@@ -80,6 +124,8 @@ class Link:
     """Each collective's own figures where it was measured: libraries run the collectives very differently
     (gloo's all-gather reaches two thirds of its all-reduce's bus bandwidth, and it runs reduce-scatter as
     a whole all-reduce), so each op is costed with its own fit when there is one."""
+    library: str = ""
+    """The library that was measured on this link ("" for a preset or described link)."""
 
     def figures(self, collective: str) -> CollectiveFigures:
         """One collective's figures: its own fit, else the link's (with no burst figure)."""
@@ -96,6 +142,8 @@ class Network:
     inter: Link
     """The node's inter-node link: its NICs together (see `scaled_link`)."""
     nics_per_node: int = 1
+    algorithm: CollectiveAlgorithm = NCCL
+    """How collectives cross the nodes (see the module doc)."""
 
     def describe(self) -> str:
         return (
@@ -115,7 +163,12 @@ def scaled_link(link: Link, nics: int, gpus_per_node: int) -> Link:
     if rails == 1:
         return link
     own = tuple(replace(f, busbw_bytes_s=f.busbw_bytes_s * rails) for f in link.per_collective)
-    return Link(link.busbw_bytes_s * rails, link.hop_latency_s, f"{link.source}; x{rails} NICs", own)
+    return replace(
+        link,
+        busbw_bytes_s=link.busbw_bytes_s * rails,
+        source=f"{link.source}; x{rails} NICs",
+        per_collective=own,
+    )
 
 
 def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = None) -> Link | None:
@@ -129,7 +182,9 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
     mid = chosen[len(chosen) // 2]
     latencies = sorted(f.hop_latency_us for f in chosen)
     own = tuple(
-        CollectiveFigures(f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6, f.burst_hop_latency_s)
+        CollectiveFigures(
+            f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6, f.burst_hop_latency_s, f.emulated
+        )
         for f in chosen
     )
     return Link(
@@ -137,6 +192,7 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
         latencies[len(latencies) // 2] * 1e-6,
         f"measured, {mid.library}, comm_fit.json",
         own,
+        mid.library,
     )
 
 
@@ -169,8 +225,23 @@ def build_network(
         notes.append("intra-node link not measured: assumed 188 GB/s busbw, 3.4 us per hop")
     measured_inter = link_from_fits(fits, "inter")
     named = PRESETS[preset or DEFAULT_PRESET]
+    algorithm = NCCL
     if measured_inter is not None and preset is None and inter_node_gbps is None:
         inter = measured_inter
+        algorithm = algorithm_for(measured_inter.library)
+        if not algorithm.hierarchical and gpus_per_node > 1:
+            notes.append(
+                f"inter-node link measured with {measured_inter.library}, which runs each collective as one "
+                f"ring over all ranks: large ops are costed as a ring of nodes x {gpus_per_node} ranks across nodes"
+            )
+        thin = [f.collective for f in fits if f.link_level == "inter" and not f.bandwidth_bound]
+        if thin:
+            notes.append(
+                "inter-node sweep stopped before the bandwidth regime for "
+                + ", ".join(sorted(set(thin)))
+                + " (its largest size spent less on bytes than twice the latency): the busbw may over-read; "
+                "probe larger sizes (sdzero comm --max-bytes, a longer --budget-s)"
+            )
     else:
         bandwidth = inter_node_gbps / 8 * GB if inter_node_gbps else named.busbw_gbyte_s * GB
         latency = (
@@ -190,4 +261,4 @@ def build_network(
     nics = nics_per_node or (named.nics_per_node if preset is not None and inter_node_gbps is None else 1)
     if nics > gpus_per_node:
         notes.append(f"{nics} NICs per node but {gpus_per_node} ranks: only {gpus_per_node} carry traffic")
-    return Network(gpus_per_node, intra, scaled_link(inter, nics, gpus_per_node), nics), notes
+    return Network(gpus_per_node, intra, scaled_link(inter, nics, gpus_per_node), nics, algorithm), notes

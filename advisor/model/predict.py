@@ -95,20 +95,6 @@ def check_reachable(
     )
 
 
-def exposed_split_s(
-    timing: TimeModel, stage: int, accum: int, nodes: int, net: Network, exposed_s: float
-) -> tuple[float, float]:
-    """The step's exposed communication split into its within-node and across-node parts, in the
-    proportion of the time model's costed (intra, inter) seconds weighed by its hidden-share factors."""
-    intra, inter = timing.comm_seconds(stage, accum, net.gpus_per_node, nodes, net)
-    intra *= timing.comm_factor.get(stage, 1.0)
-    inter *= timing.inter_factor.get(stage, 1.0)
-    total = intra + inter
-    if total <= 0:
-        return 0.0, 0.0
-    return exposed_s * intra / total, exposed_s * inter / total
-
-
 def predict_table(
     candidates: list[Candidate],
     nodes: list[int],
@@ -127,7 +113,7 @@ def predict_table(
                 continue
             step = timing.predict(c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload)
             mem = memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
-            intra_s, inter_s = exposed_split_s(timing, c.zero_stage, accum, n, net, step.exposed_comm_s)
+            intra_s, inter_s = step.exposed_intra_s, step.exposed_inter_s
             rows.append(
                 {
                     "node_count": n,

@@ -7,7 +7,9 @@ multi-host run, so the work per rank is the same); the link between hosts is mea
 configuration at `hosts` nodes x `slots` ranks over the measured inter-host link: only the link differs
 between what was measured and what is predicted, which is exactly what a scale-out prediction must get
 right. The measured multi-host run is the same trial launched through the hostfile. With several ranks per
-host (e.g. 2 hosts x 2), the prediction costs each collective inside the host, then across the hosts.
+host (e.g. 2 hosts x 2), the prediction costs each collective as the measured library runs it (gloo: one
+ring over all ranks, advisor.model.network.CollectiveAlgorithm); the table also gives the hierarchical
+(NCCL's) and the all-flat account beside it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pandas as pd
 from advisor.measure.grid import TrialSpec, write_trial_config
 from advisor.measure.trials import TrialSettings, run_trial
 from advisor.model.alphabeta import FIT_SCHEMA
-from advisor.model.network import Network, build_network
+from advisor.model.network import NCCL, CollectiveAlgorithm, Network, build_network
 from advisor.model.step_time import fit_time_model, measured_step_s
 from sdzero.constants import MIB
 from sdzero.io import write_json_atomic
@@ -87,7 +89,10 @@ class ScaleoutRow:
     """Time the multi-host run's ranks spent in collectives (logged plus waited), per step."""
     one_host_comm_s: float = float("nan")
     flat_ring_step_s: float = float("nan")
-    """With several ranks per host: the step costed as one flat ring over all ranks (see flat_ring_step_s)."""
+    """With several ranks per host: the step costed as one flat ring over all ranks, latency included
+    (see flat_ring_step_s)."""
+    hierarchy_step_s: float = float("nan")
+    """With several ranks per host: the step costed hierarchically, as NCCL runs collectives."""
 
     @property
     def error(self) -> float:
@@ -111,12 +116,19 @@ def trial_table(
 
 
 def predict_from_one_host(
-    one_host: pd.DataFrame, fit_path: Path, hosts: int, slots: int
+    one_host: pd.DataFrame,
+    fit_path: Path,
+    hosts: int,
+    slots: int,
+    algorithm: CollectiveAlgorithm | None = None,
 ) -> tuple[float, float, Network]:
-    """(predicted step s, predicted exposed comm s, target network) for `hosts` x `slots` from 1-host trials."""
+    """(predicted step s, predicted exposed comm s, target network) for `hosts` x `slots` from 1-host trials;
+    `algorithm` overrides the one the measured library implies."""
     local_ranks = int(one_host["ranks_per_node"].iloc[0])
     measured_net, _ = build_network(fit_path, local_ranks)
     target_net, _ = build_network(fit_path, slots)
+    if algorithm is not None:
+        target_net = replace(target_net, algorithm=algorithm)
     model = fit_time_model(one_host, measured_net)
     row = one_host.iloc[0]
     step = model.predict(
@@ -158,6 +170,9 @@ def check_config(
     )
     accum = int(one_host["grad_accum"].iloc[0])
     flat = flat_ring_step_s(one_host, fit_path, hosts, slots) if slots > 1 else float("nan")
+    hierarchy = (
+        predict_from_one_host(one_host, fit_path, hosts, slots, NCCL)[0] if slots > 1 else float("nan")
+    )
     return (
         ScaleoutRow(
             config=f"ZeRO-{spec.zero_stage} {spec.precision} mb{spec.micro_batch}"
@@ -174,6 +189,7 @@ def check_config(
             measured_comm_s=_comm_s(measured),
             one_host_comm_s=_comm_s(one_host),
             flat_ring_step_s=flat,
+            hierarchy_step_s=hierarchy,
         ),
         one_host,
     )

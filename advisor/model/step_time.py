@@ -14,20 +14,23 @@ micro-step (see docs/performance-model.md).
 Communication is the op mix each stage issues: derived from the network's parameter sizes and the JSON
 (advisor.model.collective_mix) and, where a trial at 2+ ranks logged the stage, scaled to the logged
 volumes (comms_logger). Each op's size is its full buffer, costed at the target world size with the
-alpha-beta figures of advisor.model.network, hierarchically: inside the node first, then across nodes,
-where the node's ranks share its NICs. The mix says which ops repeat per accumulation micro-step
-(ZeRO-2's reductions, ZeRO-3's gathers and reduce-scatters) and which run once per step (ZeRO-0/1's
-boundary reduction, the gathers after the optimizer step).
+alpha-beta figures of advisor.model.network, as the library runs it (`Network.algorithm`): NCCL
+hierarchically (inside the node first, then across nodes, where the node's ranks share its NICs); gloo
+as one ring over all nodes x ranks-per-node ranks, whose bytes cross the node's link as a W-rank ring's
+do, while its latency (bursts of small ops) is charged per level as in the hierarchy. The mix says which
+ops repeat per accumulation micro-step (ZeRO-2's reductions, ZeRO-3's gathers and reduce-scatters) and
+which run once per step (ZeRO-0/1's boundary reduction, the gathers after the optimizer step).
 
-Overlap: per stage, the ratio of the communication time the trials measured to what the alpha-beta model
-says the same ops cost at the measured world size. Below 1, part was hidden behind compute (or the
-trial's collectives used a faster transport than the benchmark's, e.g. shared memory); above 1, the
-trial's collectives ran slower than the benchmark's (contention with compute). It is measured and applied
-per link level: the ratio of 1-node trials to the within-node part, that of multi-node trials (when there
-are any) to the across-nodes part, which is otherwise costed in full (nothing assumed hidden), and never
-below what cannot hide there (collectives at the boundary and after the step, the last bucket, the first
-prefetch: `TimeModel.unhideable_inter_s`). The model thus reproduces the measured step time at the
-measured node count exactly.
+Transport: per stage, the ratio of the time the 1-node trials spent in collectives to what the
+alpha-beta model says the same ops cost there (`comm_factor`): one node's collectives may run on another
+transport than the benchmark measured (DeepSpeed's shared-memory ops on CPUs, NVLink on GPUs). It scales
+the within-node part only. It is not overlap: the logged time is the collectives' own, not the step's.
+
+Overlap: the bucket-level account of advisor.model.overlap, within and across nodes alike: what is issued
+during forward or backward (all but the last reduce bucket with overlap_comm, all but the first ZeRO-3
+prefetch) hides behind that phase's compute of the micro-step, measured as the trials' phase split;
+collectives at the boundary and after the step never hide. Only on a device whose collectives run beside
+compute (CUDA trials, `side_stream`); on a CPU, where DeepSpeed has no side stream, all is exposed.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import pandas as pd
 from advisor.model.collective_mix import Collective, collective_mix, logger_view
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Link, Network
+from advisor.model.overlap import OpCost, Windows, exposed_s
 
 SMALL_OP_BYTES = 1024
 """Ops below this size (loss-scale checks, broadcasts of flags) cost latency only and run once per step."""
@@ -169,31 +173,67 @@ def ops_by_mix(
     return out
 
 
-def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float) -> float:
-    """Ring cost of one level: count x latency steps + bus volume / busbw, with the figures measured for
-    this collective where there are some. Tree latency where shorter."""
+def _latency_s(kind: str, ranks: int, link: Link, count: float, tree: bool) -> float:
+    """Latency of `count` calls over `ranks` ranks: ring steps (a tree's where shorter and the library has
+    one) x the per-hop latency, the burst's where the op comes in bursts and one was measured. A collective
+    the library emulates takes the steps of what it runs (gloo's reduce-scatter: an all-reduce)."""
     if ranks <= 1:
         return 0.0
     figures = link.figures(kind)
-    if kind == "all_reduce":
-        steps = min(2 * (ranks - 1), 2 * math.ceil(math.log2(ranks)))
-        volume = 2 * (ranks - 1) / ranks * size
+    if figures.costed_as == "all_reduce":
+        steps = 2 * (ranks - 1)
+        steps = min(steps, 2 * math.ceil(math.log2(ranks))) if tree else steps
     else:
         steps = ranks - 1
-        volume = (ranks - 1) / ranks * size
-    bytes_s = volume / figures.busbw_bytes_s
-    if count >= BURST_CALLS and figures.burst_hop_latency_s is not None:
-        return max(count * steps * figures.burst_hop_latency_s, bytes_s)
-    return count * steps * figures.hop_latency_s + bytes_s
+    burst = count >= BURST_CALLS and figures.burst_hop_latency_s is not None
+    return count * steps * (figures.burst_hop_latency_s if burst else figures.hop_latency_s)
+
+
+def _bytes_s(kind: str, size: float, ranks: int, link: Link) -> float:
+    """Bus volume of a ring over `ranks` ranks / the link's busbw for this collective."""
+    if ranks <= 1:
+        return 0.0
+    figures = link.figures(kind)
+    share = 2 * (ranks - 1) / ranks if figures.costed_as == "all_reduce" else (ranks - 1) / ranks
+    return share * size / figures.busbw_bytes_s
+
+
+def _level_s(latency_s: float, bytes_s: float, count: float, link: Link, kind: str) -> float:
+    """A burst's bytes move while its calls wait out their latencies (the longer of the two); otherwise
+    latency and bytes add up."""
+    if count >= BURST_CALLS and link.figures(kind).burst_hop_latency_s is not None:
+        return max(latency_s, bytes_s)
+    return latency_s + bytes_s
+
+
+def _phase_s(kind: str, size: float, ranks: int, link: Link, count: float, tree: bool = True) -> float:
+    """Ring cost of one level: count x latency steps + bus volume / busbw (a burst: the longer of the two),
+    with the figures measured for this collective where there are some."""
+    latency = _latency_s(kind, ranks, link, count, tree)
+    return _level_s(latency, _bytes_s(kind, size, ranks, link), count, link, kind)
 
 
 def op_seconds(op: CommOp, ranks_per_node: int, nodes: int, net: Network) -> tuple[float, float]:
-    """Hierarchical cost, (within the node, across nodes): over all of the node's ranks first, then across
-    nodes on 1/g of the buffer per rank, the g ranks of a node sharing its link (so the node moves the whole
-    buffer's share)."""
-    intra = _phase_s(op.collective, op.full_bytes, ranks_per_node, net.intra, op.count)
-    inter = _phase_s(op.collective, op.full_bytes, nodes, net.inter, op.count)
-    return intra, inter
+    """Cost per occurrence, (within the node, across nodes).
+
+    Hierarchical (NCCL): over the node's g ranks first, then across nodes on 1/g of the buffer per rank,
+    the g ranks of a node sharing its link (so the node moves the whole buffer's share).
+    Flat (gloo, g > 1 across nodes): one ring over all W = nodes x g ranks in rank order; every ring step
+    waits for its slowest hop, one across nodes, and the node's link carries the W-rank ring's volume,
+    2(W-1)/W of the buffer for an all-reduce, not the hierarchy's 2(N-1)/N: the bytes are charged to the
+    link across nodes as a W-rank ring. Its latency stays per level, as in the hierarchy: bursts of small
+    ops wait on the ranks' wake-ups more than on ring hops (2 hosts x 2 ranks, ZeRO-3: the hierarchy's
+    latency was within 9% where a W-rank ring's was 20-25% slow, docs/multinode.md)."""
+    kind, size, count = op.collective, op.full_bytes, op.count
+    tree = net.algorithm.tree_latency
+    if net.algorithm.hierarchical or nodes <= 1 or ranks_per_node <= 1:
+        intra = _phase_s(kind, size, ranks_per_node, net.intra, count, tree)
+        return intra, _phase_s(kind, size, nodes, net.inter, count, tree)
+    inter_lat = _latency_s(kind, nodes, net.inter, count, tree)
+    flat = _bytes_s(kind, size, nodes * ranks_per_node, net.inter)
+    return _latency_s(kind, ranks_per_node, net.intra, count, tree), _level_s(
+        inter_lat, flat, count, net.inter, kind
+    )
 
 
 @dataclass
@@ -203,11 +243,20 @@ class StepPrediction:
     exposed_comm_s: float
     step_time_s: float
     samples_per_s: float
+    exposed_intra_s: float = 0.0
+    """The part of exposed_comm_s within nodes; the rest is across nodes."""
+    exposed_inter_s: float = 0.0
 
 
 Group = tuple[int, str, str]
 """(ZeRO stage, precision, offload): what sets a config's fixed cost per micro-step (hooks, gathers, the
 optimizer's share and, with offload, the CPU optimizer and its transfers)."""
+
+
+def _closest_pair(values: dict[Group, tuple[float, float]], group: Group) -> tuple[float, float]:
+    """`_closest` for a pair of figures."""
+    first = _closest({g: v[0] for g, v in values.items()}, group)
+    return first, _closest({g: v[1] for g, v in values.items()}, group)
 
 
 def _closest(values: dict[Group, float], group: Group) -> float:
@@ -227,10 +276,9 @@ class TimeModel:
     slopes: dict[str, float]
     ops: dict[int, list[CommOp]]
     comm_factor: dict[int, float] = field(default_factory=dict)
-    """Per stage: measured / costed communication of the trials within one node (see the module doc)."""
+    """Per stage: measured / costed communication of the trials within one node: the transport (see the
+    module doc), applied to the within-node part."""
     notes: list[str] = field(default_factory=list)
-    inter_factor: dict[int, float] = field(default_factory=dict)
-    """The same for the part across nodes, from multi-node trials; 1 (costed, none hidden) without them."""
     once_per_step_s: dict[Group, float] = field(default_factory=dict)
     """Per group: compute that runs once per optimizer step whatever the accumulation (the optimizer
     step, less the collectives inside it), measured as the trials' optimizer phase; 0 where unmeasured.
@@ -240,6 +288,12 @@ class TimeModel:
     proportional: dict[Group, float] = field(default_factory=dict)
     """Seconds per sample of a group whose precision has one measured micro-batch only: its compute is
     taken as proportional to the micro-batch (no intercept can be told from a slope)."""
+    side_stream: bool = False
+    """Collectives run beside compute (CUDA trials: DeepSpeed's side stream), so the overlap account
+    applies; on a CPU every collective blocks its rank and all communication is exposed."""
+    phase_shares: dict[Group, tuple[float, float]] = field(default_factory=dict)
+    """Per group: forward and backward compute as shares of a micro-step's per-micro-step compute (the
+    windows of advisor.model.overlap), from the trials' phase split less the collectives inside it."""
 
     def compute_per_micro_s(
         self, stage: int, precision: str, micro_batch: int, offload: str = "none"
@@ -261,17 +315,31 @@ class TimeModel:
             return 0.0
         return min(_closest(self.once_per_step_s, (stage, precision, offload)), per_micro_s)
 
-    def unhideable_inter_s(
-        self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
-    ) -> float:
-        """The across-nodes seconds per step that cannot hide behind compute whatever the overlap: the
-        collectives at the boundary and after the step, and one call (the last bucket, the first prefetch)
-        of those issued during compute."""
-        floor = 0.0
+    def windows(self, group: Group, per_micro_compute_s: float) -> Windows | None:
+        """The compute windows of one micro-step (advisor.model.overlap); None where nothing can hide (no
+        side stream) or the phase split was never measured."""
+        if not self.side_stream or not self.phase_shares:
+            return None
+        forward, backward = _closest_pair(self.phase_shares, group)
+        return Windows(forward * per_micro_compute_s, backward * per_micro_compute_s)
+
+    def exposed_comm_s(
+        self,
+        stage: int,
+        grad_accum: int,
+        ranks_per_node: int,
+        nodes: int,
+        net: Network,
+        windows: Windows | None = None,
+    ) -> tuple[float, float]:
+        """Communication per step that compute does not hide, (within nodes, across nodes): each op's cost
+        (the within-node part at the measured transport) through the overlap account."""
+        factor = self.comm_factor.get(stage, 1.0)
+        costs = []
         for op in self.ops.get(stage, []):
-            repeat = grad_accum if op.per_micro_step else 1
-            floor += op_seconds(op, ranks_per_node, nodes, net)[1] * op.exposed_share * repeat
-        return floor
+            intra, inter = op_seconds(op, ranks_per_node, nodes, net)
+            costs.append(OpCost(op.phase, op.per_micro_step, op.exposed_share, intra * factor, inter))
+        return exposed_s(costs, grad_accum, windows)
 
     def comm_seconds(
         self, stage: int, grad_accum: int, ranks_per_node: int, nodes: int, net: Network
@@ -298,20 +366,22 @@ class TimeModel:
         once = self.once_s(stage, precision, offload, per_micro)
         compute = once + grad_accum * (per_micro - once)
         intra, inter = self.comm_seconds(stage, grad_accum, net.gpus_per_node, nodes, net)
-        comm = intra + inter
-        # Across nodes the measured share (1, all exposed, without multi-node trials) never goes below
-        # what cannot hide. Within the node no such floor: there the factor also carries the transport's
-        # speed (shared memory, NVLink) against the benchmark's, not only overlap.
-        hidden_inter = inter * self.inter_factor.get(stage, 1.0)
-        floor = (
-            self.unhideable_inter_s(stage, grad_accum, net.gpus_per_node, nodes, net)
-            if hidden_inter < inter
-            else 0.0
+        windows = self.windows((stage, precision, offload), per_micro - once)
+        exposed_intra, exposed_inter = self.exposed_comm_s(
+            stage, grad_accum, net.gpus_per_node, nodes, net, windows
         )
-        exposed = intra * self.comm_factor.get(stage, 1.0) + max(hidden_inter, floor)
+        exposed = exposed_intra + exposed_inter
         step = compute + exposed
         world = nodes * net.gpus_per_node
-        return StepPrediction(compute, comm, exposed, step, micro_batch * grad_accum * world / step)
+        return StepPrediction(
+            compute,
+            intra + inter,
+            exposed,
+            step,
+            micro_batch * grad_accum * world / step,
+            exposed_intra,
+            exposed_inter,
+        )
 
 
 def measured_step_s(rows: pd.DataFrame) -> pd.Series:
@@ -443,7 +513,45 @@ def fit_time_model(
     _set_ops(model, ok, mixes)
     for stage, rows in ok.groupby("zero_stage"):
         _calibrate(model, int(stage), rows, measured_net)
+    model.side_stream = _side_stream(ok)
+    if model.side_stream:
+        model.phase_shares = _phase_shares(ok, model, mixes)
     return model
+
+
+def _side_stream(ok: pd.DataFrame) -> bool:
+    """The trials ran on CUDA (a device peak was recorded by torch.cuda), where DeepSpeed's collectives run
+    on a side stream beside compute; on a CPU there is none."""
+    if "cuda_peak_bytes" not in ok:
+        return False
+    return bool((pd.to_numeric(ok["cuda_peak_bytes"], errors="coerce").fillna(0) > 0).any())
+
+
+def _phase_shares(
+    ok: pd.DataFrame, model: TimeModel, mixes: dict[int, list[Collective]]
+) -> dict[Group, tuple[float, float]]:
+    """Per group, forward and backward compute per micro-step as shares of the per-micro-step compute: the
+    trials' phase times (per step, over all micro-steps) less the collectives logged in that phase."""
+    if not {"forward_s", "backward_s"} <= set(ok.columns):
+        return {}
+    shares: dict[Group, list[tuple[float, float]]] = {}
+    for _, r in ok.iterrows():
+        accum = int(r["grad_accum"])
+        group = (int(r["zero_stage"]), str(r["precision"]), str(r["offload"]))
+        per_micro = model.compute_per_micro_s(*group[:2], int(r["micro_batch"]), group[2])
+        per_micro -= model.once_s(*group, per_micro)
+        ops = _trial_ops(r, mixes)
+        windows = []
+        for phase in ("forward", "backward"):
+            measured = pd.to_numeric(pd.Series([r.get(f"{phase}_s")]), errors="coerce").iloc[0]
+            inside = sum(op.logged_s for op in ops if op.phase == phase and op.per_micro_step)
+            windows.append(max(float(measured) / accum - inside, 0.0) if pd.notna(measured) else math.nan)
+        if per_micro > 0 and not any(math.isnan(w) for w in windows):
+            shares.setdefault(group, []).append((windows[0] / per_micro, windows[1] / per_micro))
+    return {
+        g: (float(np.median([v[0] for v in vs])), float(np.median([v[1] for v in vs])))
+        for g, vs in shares.items()
+    }
 
 
 def _set_ops(model: TimeModel, ok: pd.DataFrame, mixes: dict[int, list[Collective]]) -> None:
@@ -466,22 +574,17 @@ def _set_ops(model: TimeModel, ok: pd.DataFrame, mixes: dict[int, list[Collectiv
 
 
 def _calibrate(model: TimeModel, stage: int, rows: pd.DataFrame, measured_net: Network) -> None:
-    """Measured against costed communication, per stage: within a node from the 1-node trials, across nodes
-    from the multi-node trials (after their within-node part). The two are kept apart because one node's
+    """Measured against costed communication within a node, per stage, from the 1-node trials: one node's
     collectives may run on another transport than the benchmark measured (DeepSpeed's shared-memory ops
-    on CPUs, NVLink on GPUs): that ratio says nothing about the inter-node link."""
-    intra_ratios, inter_ratios = [], []
+    on CPUs, NVLink on GPUs), which says nothing about the inter-node link. Multi-node trials are not
+    used for a factor: across nodes the link is costed as measured and the overlap account says what
+    hides."""
+    intra_ratios = []
     for _, r in rows.iterrows():
-        nodes = int(r.get("nodes", 1) or 1)
-        intra, inter = model.comm_seconds(
-            stage, int(r["grad_accum"]), int(r["ranks_per_node"]), nodes, measured_net
-        )
+        if int(r.get("nodes", 1) or 1) != 1:
+            continue
+        intra, _ = model.comm_seconds(stage, int(r["grad_accum"]), int(r["ranks_per_node"]), 1, measured_net)
         comm = float(r["comm_s"]) if pd.notna(r["comm_s"]) else 0.0
-        if nodes == 1 and intra > 0:
+        if intra > 0:
             intra_ratios.append(comm / intra)
-        elif nodes > 1 and inter > 0:
-            inter_ratios.append((r, intra, inter, comm))
     model.comm_factor[stage] = float(np.median(intra_ratios)) if intra_ratios else 1.0
-    if inter_ratios:
-        hidden = [(comm - intra * model.comm_factor[stage]) / inter for _, intra, inter, comm in inter_ratios]
-        model.inter_factor[stage] = max(float(np.median(hidden)), 0.0)

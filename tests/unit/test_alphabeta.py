@@ -202,3 +202,57 @@ def test_latency_never_exceeds_the_fastest_small_message() -> None:
     times = np.array([1.27e-3, 0.89e-3, 0.71e-3, 9e-3, 35e-3, 140e-3])
     fit = fit_line(sizes, times)
     assert 0 < fit.alpha_s <= 0.71e-3
+
+
+def _gloo_fit(
+    collective: str, ranks: int = 4, emulated: bool = False, max_bytes: int = 2**26
+) -> AlphaBetaFit:
+    return AlphaBetaFit(
+        "torch",
+        "gloo",
+        collective,
+        "inter",
+        ranks,
+        ranks,
+        alpha_s=0.014,
+        beta_s_per_byte=1.2e-8,
+        n_points=10,
+        min_bytes=4096,
+        max_bytes=max_bytes,
+        rel_rmse=0.01,
+        emulated=emulated,
+    )
+
+
+def test_an_emulated_reduce_scatter_is_normalised_as_the_all_reduce_it_runs() -> None:
+    """gloo runs reduce-scatter as a whole all-reduce: the same times give the same busbw and hop latency
+    (nccl-tests' (n-1)/n would read the link at half its rate: 0.55 Gbit/s through 1 Gbit/s at 4 hosts)."""
+    rs, ar = _gloo_fit("reduce_scatter", emulated=True), _gloo_fit("all_reduce")
+    assert rs.bandwidth_gbps == pytest.approx(ar.bandwidth_gbps)
+    assert rs.hop_latency_us == pytest.approx(ar.hop_latency_us)
+    assert _gloo_fit("reduce_scatter").bandwidth_gbps == pytest.approx(ar.bandwidth_gbps / 2)  # native
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_gloo_at_the_measured_group_size_costs_exactly_its_own_fit(collective: str) -> None:
+    """Normalised by what gloo does (a ring at every size, reduce-scatter as an all-reduce), costing an op
+    at the group size the probe ran gives back the fitted line: for a 4-host all-reduce the tree latency
+    NCCL would take (4 steps, not the ring's 6) costed two thirds of the measured latency."""
+    from advisor.model.network import GLOO, Link, Network, link_from_fits
+    from advisor.model.step_time import CommOp, op_seconds
+
+    fit = _gloo_fit(collective, emulated=collective == "reduce_scatter")
+    inter = link_from_fits([fit], "inter")
+    net = Network(1, Link(1e10, 1e-6, "intra"), inter, algorithm=GLOO)
+    for size in (4096.0, 1e6, 3e7):
+        op = CommOp(collective, 1, size, per_micro_step=False)
+        assert op_seconds(op, 1, 4, net)[1] == pytest.approx(fit.predict_s(size), rel=1e-9)
+
+
+def test_a_sweep_short_of_the_bandwidth_regime_is_flagged() -> None:
+    """A 4-host gloo all-reduce (14 ms latency, 1 Gbit/s) swept to 2 MiB: the largest size's bytes take
+    less than twice the latency, where a pipelined ring hides latency under the transfer and the slope
+    under-reads the cost per byte; swept to 64 MiB it is in the bandwidth regime."""
+    assert not _gloo_fit("all_reduce", max_bytes=2**21).bandwidth_bound
+    assert _gloo_fit("all_reduce", max_bytes=2**26).bandwidth_bound
+    assert _gloo_fit("all_reduce", max_bytes=2**21).to_dict()["bandwidth_bound"] is False

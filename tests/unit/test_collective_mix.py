@@ -107,24 +107,54 @@ def test_the_optimizer_step_runs_once_per_step_whatever_the_accumulation():
     assert refit.compute_per_micro_s(3, "bf16", 2) == pytest.approx(per_micro)
 
 
-def test_what_cannot_hide_stays_exposed_across_nodes():
-    """Even where multi-node trials showed the across-nodes communication hidden (factor 0), the boundary
-    reduction of ZeRO-0 and the last reduce bucket of ZeRO-2 with overlap_comm stay exposed."""
+def _overlap_model(shares: tuple[float, float], side_stream: bool = True):
     from advisor.model.step_time import TimeModel
 
     overlap = ZeroSettings(reduce_bucket_size=1000, overlap_comm=True)
     ops = {s: ops_from_mix(collective_mix(NUMELS, s, 2, overlap)) for s in (0, 2)}
-    model = TimeModel(
-        {(s, "bf16", "none"): 0.1 for s in (0, 2)}, {"bf16": 0.0}, ops, inter_factor={0: 0.0, 2: 0.0}
-    )
-    across = {s: model.comm_seconds(s, 1, 1, 4, NET)[1] for s in (0, 2)}
-    assert model.predict(0, "bf16", 1, 1, 4, NET).exposed_comm_s == pytest.approx(across[0])  # all of it
+    groups = {(s, "bf16", "none"): 10.0 for s in (0, 2)}  # 10 s of compute a micro-step: a wide window
+    return TimeModel(
+        groups,
+        {"bf16": 0.0},
+        ops,
+        side_stream=side_stream,
+        phase_shares={g: shares for g in groups},
+    ), ops
+
+
+def test_only_what_is_issued_during_compute_hides_within_and_across_nodes():
+    """The bucket-level account: with a side stream and a backward window wider than the communication,
+    ZeRO-2's reduce buckets hide all but the last, within and across nodes alike; its gather after the
+    step and ZeRO-0's boundary reduction never hide."""
+    model, ops = _overlap_model((0.3, 0.6))
+    g2 = Network(2, NET.intra, NET.inter)
+    for stage in (0, 2):
+        assert model.predict(stage, "bf16", 1, 1, 4, g2).comm_s > 0
+    zero0 = model.predict(0, "bf16", 1, 1, 4, g2)
+    assert zero0.exposed_comm_s == pytest.approx(zero0.comm_s)  # all of it
     reduction, gather, *scalars = ops[2]
     assert reduction.count == 4 and reduction.exposed_share == pytest.approx(1 / 4)
-    last_bucket = op_seconds(reduction, 1, 4, NET)[1] / 4
-    rest = sum(op_seconds(op, 1, 4, NET)[1] for op in (gather, *scalars))
-    assert model.predict(2, "bf16", 1, 1, 4, NET).exposed_comm_s == pytest.approx(last_bucket + rest)
-    assert last_bucket + rest < across[2]
+    intra, inter = op_seconds(reduction, 2, 4, g2)
+    rest = [op_seconds(op, 2, 4, g2) for op in (gather, *scalars)]
+    step = model.predict(2, "bf16", 1, 3, 4, g2)  # accumulation 3: the last bucket of every micro-step
+    assert step.exposed_inter_s == pytest.approx(3 * inter / 4 + sum(b for _, b in rest))
+    assert step.exposed_intra_s == pytest.approx(3 * intra / 4 + sum(a for a, _ in rest))
+    assert step.exposed_comm_s < step.comm_s
+
+
+def test_what_exceeds_the_window_stays_exposed_and_a_cpu_hides_nothing():
+    """A window narrower than the hideable part hides only its own length; on a CPU (no side stream, as
+    DeepSpeed runs there) every collective is exposed whatever the phase split."""
+    wide, ops = _overlap_model((0.3, 0.6))
+    reduction = ops[2][0]
+    hideable = sum(op_seconds(reduction, 1, 4, NET)) * 3 / 4
+    window_s = hideable / 2
+    narrow, _ = _overlap_model((0.3, window_s / 10.0))
+    exposed = [m.predict(2, "bf16", 1, 1, 4, NET).exposed_comm_s for m in (wide, narrow)]
+    assert exposed[1] == pytest.approx(exposed[0] + hideable - window_s)
+    cpu, _ = _overlap_model((0.3, 0.6), side_stream=False)
+    step = cpu.predict(2, "bf16", 1, 1, 4, NET)
+    assert step.exposed_comm_s == pytest.approx(step.comm_s)
 
 
 def test_the_error_is_given_by_micro_batch_accumulation_and_node_count():

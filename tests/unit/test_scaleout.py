@@ -135,3 +135,47 @@ def test_two_by_two_as_a_flat_ring_crosses_hosts_more(fit_file):
     flat = flat_ring_step_s(trial, path, hosts=2, slots=2)
     assert flat > hierarchy
     assert flat == pytest.approx(predict_from_one_host(trial, path, hosts=4, slots=1)[0], rel=1e-9)
+
+
+def _nets(g: int):
+    from advisor.model.network import GLOO, NCCL, Link, Network
+
+    intra, inter = Link(1e10, 1e-5, "intra"), Link(1e8, 1e-3, "inter")
+    return Network(g, intra, inter, algorithm=GLOO), Network(g, intra, inter, algorithm=NCCL)
+
+
+def test_gloo_moves_a_large_op_as_one_ring_over_all_ranks_nccl_by_the_hierarchy():
+    """gloo knows no hosts: at 2 hosts x 2 ranks a 100 MB all-reduce crosses each host's link with a
+    4-rank ring's 2(W-1)/W of the buffer, and the host-local hops add only their latency; NCCL's hierarchy
+    crosses with the 2-host ring's 2(H-1)/H after the within-host step. On one host the two agree."""
+    from advisor.model.step_time import CommOp, op_seconds
+
+    gloo, nccl = _nets(2)
+    op = CommOp("all_reduce", 1, 100e6, per_micro_step=False)
+    g_intra, g_inter = op_seconds(op, 2, 2, gloo)
+    n_intra, n_inter = op_seconds(op, 2, 2, nccl)
+    assert g_inter == pytest.approx(2 * 1e-3 + 2 * 3 / 4 * 100e6 / 1e8)
+    assert n_inter == pytest.approx(2 * 1e-3 + 2 * 1 / 2 * 100e6 / 1e8)
+    assert g_intra == pytest.approx(2 * 1e-5)  # latency only: its bytes are in the ring across hosts
+    assert n_intra == pytest.approx(2 * 1e-5 + 100e6 / 1e10)
+    assert op_seconds(op, 2, 1, gloo) == pytest.approx(op_seconds(op, 2, 1, nccl))
+
+
+def test_gloo_keeps_a_burst_of_small_ops_latency_bound_per_level():
+    """ZeRO-3's 208 small gathers a step: their time is latency, charged per level as in the hierarchy
+    (what the 2x2 runs showed), not the W-rank ring's W-1 hops across hosts."""
+    from advisor.model.step_time import CommOp, op_seconds
+
+    gloo, nccl = _nets(2)
+    burst = CommOp("all_gather", 208, 208 * 512, per_micro_step=True)
+    assert sum(op_seconds(burst, 2, 2, gloo)) == pytest.approx(sum(op_seconds(burst, 2, 2, nccl)), rel=0.01)
+    assert sum(op_seconds(burst, 2, 2, gloo)) < op_seconds(burst, 1, 4, gloo)[1]
+
+
+def test_the_measured_library_sets_the_algorithm(fit_file):
+    """A link measured with gloo is costed as gloo runs it; a preset link (a GPU cluster) as NCCL."""
+    net, notes = build_network(fit_file(10.0), 2)
+    assert net.algorithm.name == "gloo" and not net.algorithm.hierarchical
+    assert any("one ring over all ranks" in n for n in notes)
+    assert build_network(fit_file(10.0), 2, preset="ib-200")[0].algorithm.name == "nccl"
+    assert build_network(None, 8)[0].algorithm.hierarchical
