@@ -138,23 +138,72 @@ def assess(
         reference = facts[0]["host"]
         odd = [h for h, p in prints.items() if p != prints[reference]]
         found.blockers.append(f"--data differs on {', '.join(odd)} from {reference} (files or metadata)")
-    unshared = sorted(h for h, missing in unseen.items() if missing)
-    if unshared:
-        detail = "; ".join(f"{h} cannot read the tokens of {', '.join(unseen[h])}" for h in unshared)
-        found.blockers.append(f"--output-dir is not shared: {detail}")
+    hosts = [f["host"] for f in facts]
+    apart = storage_outliers(hosts, unseen)
+    if apart:
+        shared = [h for h in hosts if h not in apart]
+        detail = "; ".join(_token_detail(h, shared, unseen) for h in apart)
+        found.blockers.append(
+            f"--output-dir on {', '.join(apart)} is not the same folder as on {', '.join(shared)} "
+            f"(a private or different mount): {detail}"
+        )
     for f in facts:
         if f["free_disk_bytes"] < MIN_FREE_DISK_BYTES:
             found.warnings.append(f"{f['host']}: {f['free_disk_bytes'] / GIB:.1f} GiB free in --output-dir")
-    if len(pairs_gbps) > 1:
-        ordered = sorted(pairs_gbps.values())
-        median = ordered[len(ordered) // 2]
-        slow = min(pairs_gbps, key=lambda p: pairs_gbps[p])
-        if pairs_gbps[slow] < SLOW_PAIR_FRACTION * median:
-            found.warnings.append(
-                f"slowest link {slow[0]} <-> {slow[1]}: {pairs_gbps[slow]:.2f} Gbit/s, under half the median "
-                f"pair ({median:.2f} Gbit/s); every collective runs at its pace"
-            )
+    found.warnings.extend(link_warnings(pairs_gbps))
     return found
+
+
+def storage_outliers(hosts: list[str], unseen: dict[str, list[str]]) -> list[str]:
+    """The nodes outside the largest group that reads each other's tokens (ties: the first node's group).
+
+    Naming every node that missed a token would name them all when one node has a private folder (the
+    others cannot read its token either); the group that agrees is the shared mount, the rest are not on it.
+    """
+    views = {h: frozenset(x for x in hosts if x not in unseen.get(h, [])) for h in hosts}
+    groups: dict[frozenset[str], list[str]] = {}
+    for h in hosts:
+        groups.setdefault(views[h], []).append(h)
+    shared = max(groups.values(), key=len)  # max keeps the first of equals: the first node's group
+    return [h for h in hosts if h not in shared]
+
+
+def _token_detail(host: str, shared: list[str], unseen: dict[str, list[str]]) -> str:
+    parts = [f"{host} cannot read the tokens of {', '.join(unseen[host])}"] if unseen.get(host) else []
+    blind = [h for h in shared if host in unseen.get(h, [])]
+    parts += [f"{', '.join(blind)} cannot read {host}'s"] if blind else []
+    return " and ".join(parts) or f"{host} sees other tokens than {', '.join(shared)}"
+
+
+def link_warnings(pairs_gbps: dict[tuple[str, str], float]) -> list[str]:
+    """A node whose every pair is slow (its NIC, cable or switch port), else the slowest pair.
+
+    Each node's best pair is its own link's speed when the others are healthy; a node whose best is under
+    half the median node's best is named, and with it every pair it is in is explained. With two nodes no
+    node can be told from its peer: only the pair exists.
+    """
+    if len(pairs_gbps) < 2:
+        return []
+    hosts = sorted({h for pair in pairs_gbps for h in pair})
+    best = {h: max(g for pair, g in pairs_gbps.items() if h in pair) for h in hosts}
+    typical = sorted(best.values())[len(best) // 2]
+    found = [
+        f"slow node {h}: its fastest pair reaches {best[h]:.2f} Gbit/s, under half a typical node's "
+        f"({typical:.2f} Gbit/s); every collective it joins runs at that pace (check its NIC, cable, port)"
+        for h in hosts
+        if best[h] < SLOW_PAIR_FRACTION * typical
+    ]
+    if found:
+        return found
+    ordered = sorted(pairs_gbps.values())
+    median = ordered[len(ordered) // 2]
+    slow = min(pairs_gbps, key=lambda p: pairs_gbps[p])
+    if pairs_gbps[slow] < SLOW_PAIR_FRACTION * median:
+        return [
+            f"slowest link {slow[0]} <-> {slow[1]}: {pairs_gbps[slow]:.2f} Gbit/s, under half the median "
+            f"pair ({median:.2f} Gbit/s); every collective runs at its pace"
+        ]
+    return []
 
 
 def _remote(
@@ -237,8 +286,9 @@ def diagnose(
     }
     pairs: dict[tuple[str, str], float] = {}
     if hostfile is not None and len(hosts) > 1:
+        name = dict(zip(hosts, names, strict=True))  # pairs named as the table names nodes: by hostname
         for a, b in itertools.combinations(hosts, 2):  # one pair at a time: each probe has its link alone
-            pairs[(a, b)] = _probe_pair(a, b, size_mib, rounds)  # type: ignore[arg-type]
+            pairs[(name[a], name[b])] = _probe_pair(a, b, size_mib, rounds)  # type: ignore[arg-type]
     return facts, unseen, pairs, assess(facts, unseen, pairs)
 
 
@@ -283,9 +333,9 @@ def render_report(facts: list[dict[str, Any]], pairs: dict[tuple[str, str], floa
             links.add_row(f"{a} <-> {b}", f"{gbps:.2f}")
         console.print(links)
     for line in found.warnings:
-        console.print(f"warning: {line}", markup=False)
+        console.print(f"warning: {line}", markup=False, soft_wrap=True)  # one line each, for grep
     if found.blockers:
-        console.print("verdict: NOT READY: " + "; ".join(found.blockers), markup=False)
+        console.print("verdict: NOT READY: " + "; ".join(found.blockers), markup=False, soft_wrap=True)
         return 1
     print(
         f"verdict: ready: {len(facts)} node(s) agree"

@@ -71,3 +71,44 @@ def test_slow_pair_and_low_disk_are_warnings():
     assert found.blockers == []
     assert any(w.startswith("slowest link n0 <-> n2: 20.00 Gbit/s") for w in found.warnings)
     assert any(w.startswith("n2: 5.0 GiB free") for w in found.warnings)
+
+
+def test_a_private_output_folder_names_that_node_only():
+    # n2 writes into a folder of its own: it reads no one's token and no one reads its own.
+    facts = nodes(4)
+    unseen = {"n0": ["n2"], "n1": ["n2"], "n2": ["n0", "n1", "n3"], "n3": ["n2"]}
+    found = assess(facts, unseen, {})
+    assert found.blockers == [
+        "--output-dir on n2 is not the same folder as on n0, n1, n3 (a private or different mount): "
+        "n2 cannot read the tokens of n0, n1, n3 and n0, n1, n3 cannot read n2's"
+    ]
+
+
+def test_a_node_that_reads_all_but_is_not_read_is_named():
+    # n2 sees the shared tokens (a read-only copy of the mount) but writes where no one else looks.
+    facts = nodes()
+    found = assess(facts, {"n0": ["n2"], "n1": ["n2"], "n2": []}, {})
+    assert len(found.blockers) == 1
+    assert found.blockers[0].startswith("--output-dir on n2 is not the same folder as on n0, n1")
+    assert found.blockers[0].endswith("(a private or different mount): n0, n1 cannot read n2's")
+
+
+def test_two_nodes_apart_are_named_from_the_first():
+    facts = nodes(2)
+    found = assess(facts, {"n0": ["n1"], "n1": ["n0"]}, {})
+    assert found.blockers[0].startswith("--output-dir on n1 is not the same folder as on n0 ")
+
+
+def test_a_node_with_a_slow_link_is_named_not_its_pairs():
+    facts = nodes(4)
+    pairs = {("n0", "n1"): 9.0, ("n0", "n2"): 0.2, ("n0", "n3"): 8.5}
+    pairs |= {("n1", "n2"): 0.19, ("n1", "n3"): 9.2, ("n2", "n3"): 0.21}
+    found = assess(facts, no_unseen(facts), pairs)
+    assert found.blockers == []
+    assert len(found.warnings) == 1
+    assert found.warnings[0].startswith("slow node n2: its fastest pair reaches 0.21 Gbit/s")
+
+
+def test_two_nodes_have_no_slow_pair_to_compare():
+    facts = nodes(2)
+    assert assess(facts, no_unseen(facts), {("n0", "n1"): 0.01}).warnings == []
