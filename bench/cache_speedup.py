@@ -56,7 +56,7 @@ def dtype_of(config: Path) -> str:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from sdzero.launch import deepspeed_executable, free_port
+    from sdzero.launch import deepspeed_command
     from sdzero.tiny import write_synthetic_dataset, write_tiny_model
 
     work = args.work or Path(tempfile.mkdtemp(prefix="sdzero-cache-bench-"))
@@ -86,13 +86,7 @@ def launch(args: argparse.Namespace) -> int:
     build_wall_s = time.perf_counter() - start
     if code != 0:
         return code
-    cmd = [
-        deepspeed_executable(),
-        "--num_gpus",
-        str(args.ranks),
-        "--master_port",
-        str(free_port()),
-        __file__,
+    worker_args = [
         "--worker",
         "--family",
         args.family,
@@ -109,6 +103,7 @@ def launch(args: argparse.Namespace) -> int:
         "--build-wall-s",
         f"{build_wall_s:.3f}",
     ]
+    cmd = deepspeed_command(worker_args, num_gpus=args.ranks, entry=[__file__])
     return subprocess.call(cmd)
 
 

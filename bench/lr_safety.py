@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sdzero.launch import deepspeed_command  # noqa: E402
 from sdzero.lr import DEFAULT_LR_SCALING, base_lr_of, choose_lr, reference_batch  # noqa: E402
 
 ADVISOR_RANKS_PER_NODE = 2
@@ -71,13 +72,7 @@ def run(
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     (out / "ds.json").write_text(json.dumps(config))
-    cmd = [
-        str(Path(sys.executable).with_name("deepspeed")),
-        "--num_gpus",
-        str(args.ranks),
-        "--master_port",
-        str(29500 + hash(name) % 400),
-        str(REPO / "sdzero" / "train.py"),
+    train_args = [
         "--deepspeed_config",
         str(out / "ds.json"),
         "--model",
@@ -97,6 +92,7 @@ def run(
         "--seed",
         "0",
     ]
+    cmd = deepspeed_command(train_args, num_gpus=args.ranks)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ.copy())
     if proc.returncode != 0:
         raise SystemExit(f"{name}: the trainer failed:\n{proc.stderr[-3000:]}")

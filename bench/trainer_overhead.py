@@ -45,7 +45,7 @@ def parse() -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from sdzero.launch import deepspeed_executable, free_port
+    from sdzero.launch import deepspeed_command
     from sdzero.tiny import write_synthetic_dataset, write_tiny_model
 
     work = args.work or Path(tempfile.mkdtemp(prefix="sdzero-bench-"))
@@ -53,13 +53,7 @@ def launch(args: argparse.Namespace) -> int:
         write_tiny_model(work / "model")
     if not (work / "data" / "metadata.jsonl").exists():
         write_synthetic_dataset(work / "data", images=128)
-    cmd = [
-        deepspeed_executable(),
-        "--num_gpus",
-        str(args.ranks),
-        "--master_port",
-        str(free_port()),
-        __file__,
+    worker_args = [
         "--worker",
         "--rounds",
         str(args.rounds),
@@ -70,6 +64,7 @@ def launch(args: argparse.Namespace) -> int:
         "--work",
         str(work),
     ]
+    cmd = deepspeed_command(worker_args, num_gpus=args.ranks, entry=[__file__])
     return subprocess.call(cmd)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sdzero.errors import UserError
 from sdzero.io import write_text_atomic
-from sdzero.launch import REPO_ROOT, TRAIN_SCRIPT, deepspeed_executable, free_port, shell_proof_args
+from sdzero.launch import REPO_ROOT, TRAIN_SCRIPT, deepspeed_command
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$", re.ASCII)
 """Host names, IPv4 and IPv6 addresses; nothing a remote shell would interpret."""
@@ -276,24 +276,23 @@ def plan_launch(
     if launcher not in LAUNCHERS:
         raise UserError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     entries, master, interface, env_file, merge = prepare_hosts(hostfile, master_addr, workdir, runner)
-    cmd = [
-        deepspeed_executable(),
-        "--hostfile",
-        str(hostfile),
-        "--master_addr",
-        master,
-        "--master_port",
-        str(master_port or free_port()),
-    ]
+    mca = None
     if launcher == "openmpi":
         # Open MPI's daemons and its TCP transport must use the same interface as gloo, or they try
         # every interface (bridges, docker0, ...) and fail to route back to mpirun.
         mca = f"--mca btl_tcp_if_include {interface} --mca oob_tcp_if_include {interface}"
         if os.geteuid() == 0:
             mca += " --allow-run-as-root"
-        cmd += ["--launcher", "openmpi", "--launcher_args", mca]
     # Both launchers put the options into a remote command line; `entry` decodes them (sdzero.launch).
-    cmd += [str(entry), *shell_proof_args(train_args)]
+    cmd = deepspeed_command(
+        train_args,
+        hostfile=hostfile,
+        master_addr=master,
+        master_port=master_port,
+        launcher="openmpi" if mca else None,
+        launcher_args=mca,
+        entry=[str(entry)],
+    )
     return LaunchPlan(entries, master, interface, cmd, env_file, merge)
 
 

@@ -1,4 +1,5 @@
-"""Building `deepspeed` launcher commands for the trainer (used by `sdzero train` and `sdzero demo`)."""
+"""The one builder of `deepspeed` launcher commands (the trainer, `sdzero cache`, the hosts launch, the
+advisor's trials and collectives benchmark, the benches and the tests all use `deepspeed_command`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import shutil
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from sdzero.errors import UserError
@@ -66,28 +68,56 @@ def deepspeed_executable() -> str:
 
 
 def deepspeed_command(
-    train_args: list[str],
+    train_args: Sequence[str],
     num_gpus: int | None = None,
     hostfile: Path | None = None,
     master_port: int | None = None,
-    entry: list[str] | None = None,
+    entry: Sequence[str] | None = None,
+    *,
+    num_nodes: int | None = None,
+    master_addr: str | None = None,
+    launcher: str | None = None,
+    launcher_args: str | None = None,
+    executable: str | None = None,
+    check_hostfile: bool = True,
+    shell_proof: bool | None = None,
+    pick_port: bool = True,
 ) -> list[str]:
-    """`deepspeed [--num_gpus N | --hostfile H] --master_port P ENTRY ARGS`; ENTRY is sdzero/train.py unless
-    given (e.g. `--no_local_rank --module sdzero.cli cache` for the cache build)."""
-    cmd = [deepspeed_executable()]
+    """The one builder of `deepspeed` command lines:
+
+        deepspeed [--hostfile H] [--num_nodes N] [--num_gpus G] [--master_addr A] [--master_port P]
+                  [--launcher L] [--launcher_args "..."] ENTRY ARGS
+
+    ENTRY is sdzero/train.py unless given (e.g. `--no_local_rank --module sdzero.cli cache`, or a bench
+    script). With a hostfile the ARGS go through `shell_proof_args` (remote ranks start through pdsh's or
+    mpirun's shell; the trainer and `sdzero cache` decode the word) unless `shell_proof` says otherwise,
+    for an entry that does not decode it. `executable` replaces this environment's launcher (a command
+    printed for another cluster says plain `deepspeed`); `check_hostfile=False` accepts a hostfile that is
+    not here (that printed command, or a deliberately absent one that keeps DeepSpeed from reading
+    /job/hostfile); `pick_port=False` leaves the port to DeepSpeed's default when none is given."""
+    cmd = [executable or deepspeed_executable()]
     if hostfile is not None:
-        if not Path(hostfile).is_file():
+        if check_hostfile and not Path(hostfile).is_file():
             raise UserError(f"--hostfile {hostfile}: no such file")
         cmd += ["--hostfile", str(hostfile)]
+    if num_nodes is not None:
+        cmd += ["--num_nodes", str(num_nodes)]
     if num_gpus is not None:
         if num_gpus < 1:
             raise UserError(f"--num-gpus must be at least 1, got {num_gpus}")
         cmd += ["--num_gpus", str(num_gpus)]
-    if hostfile is not None:
-        # Remote ranks start through pdsh's shell; train.py and `python -m sdzero.cli` decode the word.
-        train_args = shell_proof_args(train_args)
-    cmd += ["--master_port", str(master_port or free_port()), *(entry or [str(TRAIN_SCRIPT)]), *train_args]
-    return cmd
+    if master_addr is not None:
+        cmd += ["--master_addr", master_addr]
+    if master_port is not None or pick_port:
+        cmd += ["--master_port", str(master_port or free_port())]
+    if launcher is not None:
+        cmd += ["--launcher", launcher]
+    if launcher_args is not None:
+        cmd += ["--launcher_args", launcher_args]
+    args = list(train_args)
+    if shell_proof if shell_proof is not None else hostfile is not None:
+        args = shell_proof_args(args)
+    return [*cmd, *(entry or [str(TRAIN_SCRIPT)]), *args]
 
 
 def shipped_config(name: str) -> Path:

@@ -126,13 +126,14 @@ def check_backends(backends: Sequence[str]) -> tuple[str, ...]:
 
 def deepspeed_launcher() -> str:
     """The `deepspeed` script of this interpreter's environment, else the one on PATH."""
-    beside = Path(sys.executable).with_name("deepspeed")
-    found = str(beside) if beside.is_file() else shutil.which("deepspeed")
-    if found is None:
+    from sdzero.launch import deepspeed_executable
+
+    try:
+        return deepspeed_executable()
+    except UserError:
         raise UserError(
             "--backend torch needs the `deepspeed` launcher; install it with `pip install deepspeed`"
-        )
-    return found
+        ) from None
 
 
 def available_backends() -> tuple[tuple[str, ...], dict[str, str]]:
@@ -193,22 +194,18 @@ def rank_args(backend: str, csv_path: Path, min_bytes: int, max_bytes: int, budg
 def torch_command(plan: LaunchPlan, args: list[str], torch_backend: str, no_hostfile: Path) -> list[str]:
     # DeepSpeed reads /job/hostfile when no --hostfile is given; a path that does not exist keeps a local
     # run local, as mpirun's is.
-    hostfile = str(plan.hostfile) if plan.hostfile else str(no_hostfile)
-    return [
-        deepspeed_launcher(),
-        "--hostfile",
-        hostfile,
-        "--num_gpus",
-        str(plan.ranks_per_node),
-        "--master_port",
-        str(free_port()),
-        "--no_local_rank",
-        "--module",
-        "advisor.measure.collectives_rank",
-        *args,
-        "--torch-backend",
-        torch_backend,
-    ]
+    from sdzero.launch import deepspeed_command
+
+    return deepspeed_command(
+        [*args, "--torch-backend", torch_backend],
+        num_gpus=plan.ranks_per_node,
+        hostfile=plan.hostfile or no_hostfile,
+        master_port=free_port(),
+        entry=["--no_local_rank", "--module", "advisor.measure.collectives_rank"],
+        executable=deepspeed_launcher(),
+        check_hostfile=False,  # no_hostfile must not exist; a given one was read already
+        shell_proof=False,  # sizes, paths and backend names: nothing a shell changes
+    )
 
 
 def mpi_command(plan: LaunchPlan, args: list[str], extra: Sequence[str]) -> list[str]:

@@ -60,15 +60,9 @@ def launch_command(
 ) -> str:
     """The deepspeed command; with `lr`, its warm-up flag and a trailing shell comment stating the LR, the
     rule and the factor (the LR itself is in the JSON)."""
-    from sdzero.launch import TRAIN_SCRIPT
+    from sdzero.launch import deepspeed_command
 
-    cmd = ["deepspeed"]
-    if nodes > 1:
-        cmd += ["--hostfile", str(hostfile or "hostfile"), "--num_nodes", str(nodes)]
-    cmd += [
-        "--num_gpus",
-        str(gpus_per_node),
-        str(TRAIN_SCRIPT),
+    args = [
         "--deepspeed_config",
         str(config_path),
         "--model",
@@ -80,7 +74,18 @@ def launch_command(
         *train_args,
     ]
     if lr is not None and lr.warmup_steps and "--lr-warmup-steps" not in train_args:
-        cmd += ["--lr-warmup-steps", str(lr.warmup_steps)]
+        args += ["--lr-warmup-steps", str(lr.warmup_steps)]
+    # Printed for the target cluster: its own `deepspeed`, a hostfile that is there, the default port.
+    cmd = deepspeed_command(
+        args,
+        num_gpus=gpus_per_node,
+        hostfile=Path(hostfile or "hostfile") if nodes > 1 else None,
+        num_nodes=nodes if nodes > 1 else None,
+        executable="deepspeed",
+        check_hostfile=False,
+        shell_proof=False,
+        pick_port=False,
+    )
     return shlex.join(cmd) + (f"  # {lr.describe()}" if lr is not None else "")
 
 

@@ -304,3 +304,76 @@ def test_cache_build_options_are_shell_proof_too(tmp_path):
     done = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "it's $HOME" / "metadata.jsonl").is_file()
+
+
+# ---------------------------------------------------------------------------------- one command builder
+
+
+def test_the_one_builder_places_every_launcher_option(tmp_path):
+    from sdzero.launch import ARGV_FLAG, deepspeed_command
+
+    hosts_file = hostfile(tmp_path, "a slots=4\nb slots=4\n")
+    cmd = deepspeed_command(
+        ["--x", "1"],
+        hostfile=hosts_file,
+        num_nodes=2,
+        num_gpus=4,
+        master_addr="10.0.0.1",
+        master_port=1234,
+        launcher="openmpi",
+        launcher_args="--mca btl_tcp_if_include eth0",
+        entry=["e.py"],
+        executable="deepspeed",
+    )
+    assert cmd == [
+        "deepspeed",
+        *("--hostfile", str(hosts_file), "--num_nodes", "2", "--num_gpus", "4"),
+        *("--master_addr", "10.0.0.1", "--master_port", "1234"),
+        *("--launcher", "openmpi", "--launcher_args", "--mca btl_tcp_if_include eth0"),
+        *("e.py", "--x", "1"),
+    ]
+    risky = ["--resolution", "64", "--validation-prompts", "a $HOME `id`"]
+    assert deepspeed_command(risky, hostfile=hosts_file)[-2] == ARGV_FLAG  # remote shells see one word
+    assert deepspeed_command(risky, hostfile=hosts_file, shell_proof=False)[-4:] == risky
+    with pytest.raises(UserError, match="--hostfile .*: no such file"):
+        deepspeed_command([], hostfile=tmp_path / "absent")
+    printed = deepspeed_command([], hostfile=tmp_path / "absent", check_hostfile=False, pick_port=False)
+    assert "--master_port" not in printed and str(tmp_path / "absent") in printed
+
+
+def test_recommended_and_benchmark_commands_come_from_the_builder(tmp_path, monkeypatch):
+    from advisor.measure import collectives_launch
+    from advisor.model.recommend import launch_command
+    from sdzero import launch
+
+    built: list[list[str]] = []
+    real = launch.deepspeed_command
+    monkeypatch.setattr(launch, "deepspeed_command", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    printed = launch_command(Path("c.json"), "m", Path("d"), 2, 8, None, Path("run"), ("--resolution", "64"))
+    assert printed.split() == built[-1]
+    assert printed.startswith("deepspeed --hostfile hostfile --num_nodes 2 --num_gpus 8 ")
+    assert "--master_port" not in printed  # the target cluster's default port, not one free here
+
+    plan = collectives_launch.LaunchPlan(ranks_per_node=2, hosts=(), hostfile=None)
+    cmd = collectives_launch.torch_command(plan, ["--csv", "c.csv"], "gloo", tmp_path / "no-hostfile")
+    assert cmd == built[-1] and cmd[1:3] == ["--hostfile", str(tmp_path / "no-hostfile")]
+    assert cmd[-7:] == [
+        *("--no_local_rank", "--module", "advisor.measure.collectives_rank"),
+        *("--csv", "c.csv", "--torch-backend", "gloo"),
+    ]
+
+
+def test_no_module_builds_a_deepspeed_command_by_hand():
+    """`deepspeed` command lines come from sdzero.launch.deepspeed_command only (issue #16)."""
+    repo = Path(__file__).resolve().parents[2]
+    sources = [*repo.glob("sdzero/**/*.py"), *repo.glob("advisor/**/*.py"), *repo.glob("bench/*.py")]
+    sources += [repo / "tests" / "launch.py", *repo.glob("tests/support/**/*.py")]
+    by_hand = [
+        str(path.relative_to(repo))
+        for path in sources
+        if path != repo / "sdzero" / "launch.py"
+        and any(
+            word in path.read_text() for word in ('"--master_port"', '"--num_gpus"', 'with_name("deepspeed")')
+        )
+    ]
+    assert by_hand == []
