@@ -376,7 +376,7 @@ def export(
     ],
     out: Annotated[Path, typer.Argument(help="folder to write the diffusers pipeline into")],
     model: Annotated[
-        str | None, typer.Option(help="pipeline for the frozen parts; default: the one the run trained from")
+        str | None, cli_option("model", note="for the frozen parts; default: the one the run trained from")
     ] = None,
     dtype: Annotated[
         str | None, typer.Option(help="bf16, fp16 or fp32 for every component; default fp32 (loads as-is)")

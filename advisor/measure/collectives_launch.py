@@ -32,6 +32,7 @@ from advisor.model.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_
 from sdzero.constants import MIB
 from sdzero.errors import UserError
 from sdzero.io import write_csv_atomic, write_json_atomic
+from sdzero.options import cli_option
 
 BACKENDS: tuple[str, ...] = ("torch", "mpi")
 # Starting ranks (imports, rendezvous) is not part of the budget; this much slack covers it before a
@@ -412,7 +413,7 @@ def comm_command(
     ] = 2,
     hostfile: Annotated[
         Path | None,
-        typer.Option(help="DeepSpeed/Open MPI hostfile ('host slots=N' lines): adds the across-nodes level."),
+        cli_option("hostfile", note="Open MPI reads it too; adds the across-nodes level"),
     ] = None,
     backend: Annotated[
         list[str] | None,

