@@ -6,6 +6,7 @@ below them run in this process: the correctness check, the budget stop and the u
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import time
 from pathlib import Path
@@ -22,8 +23,11 @@ from advisor.measure.communicators import Buffers, input_pattern, make_buffers
 from advisor.model.alphabeta import COLLECTIVES, bus_factor, load_fits
 from sdzero.errors import UserError
 
-HAVE_MPIRUN = shutil.which("mpirun") is not None
-NO_MPIRUN = "mpirun is not on PATH: install openmpi-bin libopenmpi-dev and mpi4py to test the MPI backend"
+# Both halves: mpirun without mpi4py in this venv (Open MPI installed after `make venv`) cannot run it.
+HAVE_MPIRUN = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
+NO_MPIRUN = (
+    "mpirun or mpi4py is missing: install openmpi-bin libopenmpi-dev, then mpi4py, to test the MPI backend"
+)
 MAX_BYTES = 4 * 2**20
 
 
