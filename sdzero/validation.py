@@ -7,6 +7,9 @@ images. At ZeRO-0/1/2 the other ranks' passes are redundant work, kept so that o
 
 The sampler's randomness comes from explicit generators and the global RNG is forked around it, so a
 validation pass changes nothing about training (exact resume holds with or without it).
+
+Layout (read back by `read_validation`, for the training report): `<output-dir>/validation/step_NNNNNNNN/`
+holds `II_<prompt slug>.png` per prompt (II its index) and `prompts.json`, the prompts in that order.
 """
 
 from __future__ import annotations
@@ -15,16 +18,67 @@ import json
 import logging
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sdzero.io import write_text_atomic
+
 log = logging.getLogger("sdzero.validation")
+PROMPTS_FILE = "prompts.json"
+_STEP_FOLDER = re.compile(r"^step_(\d+)$")
+_IMAGE = re.compile(r"^(\d+)_(.*)\.png$")
 
 
 def slug(text: str, limit: int = 40) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit] or "prompt"
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def image_name(index: int, prompt: str) -> str:
+    return f"{index:02d}_{slug(prompt)}.png"
+
+
+@dataclass(frozen=True)
+class ValidationStep:
+    step: int
+    images: list[tuple[str, Path]]
+    """(prompt, image file) in prompt order."""
+
+
+def read_validation(root: Path) -> list[ValidationStep]:
+    """Every step folder under `root` that holds images, oldest first. A prompt comes from prompts.json;
+    where that file is missing or damaged (a run killed between image and list), from the file's name."""
+    root = Path(root)
+    found = []
+    for folder in root.iterdir() if root.is_dir() else []:
+        match = _STEP_FOLDER.match(folder.name)
+        if not match or not folder.is_dir():
+            continue
+        prompts = _read_prompts(folder / PROMPTS_FILE)
+        images = []
+        for path in sorted(folder.iterdir()):
+            named = _IMAGE.match(path.name)
+            if named and path.is_file():
+                index = int(named[1])
+                images.append((prompts[index] if index < len(prompts) else named[2], path))
+        if images:
+            found.append(ValidationStep(int(match[1]), images))
+    return sorted(found, key=lambda s: s.step)
+
+
+def _read_prompts(path: Path) -> list[str]:
+    try:
+        prompts = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    ok = isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)
+    return prompts if ok else []
 
 
 class Validator:
@@ -59,7 +113,7 @@ class Validator:
         pipe = build_pipeline(comps, unet, scheduler)  # loads the frozen parts if a cache run skipped them
         extra = {"max_sequence_length": comps.max_sequence_length} if comps.family == "sd3" else {}
         pipe.set_progress_bar_config(disable=True)
-        folder = self.out / f"step_{step:08d}"
+        folder = step_folder(self.out, step)
         written: list[Path] = []
         unet.eval()
         try:
@@ -78,13 +132,13 @@ class Validator:
                     image = self._decode(pipe, comps.vae, latents)
                     if rank == 0:
                         folder.mkdir(parents=True, exist_ok=True)
-                        path = folder / f"{i:02d}_{slug(prompt)}.png"
+                        path = folder / image_name(i, prompt)
                         image.save(path)
                         written.append(path)
         finally:
             unet.train()
         if rank == 0:
-            (folder / "prompts.json").write_text(json.dumps(self.prompts, indent=1) + "\n")
+            write_text_atomic(folder / PROMPTS_FILE, json.dumps(self.prompts, indent=1) + "\n")
             log.info(
                 "validation: %d image(s) in %s (%.1f s)", len(written), folder, time.perf_counter() - start
             )

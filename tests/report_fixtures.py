@@ -65,8 +65,10 @@ def write_training_run(
     fp16: bool = True,
     resumed_at: int | None = 5,
     checkpoints: tuple[int, ...] = (8, 12),
+    validation_steps: tuple[int, ...] = (),
 ) -> Path:
-    """A run folder: metrics (with an earlier segment when `resumed_at`), configs, checkpoint manifests."""
+    """A run folder: metrics (with an earlier segment when `resumed_at`), configs, checkpoint manifests,
+    and validation images at `validation_steps` (see write_validation)."""
     from sdzero.checkpoint import Manifest, step_tag
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -101,6 +103,8 @@ def write_training_run(
         "dtype": "fp16" if fp16 else "bf16",
     }
     (folder / "run_config.json").write_text(json.dumps(run, indent=2))
+    for step in validation_steps:
+        write_validation(folder, step, run["validation_prompts"])
     root = folder / "checkpoints"
     for serial, step in enumerate(checkpoints, start=1):
         manifest = Manifest(
@@ -123,6 +127,35 @@ def write_training_run(
         (root / "latest").write_text(step_tag(checkpoints[-1]))
         (root / f".incoming-{step_tag(steps + 4)}").mkdir()  # a save that never committed
     return folder
+
+
+VALIDATION_PX = 384
+
+
+def validation_colour(step: int, prompt_index: int) -> tuple[int, int, int]:
+    """The flat colour of one synthetic validation image: tells every (step, prompt) cell apart."""
+    return (40 + 60 * prompt_index) % 256, (20 * step) % 256, 200 - 30 * prompt_index
+
+
+def write_validation(folder: Path, step: int, prompts: list[str]) -> list[Path]:
+    """What sdzero.validation.Validator writes for one step: a PNG per prompt (a flat colour under light
+    noise, so it weighs as much as a real sample of VALIDATION_PX) and prompts.json."""
+    import numpy as np
+    from PIL import Image
+
+    from sdzero.validation import PROMPTS_FILE, image_name, step_folder
+
+    out = step_folder(folder / "validation", step)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(step)
+    paths = []
+    for i, prompt in enumerate(prompts):
+        noise = rng.integers(-12, 13, (VALIDATION_PX, VALIDATION_PX, 3))
+        pixels = np.clip(np.array(validation_colour(step, i)) + noise, 0, 255).astype(np.uint8)
+        paths.append(out / image_name(i, prompt))
+        Image.fromarray(pixels).save(paths[-1])
+    (out / PROMPTS_FILE).write_text(json.dumps(prompts))
+    return paths
 
 
 # ---------------------------------------------------------------------------------------------- advise

@@ -77,7 +77,20 @@ class NoteItem:
     kind: str = "note"
 
 
-Item = FigureItem | TableItem | CodeItem | NoteItem
+@dataclass(frozen=True)
+class GalleryItem:
+    """Images in a grid: a row per `rows` label (e.g. a step), a column per `columns` label (e.g. a prompt)."""
+
+    key: str
+    title: str
+    caption: str
+    columns: list[str]
+    rows: list[tuple[str, list[str | None]]]
+    """(row label, one `data:image/...` URI per column, None where that cell has no image)."""
+    kind: str = "gallery"
+
+
+Item = FigureItem | TableItem | CodeItem | NoteItem | GalleryItem
 
 
 @dataclass

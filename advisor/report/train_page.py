@@ -10,6 +10,7 @@ Input, as the trainer writes it (sdzero.loop, sdzero.metrics, sdzero.checkpoint)
 - `checkpoints/<tag>/manifest.json` for each committed checkpoint still on disk (retention deletes
   older ones), `checkpoints/.incoming-*` for saves that never committed.
 - `environment.json` (versions and devices), optional; without it the report shows this machine's.
+- `validation/step_N/` (sdzero.validation): an image per validation prompt, shown as thumbnails.
 
 A damaged metrics file stops the report with one line naming the file and line, except a last line cut
 short without its newline, the trace a killed run leaves: that one is left out and the page says so.
@@ -17,6 +18,8 @@ short without its newline, the trace a killed run leaves: that one is left out a
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import re
@@ -34,6 +37,7 @@ from advisor.report import figures
 from advisor.report.page import (
     CodeItem,
     FigureItem,
+    GalleryItem,
     Item,
     NoteItem,
     Report,
@@ -46,6 +50,7 @@ from advisor.report.page import (
 )
 from sdzero.constants import STEP_PHASES as PHASES
 from sdzero.errors import UserError
+from sdzero.validation import ValidationStep, read_validation
 
 METRICS = "metrics.jsonl"
 REQUIRED = ("step", "loss", "samples_per_s", "step_time_s")
@@ -54,6 +59,12 @@ MAX_POINTS = 1500
 """Longer runs are drawn in this many bins: an SVG with a point per step of a 100k-step run would weigh
 megabytes and make the browser crawl."""
 _SEGMENT = re.compile(r"^metrics\.(\d+)\.jsonl$")
+THUMBNAIL_PX = 256
+"""Longest side of a validation thumbnail (shown at 160 CSS px, sharp on a 1.5x screen): a JPEG of a few
+tens of kB where the PNG the trainer wrote at 512-1024 px weighs 0.3-1.5 MB, so a page with dozens of
+images stays a few MB."""
+MAX_VALIDATION_ROWS = 12
+"""Validation steps shown at most, evenly spaced with the first and last: the trend, not every sample."""
 
 
 @dataclass
@@ -77,6 +88,7 @@ class TrainingRun:
     run_config: dict[str, Any] | None = None
     environment: dict[str, Any] | None = None
     checkpoints: pd.DataFrame = field(default_factory=pd.DataFrame)
+    validation: list[ValidationStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -210,6 +222,7 @@ def load_run(folder: Path) -> TrainingRun:
         run_config=read_json_object(folder / "run_config.json"),
         environment=read_json_object(folder / "environment.json"),
         checkpoints=read_checkpoints(folder),
+        validation=read_validation(folder / "validation"),
         notes=notes,
     )
 
@@ -228,6 +241,9 @@ CAPTIONS = {
     "(consider bf16).",
     "memory": "Peak memory each rank has held so far (CUDA allocator peak on GPUs, process peak RSS on CPUs): "
     "ranks should sit close together, and a line still climbing late in the run points at a leak.",
+    "validation": "Images sampled from the weights at each validation step (rows) for each prompt (columns), "
+    "with the same seed every time, so a row differs from the one above only by training: read how the "
+    "samples change. Thumbnails; the full images are in validation/step_N/.",
     "checkpoints": "Checkpoints still on disk (--keep-last retention deletes older ones); committed ones are "
     "marked on the loss figure. An incomplete save is never loaded by a resume.",
 }
@@ -376,6 +392,51 @@ def memory_section(run: TrainingRun) -> Section:
     return Section("memory", "Memory", [FigureItem("memory", "Peak memory per rank", caption, svg)])
 
 
+def shown_steps(count: int, limit: int = MAX_VALIDATION_ROWS) -> list[int]:
+    """Indices of `limit` of `count` rows, evenly spaced, the first and the last always among them."""
+    if count <= limit:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)})
+
+
+def thumbnail_uri(path: Path) -> str:
+    """A JPEG data URI of the image scaled to THUMBNAIL_PX at most (never enlarged); OSError if unreadable."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.draft("RGB", (THUMBNAIL_PX, THUMBNAIL_PX))  # JPEG sources decode at a fraction of their size
+        small = image.convert("RGB")
+    small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX), Image.Resampling.LANCZOS)
+    buffer = io.BytesIO()
+    small.save(buffer, "JPEG", quality=85, optimize=True)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def validation_section(run: TrainingRun) -> Section:
+    title = "Validation images"
+    if not run.validation:
+        text = (
+            "No validation images in validation/: the run had no --validation-prompts, or none was due yet."
+        )
+        return Section("validation", title, [NoteItem("validation", text)])
+    steps = [run.validation[i] for i in shown_steps(len(run.validation), MAX_VALIDATION_ROWS)]
+    prompts = list(dict.fromkeys(prompt for s in steps for prompt, _ in s.images))  # first-seen order
+    rows: list[tuple[str, list[str | None]]] = []
+    for s in steps:
+        cells: dict[str, str | None] = {}
+        for prompt, path in s.images:
+            try:
+                cells[prompt] = thumbnail_uri(path)
+            except (OSError, ValueError) as exc:  # a PNG cut short by a killed run: said, not fatal
+                run.notes.append(f"{path.relative_to(run.folder)}: not a readable image ({exc}); left out.")
+        rows.append((f"step {s.step}", [cells.get(p) for p in prompts]))
+    caption = CAPTIONS["validation"]
+    if len(steps) < len(run.validation):
+        caption += f" {len(steps)} of the {len(run.validation)} validation steps are shown, evenly spaced."
+    grid = GalleryItem("validation", "Samples per validation step", caption, prompts, rows)
+    return Section("validation", title, [grid])
+
+
 def checkpoint_section(run: TrainingRun) -> Section:
     items: list[Item] = []
     if run.resume_steps:
@@ -438,6 +499,7 @@ def build_training_report(folder: Path) -> Report:
     run = load_run(folder)
     sections = [
         loss_section(run),
+        validation_section(run),
         speed_section(run),
         precision_section(run),
         memory_section(run),
@@ -446,7 +508,7 @@ def build_training_report(folder: Path) -> Report:
     ]
     return Report(
         title=f"Training report: {run.folder.resolve().name}",
-        subtitle="Loss, speed, precision, memory and checkpoints of one sdzero training run.",
+        subtitle="Loss, validation images, speed, precision, memory and checkpoints of one sdzero training run.",
         source=str(run.folder.resolve()),
         facts=facts(run),
         sections=sections,

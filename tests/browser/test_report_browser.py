@@ -47,14 +47,17 @@ PAGE_FACTS = """(() => {
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A training report, a full advise report and one with only the collectives benchmark."""
+    """A training report (with validation images), a full advise report and one with only the collectives
+    benchmark."""
     root = tmp_path_factory.mktemp("browser-reports")
     partial = root / "comm-only"
     partial.mkdir()
     write_comm(partial)
     out = root / "reports"
     return {
-        "training": write_training_report(write_training_run(root / HOSTILE_DIR), out / "training.html"),
+        "training": write_training_report(
+            write_training_run(root / HOSTILE_DIR, validation_steps=(4, 8, 12)), out / "training.html"
+        ),
         "advise": write_advise_report(write_advise_folder(root / "advise"), out / "advise.html"),
         "advise-partial": write_advise_report(partial, out / "advise-partial.html"),
     }

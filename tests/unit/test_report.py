@@ -71,6 +71,7 @@ def test_training_report_has_every_figure_and_table(training_html):
     text = " ".join(page.text)
     assert "ZeRO-2 fp16" in text and "2 ranks × 4 × 1 = 8" in text
     assert "committed, latest" in text and "incomplete" in text  # checkpoint events, the staging one too
+    assert page.ids("note-") == {"validation", "resumes"}  # no validation/ folder: one line, no empty grid
 
 
 def test_advise_report_has_every_figure_and_table(advise_html):
