@@ -271,9 +271,12 @@ def k8s(
     gpus: Annotated[bool, typer.Option(help="request nvidia.com/gpu (--no-gpus for CPU pods)")] = True,
     cpu: Annotated[str | None, typer.Option(help="CPU cores per pod (request = limit)")] = None,
     memory: Annotated[str | None, typer.Option(help="memory per pod, e.g. 200Gi (request = limit)")] = None,
+    flavour: Annotated[
+        str, typer.Option(help="job: Indexed Job + headless Service, no operator; pytorchjob: Kubeflow's")
+    ] = "job",
     out: Annotated[Path | None, typer.Option(help="write the manifests here instead of stdout")] = None,
 ) -> None:
-    """Print Kubernetes manifests (Indexed Job + headless Service) that train across N pods, no operator."""
+    """Print Kubernetes manifests (Indexed Job + headless Service, or a Kubeflow PyTorchJob) for N pods."""
     from sdzero.k8s import K8sJob, render
 
     job = K8sJob(
@@ -293,6 +296,7 @@ def k8s(
         gpus=gpus,
         cpu=cpu,
         memory=memory,
+        flavour=flavour,
     )
     text = render(job)
     if out is None:

@@ -14,6 +14,14 @@ What each object is for:
   step boundary and exit 143 (sdzero/preemption.py), so terminationGracePeriodSeconds must cover one step
   plus a save; the podFailurePolicy then replaces such pods without counting a failure (and fails the job
   at once on exit 2, bad input), and `--resume auto` continues from the newest complete checkpoint.
+
+`--flavour pytorchjob` writes a Kubeflow `PyTorchJob` (kubeflow.org/v1, the training operator) instead,
+for clusters that run it: one Master and N-1 Workers with the same pod template. The operator makes a
+Service per pod (rank 0 is `<job>-master-0`) and tells each pod its node rank in RANK (Master 0, Worker
+i as i + 1), which the same entrypoint reads in place of JOB_COMPLETION_INDEX; it looks for a container
+named `pytorch` and a port named `pytorchjob-port`. restartPolicy ExitCode gives the Indexed Job's failure
+policy: exit codes 128-255 (143 after a preemption save, a kill) restart the pod, 1-127 (2, bad input)
+fail the job.
 """
 
 from __future__ import annotations
@@ -33,10 +41,18 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 EXIT_BAD_INPUT = 2
 CONTAINER = "trainer"
+FLAVOURS = ("job", "pytorchjob")
+PYTORCHJOB_CONTAINER = "pytorch"
+PYTORCHJOB_PORT_NAME = "pytorchjob-port"
+"""The names the training operator looks for (kubeflow.org/v1 pytorch_types.go): it injects its env into
+the container so named and reads MASTER_PORT from the port so named."""
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 POD_ENTRYPOINT = r"""set -uo pipefail
-# Set by Kubernetes for an Indexed Job's pod; the rest comes from the manifest's env.
-index=${JOB_COMPLETION_INDEX:?not an Indexed Job pod: JOB_COMPLETION_INDEX is unset}
+# The pod's node index: set by Kubernetes for an Indexed Job's pod (JOB_COMPLETION_INDEX), by the training
+# operator for a PyTorchJob's (RANK); the rest comes from the manifest's env.
+index_var=${SDZERO_INDEX_VAR:-JOB_COMPLETION_INDEX}
+index=${!index_var:?"not a pod of the job sdzero k8s wrote: $index_var is unset"}
 export MASTER_ADDR=${SDZERO_MASTER_ADDR} MASTER_PORT=${SDZERO_MASTER_PORT}
 export WORLD_SIZE=$((SDZERO_NODES * SDZERO_RANKS_PER_NODE)) LOCAL_WORLD_SIZE=${SDZERO_RANKS_PER_NODE}
 # Rank 0's DNS record appears when its pod is scheduled, maybe after this one starts.
@@ -82,9 +98,17 @@ class K8sJob:
     memory: str | None = None
     backoff_limit: int = 3
     python: str = "python"
+    flavour: str = "job"
+    """"job": Indexed Job + headless Service, no operator; "pytorchjob": Kubeflow's PyTorchJob."""
 
 
 def check_job(job: K8sJob) -> None:
+    if job.flavour not in FLAVOURS:
+        raise UserError(f"--flavour {job.flavour!r}: one of {', '.join(FLAVOURS)}")
+    if job.flavour == "pytorchjob" and not DNS_1035_LABEL.match(job.name):
+        raise UserError(
+            f"--name {job.name!r}: a PyTorchJob's name must start with a letter (a DNS-1035 label)"
+        )
     if job.nodes < 1:
         raise UserError(f"--nodes {job.nodes}: must be at least 1")
     if job.gpus_per_node < 1:
@@ -120,8 +144,9 @@ def check_job(job: K8sJob) -> None:
 
 
 def master_address(job: K8sJob) -> str:
-    """Rank 0's pod: `<job>-0` in the headless Service's subdomain (the namespace's search path completes it)."""
-    return f"{job.name}-0.{job.name}"
+    """Rank 0's pod: `<job>-0` in the headless Service's subdomain (the namespace's search path completes it);
+    for a PyTorchJob, the Service the operator makes for the Master pod."""
+    return f"{job.name}-master-0" if job.flavour == "pytorchjob" else f"{job.name}-0.{job.name}"
 
 
 def _metadata(job: K8sJob, name: str) -> dict[str, Any]:
@@ -178,16 +203,22 @@ def container(job: K8sJob) -> dict[str, Any]:
         "HF_HOME": f"{job.mount_path}/.cache/huggingface",
         "PYTHONUNBUFFERED": "1",
     }
+    pytorchjob = job.flavour == "pytorchjob"
+    if pytorchjob:
+        # The operator's RANK is the pod's node rank; the entrypoint reads it, then sets each rank's own.
+        env["SDZERO_INDEX_VAR"] = "RANK"
     train = [job.python, "-u", "-m", "sdzero.train", *with_resume_auto(job.train_args)]
     resources: dict[str, Any] = {"limits": limits} if limits else {}
     if requests:
         resources["requests"] = requests
     return {
-        "name": CONTAINER,
+        "name": PYTORCHJOB_CONTAINER if pytorchjob else CONTAINER,
         "image": job.image,
         "command": ["bash", "-c", POD_ENTRYPOINT, "sdzero-pod", *train],
         "env": [{"name": k, "value": v} for k, v in env.items()],
-        "ports": [{"name": "rendezvous", "containerPort": job.master_port}],
+        "ports": [
+            {"name": PYTORCHJOB_PORT_NAME if pytorchjob else "rendezvous", "containerPort": job.master_port}
+        ],
         "resources": resources,
         "volumeMounts": [
             {"name": "shared", "mountPath": job.mount_path},
@@ -196,16 +227,25 @@ def container(job: K8sJob) -> dict[str, Any]:
     }
 
 
-def indexed_job(job: K8sJob) -> dict[str, Any]:
-    pod_spec = {
-        "subdomain": job.name,  # with the headless Service: <job>-<index>.<job> resolves
-        "restartPolicy": "Never",  # podFailurePolicy needs it; the Job controller replaces failed pods
+def pod_template(job: K8sJob) -> dict[str, Any]:
+    """The pod both flavours run: the container, the shared volume, /dev/shm and the grace period."""
+    spec = {
         "terminationGracePeriodSeconds": job.grace_period_s,
         "containers": [container(job)],
         "volumes": [
             {"name": "shared", "persistentVolumeClaim": {"claimName": job.pvc}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": job.shm_size}},
         ],
+    }
+    return {"metadata": {"labels": _metadata(job, job.name)["labels"]}, "spec": spec}
+
+
+def indexed_job(job: K8sJob) -> dict[str, Any]:
+    template = pod_template(job)
+    template["spec"] = {
+        "subdomain": job.name,  # with the headless Service: <job>-<index>.<job> resolves
+        "restartPolicy": "Never",  # podFailurePolicy needs it; the Job controller replaces failed pods
+        **template["spec"],
     }
     return {
         "apiVersion": "batch/v1",
@@ -239,14 +279,36 @@ def indexed_job(job: K8sJob) -> dict[str, Any]:
                     {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
                 ]
             },
-            "template": {"metadata": {"labels": _metadata(job, job.name)["labels"]}, "spec": pod_spec},
+            "template": template,
+        },
+    }
+
+
+def pytorch_job(job: K8sJob) -> dict[str, Any]:
+    """kubeflow.org/v1 PyTorchJob: one Master (rank 0's pod) and N-1 Workers, all the same pod."""
+
+    def replicas(count: int) -> dict[str, Any]:
+        # ExitCode: 128-255 (143: preempted and saved) restart the pod, 1-127 (2: bad input) fail the job.
+        return {"replicas": count, "restartPolicy": "ExitCode", "template": pod_template(job)}
+
+    specs = {"Master": replicas(1)}
+    if job.nodes > 1:
+        specs["Worker"] = replicas(job.nodes - 1)
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": _metadata(job, job.name),
+        "spec": {
+            "runPolicy": {"backoffLimit": job.backoff_limit},
+            "nprocPerNode": str(job.gpus_per_node),
+            "pytorchReplicaSpecs": specs,
         },
     }
 
 
 def manifests(job: K8sJob) -> list[dict[str, Any]]:
     check_job(job)
-    objects = [service(job), indexed_job(job)]
+    objects = [pytorch_job(job)] if job.flavour == "pytorchjob" else [service(job), indexed_job(job)]
     return [claim(job), *objects] if job.pvc_size else objects
 
 

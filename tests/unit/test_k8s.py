@@ -181,3 +181,159 @@ def test_entrypoint_outside_an_indexed_job_says_so():
     env = {**env, "PATH": os.environ["PATH"]}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=20)
     assert done.returncode != 0 and "JOB_COMPLETION_INDEX is unset" in done.stderr
+
+
+# ------------------------------------------------------------------------------- Kubeflow PyTorchJob
+
+# The PyTorchJob envelope as the training operator's API defines it (kubeflow.org/v1: PyTorchJobSpec and
+# ReplicaSpec / RunPolicy in pkg/apis/kubeflow.org/v1/{pytorch,common}_types.go, the checks of
+# pytorch_validation.go), written out here because kubernetes-validate knows no CRDs. Strict like the
+# Kubernetes check: a field the operator does not define is an error. The pod templates inside are checked
+# against the Kubernetes schema itself (as a v1 PodTemplate).
+_REPLICA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["replicas", "template"],
+    "properties": {
+        "replicas": {"type": "integer", "minimum": 0},
+        "restartPolicy": {"enum": ["Always", "OnFailure", "Never", "ExitCode"]},
+        "template": {"type": "object"},
+    },
+}
+PYTORCHJOB_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "kubeflow.org/v1"},
+        "kind": {"const": "PyTorchJob"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            # pytorch_validation.go: the job's name is a DNS-1035 label
+            "properties": {"name": {"type": "string", "pattern": "^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"}},
+        },
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["pytorchReplicaSpecs"],
+            "properties": {
+                "runPolicy": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "cleanPodPolicy": {"enum": ["All", "Running", "None"]},
+                        "ttlSecondsAfterFinished": {"type": "integer"},
+                        "activeDeadlineSeconds": {"type": "integer"},
+                        "backoffLimit": {"type": "integer", "minimum": 0},
+                        "schedulingPolicy": {"type": "object"},
+                        "suspend": {"type": "boolean"},
+                    },
+                },
+                "elasticPolicy": {"type": "object"},
+                "nprocPerNode": {"type": "string", "pattern": "^(auto|cpu|gpu|[1-9][0-9]*)$"},
+                "pytorchReplicaSpecs": {
+                    "type": "object",
+                    "additionalProperties": False,  # pytorch_validation.go: Master and Worker only
+                    "required": ["Master"],
+                    "properties": {
+                        "Master": {
+                            **_REPLICA,
+                            "properties": {**_REPLICA["properties"], "replicas": {"const": 1}},
+                        },
+                        "Worker": _REPLICA,
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def pytorchjob(**kw) -> dict:
+    (obj,) = manifests(job(flavour="pytorchjob", **kw))
+    return obj
+
+
+def check_pytorchjob(obj: dict) -> None:
+    import jsonschema
+
+    jsonschema.validate(obj, PYTORCHJOB_SCHEMA)
+    for kind, spec in obj["spec"]["pytorchReplicaSpecs"].items():
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": kind.lower()}}
+        kubernetes_validate.validate({**pod, "template": spec["template"]}, K8S_VERSION, strict=True)
+        # pytorch_validation.go: a container named "pytorch" with an image; envvar.go: MASTER_PORT is read
+        # from its port named "pytorchjob-port".
+        (container,) = [c for c in spec["template"]["spec"]["containers"] if c["name"] == "pytorch"]
+        assert container["image"] and [p["name"] for p in container["ports"]] == ["pytorchjob-port"]
+
+
+@pytest.mark.parametrize("options", [{}, {"nodes": 1, "namespace": "ml", "gpus": False, "pvc_size": "1Ti"}])
+def test_pytorchjob_validates_against_the_operator_api_and_the_pod_schema(options):
+    objects = manifests(job(flavour="pytorchjob", **options))
+    assert [o["kind"] for o in objects] == (["PersistentVolumeClaim"] if "pvc_size" in options else []) + [
+        "PyTorchJob"
+    ]  # the operator makes the Services
+    check_pytorchjob(objects[-1])
+    specs = objects[-1]["spec"]["pytorchReplicaSpecs"]
+    nodes = options.get("nodes", 4)
+    assert specs["Master"]["replicas"] + specs.get("Worker", {"replicas": 0})["replicas"] == nodes
+    assert ("Worker" in specs) == (nodes > 1)
+
+
+def test_the_pytorchjob_check_catches_a_broken_envelope():
+    import jsonschema
+
+    for damage in (
+        lambda o: o["spec"]["pytorchReplicaSpecs"].update(Chief=o["spec"]["pytorchReplicaSpecs"]["Worker"]),
+        lambda o: o["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2),
+        lambda o: o["spec"].update(runPolicy={"backoffLimits": 3}),
+    ):
+        broken = pytorchjob()
+        damage(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            check_pytorchjob(broken)
+    broken = pytorchjob()
+    broken["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["terminationGracePeriod"] = 600
+    with pytest.raises(kubernetes_validate.ValidationError):
+        check_pytorchjob(broken)
+
+
+def test_pytorchjob_pods_keep_the_grace_period_volume_resume_and_exit_code_policy():
+    obj = pytorchjob(name="sd-run", grace_period_s=900)
+    for spec in obj["spec"]["pytorchReplicaSpecs"].values():
+        assert spec["restartPolicy"] == "ExitCode"  # 143 (preempted, saved) restarts; 2 (bad input) fails
+        pod = spec["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == 900 and "subdomain" not in pod
+        assert {v["name"] for v in pod["volumes"]} == {"shared", "dshm"}
+        assert pod["containers"][0]["command"][-2:] == ["--resume", "auto"]
+    assert obj["spec"]["nprocPerNode"] == "8"
+    _, env = pod_command(job(name="sd-run", flavour="pytorchjob"))
+    assert env["SDZERO_MASTER_ADDR"] == "sd-run-master-0" and env["SDZERO_INDEX_VAR"] == "RANK"
+
+
+def test_entrypoint_numbers_ranks_from_the_operators_node_rank():
+    # What the operator gives Worker 1 of a 3-pod PyTorchJob (envvar.go): its node rank 2 in RANK, the
+    # pod count in WORLD_SIZE; no JOB_COMPLETION_INDEX. The entrypoint numbers 2 ranks per pod from it.
+    command, env = pod_command(job(nodes=3, gpus_per_node=2, flavour="pytorchjob"))
+    entry = command[: command.index("sdzero-pod") + 1]
+    env = {**env, "PATH": os.environ["PATH"], "SDZERO_MASTER_ADDR": "localhost", "SDZERO_DNS_WAIT_S": "1"}
+    env |= {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "sdzero-master-0", "MASTER_PORT": "29500"}
+    rank = ["sh", "-c", 'echo "rank $RANK local $LOCAL_RANK of $WORLD_SIZE at $MASTER_ADDR"']
+    done = subprocess.run([*entry, *rank], env=env, capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr
+    ranks = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert ranks == ["rank 4 local 0 of 6 at localhost", "rank 5 local 1 of 6 at localhost"]
+
+
+def test_pytorchjob_cli_and_its_bad_options(tmp_path):
+    out = tmp_path / "job.yaml"
+    args = ["k8s", "--nodes", "2", "--gpus-per-node", "1", "--flavour", "pytorchjob", "--out", str(out)]
+    result = CliRunner().invoke(app, [*args, "--", *TRAIN])
+    assert result.exit_code == 0, result.output
+    (obj,) = yaml.safe_load_all(out.read_text())
+    check_pytorchjob(obj)
+    with pytest.raises(UserError, match="--flavour 'mpijob': one of job, pytorchjob"):
+        manifests(job(flavour="mpijob"))
+    with pytest.raises(UserError, match="must start with a letter"):
+        manifests(job(flavour="pytorchjob", name="1run"))
