@@ -609,7 +609,7 @@ def advise_command(
         input_option("hostfile", note="trials and benchmark run across its hosts (measured inter-node link)"),
     ] = DEFAULTS.hostfile,
     gpus_per_node: Annotated[
-        int | None, typer.Option(help="ranks per node of the target cluster; default: this machine's.")
+        int | None, cli_option("gpus_per_node", note="of the target cluster; default: this machine's")
     ] = None,
     inter_node_gbps: Annotated[
         float | None,
@@ -657,7 +657,8 @@ def advise_command(
         typer.Option(help="recommend the largest node count keeping this scaling efficiency (0-1]."),
     ] = DEFAULT_MIN_EFFICIENCY,
     nodes: Annotated[
-        int | None, typer.Option(help="recommend for this node count instead of choosing by efficiency.")
+        int | None,
+        cli_option("nodes", note="recommend for this node count instead of choosing by efficiency"),
     ] = None,
     lr_scaling: Annotated[str, cli_option("lr_scaling")] = DEFAULTS.lr_scaling,
     lr_reference_batch: Annotated[
@@ -668,12 +669,8 @@ def advise_command(
         ),
     ] = DEFAULTS.lr_reference_batch,
     train_args: Annotated[
-        str,
-        typer.Option(
-            help="trainer options for every trial and the recommended launch, e.g. '--resolution 1024 "
-            "--gradient-checkpointing' (what changes a step's time or memory must be measured with it)."
-        ),
-    ] = "",
+        str, cli_option("train_args", note="also in the recommended launch; checked by the trainer's parser")
+    ] = DEFAULTS.train_args,
 ) -> None:
     """Measure a few trials and the network, predict 1..--max-nodes nodes, recommend a runnable config."""
     from rich.console import Console

@@ -210,8 +210,8 @@ def launch(
 )
 def slurm(
     ctx: typer.Context,
-    nodes: Annotated[int, typer.Option(help="nodes to allocate")],
-    gpus_per_node: Annotated[int, typer.Option(help="ranks (GPUs) per node")],
+    nodes: Annotated[int, cli_option("nodes")],
+    gpus_per_node: Annotated[int, cli_option("gpus_per_node")],
     time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit")] = "24:00:00",
     partition: Annotated[str | None, typer.Option(help="Slurm partition")] = None,
     account: Annotated[str | None, typer.Option(help="Slurm account")] = None,
@@ -219,9 +219,9 @@ def slurm(
     signal_lead_s: Annotated[
         int, typer.Option(help="seconds before the limit that Slurm warns (USR1): one step + a save")
     ] = 120,
-    master_port: Annotated[int, typer.Option(help="rendezvous port on the first node")] = 29500,
+    rendezvous_port: Annotated[int, cli_option("rendezvous_port")] = DEFAULTS.rendezvous_port,
     cpus_per_task: Annotated[int | None, typer.Option(help="CPU cores per rank")] = None,
-    gpus: Annotated[bool, typer.Option(help="request GPUs (--no-gpus for CPU-only partitions)")] = True,
+    gpus: Annotated[bool, cli_option("gpus")] = DEFAULTS.gpus,
 ) -> None:
     """Print a Slurm batch script that trains across the allocation, checkpoints on preemption, requeues."""
     from sdzero.slurm import SlurmJob, render
@@ -236,7 +236,7 @@ def slurm(
         account=account,
         job_name=job_name,
         signal_lead_s=signal_lead_s,
-        master_port=master_port,
+        master_port=rendezvous_port,
         cpus_per_task=cpus_per_task,
     )
     typer.echo(render(job), nl=False)
@@ -248,8 +248,8 @@ def slurm(
 )
 def k8s(
     ctx: typer.Context,
-    nodes: Annotated[int, typer.Option(help="pods (nodes) in the Indexed Job")],
-    gpus_per_node: Annotated[int, typer.Option(help="ranks (GPUs) per pod")],
+    nodes: Annotated[int, cli_option("nodes")],
+    gpus_per_node: Annotated[int, cli_option("gpus_per_node")],
     image: Annotated[str, typer.Option(help="container image with sdzero installed")] = "sdzero:latest",
     pvc: Annotated[
         str, typer.Option(help="ReadWriteMany PersistentVolumeClaim shared by the pods")
@@ -267,8 +267,8 @@ def k8s(
     grace_period_s: Annotated[
         int, typer.Option(help="seconds between SIGTERM and SIGKILL: one step + a checkpoint save")
     ] = 600,
-    master_port: Annotated[int, typer.Option(help="rendezvous port on the index-0 pod")] = 29500,
-    gpus: Annotated[bool, typer.Option(help="request nvidia.com/gpu (--no-gpus for CPU pods)")] = True,
+    rendezvous_port: Annotated[int, cli_option("rendezvous_port")] = DEFAULTS.rendezvous_port,
+    gpus: Annotated[bool, cli_option("gpus", note="nvidia.com/gpu on Kubernetes")] = DEFAULTS.gpus,
     cpu: Annotated[str | None, typer.Option(help="CPU cores per pod (request = limit)")] = None,
     memory: Annotated[str | None, typer.Option(help="memory per pod, e.g. 200Gi (request = limit)")] = None,
     flavour: Annotated[
@@ -292,7 +292,7 @@ def k8s(
         namespace=namespace,
         shm_size=shm_size,
         grace_period_s=grace_period_s,
-        master_port=master_port,
+        master_port=rendezvous_port,
         gpus=gpus,
         cpu=cpu,
         memory=memory,

@@ -273,6 +273,31 @@ class LaunchOptions:
     launcher: str = option("pdsh", "how ranks start on the hosts: pdsh (ssh) or openmpi", choices=LAUNCHERS)
 
 
+@dataclass(kw_only=True)
+class JobOptions:
+    """cluster job: what `sdzero slurm` and `sdzero k8s` write into the batch script or the manifests"""
+
+    nodes: int = option(help="nodes (Slurm) or pods (Kubernetes Indexed Job) the run spans")
+    gpus_per_node: int = option(help="ranks (GPUs) per node or pod")
+    rendezvous_port: int = option(
+        29500,
+        "rendezvous port on the first node or the index-0 pod (fixed: every rank must know it in advance)",
+        flags=("--master-port",),
+    )
+    gpus: bool = option(True, "request GPUs (--no-gpus for CPU-only partitions or pods)", negatable=True)
+
+
+@dataclass(kw_only=True)
+class TrialOptions:
+    """advisor trials: what `sdzero profile` and `sdzero advise` pass to every short real run"""
+
+    train_args: str = option(
+        "",
+        "more trainer options for every trial, e.g. '--resolution 1024 --gradient-checkpointing' (what "
+        "changes a step's time or memory must be measured with it)",
+    )
+
+
 # ------------------------------------------------------------------------------------- introspection
 
 
@@ -282,7 +307,7 @@ def _fields(groups: tuple[type, ...]) -> list[tuple[type, dataclasses.Field]]:
 
 def option_field(name: str) -> dataclasses.Field:
     """The field named `name` in the trainer's or the launcher's options."""
-    for _, f in _fields((*TRAIN_GROUPS, LaunchOptions)):
+    for _, f in _fields((*TRAIN_GROUPS, LaunchOptions, JobOptions, TrialOptions)):
         if f.name == name:
             return f
     raise KeyError(f"no option field {name!r}")
