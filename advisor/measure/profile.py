@@ -42,7 +42,7 @@ from advisor.measure.grid import (
 from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
 from sdzero.errors import UserError
 from sdzero.launch import shipped_config
-from sdzero.options import cli_option, input_option
+from sdzero.options import DEFAULTS, cli_option, input_option
 
 TRIAL_COLUMNS: tuple[str, ...] = (
     "trial_id",
@@ -491,7 +491,7 @@ def profile_command(
             "activations)."
         ),
     ] = None,
-    train_args: Annotated[str, cli_option("train_args")] = "",
+    train_args: Annotated[str, cli_option("train_args")] = DEFAULTS.train_args,
     retry_failed: Annotated[bool, typer.Option(help="run crashed and timed-out trials again.")] = False,
 ) -> None:
     """Measure throughput, memory and communication over a grid of ZeRO configs with short real runs."""
