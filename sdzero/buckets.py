@@ -116,8 +116,8 @@ def dropped_per_epoch(bucket_of: Sequence[int], n_buckets: int, global_batch: in
 class BucketBatchSampler(Sampler):
     """A DataLoader `batch_sampler`: this rank's micro-batches of (index, epoch) keys, one bucket per step.
 
-    `set_epoch(epoch, start)` takes `start` in samples, as `EpochSampler` does, so a resume skips exactly
-    the micro-batches this rank had already trained on.
+    `set_epoch(epoch, start)` takes `start` in samples taken by all ranks, as `EpochSampler` does, so a
+    resume skips exactly the steps already trained on (on any world size with the same global batch).
     """
 
     def __init__(
@@ -152,7 +152,18 @@ class BucketBatchSampler(Sampler):
         return ", ".join(f"{name}: {int(c)}" for name, c in zip(names, counts, strict=True))
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start_batches = epoch, start // self.micro_batch
+        """`start`: samples of this epoch all ranks have already taken (a resume's data position). Micro-batch
+        m of a step takes chunk[m x world x micro : (m + 1) x world x micro] over all ranks, so `start` is
+        a whole number of such rounds. The plan itself is cut into global batches: a resume on another
+        world size must keep the global batch (sdzero.run_identity checks it)."""
+        per_round = self.micro_batch * self.world_size
+        if start % per_round:
+            raise UserError(
+                f"--buckets: the checkpoint's data position ({start} samples into epoch {epoch}) is not a "
+                f"whole number of this run's {per_round} samples per micro-batch round; resume with the "
+                "original global batch (micro-batch x accumulation x ranks)"
+            )
+        self.epoch, self.start_batches = epoch, start // per_round
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         return plan_epoch(

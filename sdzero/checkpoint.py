@@ -49,6 +49,9 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STAGING_PREFIX = ".incoming-"
+UNIVERSAL_PREFIX = ".universal-"
+"""`.universal-step_N/step_N/`: DeepSpeed's universal form of checkpoint step_N, made by --resume-elastic."""
+UNIVERSAL_SOURCE = "source.json"
 EMA_DIR = "ema"
 MANIFEST_FORMAT = 1
 KILL_HOOK = "SDZERO_TEST_KILL_BEFORE_COMMIT"
@@ -210,6 +213,15 @@ def retention_victims(root: Path, keep_last: int) -> list[Path]:
     victims = [path for path, _ in complete[keep_last:]] if keep_last > 0 else []
     if root.is_dir():
         victims += sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STAGING_PREFIX))
+        # A universal conversion outlives nothing: it goes with its checkpoint (or a crashed conversion's).
+        kept = {path.name for path, _ in complete if path not in victims}
+        victims += sorted(
+            p
+            for p in root.iterdir()
+            if p.is_dir()
+            and p.name.startswith(UNIVERSAL_PREFIX)
+            and p.name[len(UNIVERSAL_PREFIX) :] not in kept
+        )
     return victims
 
 
@@ -250,23 +262,36 @@ def first_verified(
     return None
 
 
-def check_compatible(path: Path, manifest: Manifest, now: dict[str, Any]) -> None:
+def check_compatible(path: Path, manifest: Manifest, now: dict[str, Any], elastic: bool = False) -> None:
     """Stop with one line naming every difference when the checkpoint cannot be resumed exactly by this
     run (`now`: RunIdentity fields, all or some of them).
 
-    DeepSpeed partitions the optimizer state by rank; loading it into another stage, precision or world
-    size needs its universal-checkpoint conversion, which sdzero does not do, and loading weights alone
-    would silently restart Adam's moments. Another model, objective, batch shape or dataset would
-    continue a different optimisation under the same step count. So the run stops instead.
+    DeepSpeed partitions the optimizer state by rank; loading it into another world size needs its
+    universal-checkpoint conversion, which --resume-elastic asks for (`elastic`: the world size and the
+    batch shape may then differ, see sdzero.run_identity.ELASTIC); loading weights alone would silently
+    restart Adam's moments. Another stage, precision, model, objective or dataset would continue a
+    different optimisation under the same step count. So the run stops instead.
     """
-    from sdzero.run_identity import SAFE_TO_CHANGE, differences
+    from sdzero.run_identity import ELASTIC_MAY_CHANGE, SAFE_TO_CHANGE, differences
 
-    changed = differences(manifest, now)
+    changed = differences(manifest, now, elastic=elastic)
     if not changed:
         return
+    world = ELASTIC_MAY_CHANGE["world_size"]
+    elastic_only = any(c.startswith(world) for c in changed) and all(
+        any(c.startswith(label) for label in ELASTIC_MAY_CHANGE.values()) for c in changed
+    )
+    if elastic_only and not elastic:
+        raise UserError(
+            f"--resume {path}: the checkpoint was written on another world size ({'; '.join(changed)}); pass "
+            "--resume-elastic to "
+            "continue it on this world size through DeepSpeed's universal checkpoint (converted once, beside "
+            "it), or resume on the original number of ranks"
+        )
     raise UserError(
         f"--resume {path}: this run differs from the one that wrote the checkpoint: {'; '.join(changed)}. "
-        f"An exact continuation needs them unchanged (safe to change: {', '.join(SAFE_TO_CHANGE)}). Resume "
+        f"An exact continuation needs them unchanged (safe to change: {', '.join(SAFE_TO_CHANGE)}"
+        f"{'; with --resume-elastic also the world size and batch shape' if elastic else ''}). Resume "
         f"with the original settings, or start a new run from its weights: `sdzero export {path} OUT`, "
         "then --model OUT"
     )
@@ -315,6 +340,9 @@ class TrainState:
     epoch: int = 0
     batches_in_epoch: int = 0
     """Micro-batches this rank has taken from the current epoch (the same count on every rank)."""
+    samples_in_epoch: int | None = None
+    """Samples of the current epoch all ranks have taken together: the data position a resume on any world
+    size continues from (None in checkpoints of older sdzero: batches x micro-batch x world size)."""
 
 
 @dataclass
@@ -323,6 +351,9 @@ class ResumePoint:
     manifest: Manifest
     verify_s: float = 0.0
     skipped: list[str] = field(default_factory=list)
+    universal: Path | None = None
+    """--resume-elastic on another world size: the folder holding DeepSpeed's universal form of `path`
+    (as a checkpoint named like it); the engine must then be configured with load_universal."""
 
 
 def distributed_verify(path: Path, manifest: Manifest) -> list[str]:
@@ -337,7 +368,13 @@ def distributed_verify(path: Path, manifest: Manifest) -> list[str]:
 
 
 def find_resume(
-    resume: str, output_dir: Path, zero_stage: int, dtype: str, world_size: int
+    resume: str,
+    output_dir: Path,
+    zero_stage: int,
+    dtype: str,
+    world_size: int,
+    elastic: bool = False,
+    ds_raw: dict[str, Any] | None = None,
 ) -> ResumePoint | None:
     """The checkpoint to resume from, agreed by all ranks (a collective), or None for a fresh start."""
     import torch.distributed as dist
@@ -386,8 +423,14 @@ def find_resume(
         return None
     path, manifest = chosen
     # The partitioning, early (before any model loads); everything else once the run is known (load).
-    check_compatible(path, manifest, {"zero_stage": zero_stage, "dtype": dtype, "world_size": world_size})
-    return ResumePoint(path, manifest, verify_s=time.perf_counter() - start, skipped=skipped)
+    now = {"zero_stage": zero_stage, "dtype": dtype, "world_size": world_size}
+    check_compatible(path, manifest, now, elastic=elastic)
+    point = ResumePoint(path, manifest, verify_s=time.perf_counter() - start, skipped=skipped)
+    if elastic and manifest.world_size != world_size:
+        from sdzero.universal import universal_for
+
+        point.universal = universal_for(path, manifest, world_size, ds_raw or {})  # rank 0 converts
+    return point
 
 
 class Checkpointer:
@@ -494,16 +537,20 @@ class Checkpointer:
         """Restore engine, optimizer, LR schedule, EMA and this rank's RNG; every rank must call it."""
         t0 = time.perf_counter()
         path = point.path
-        check_compatible(path, point.manifest, asdict(self.ident))  # same answer on every rank
+        elastic = point.universal is not None
+        check_compatible(path, point.manifest, asdict(self.ident), elastic=elastic)  # same on every rank
+        load_from = point.universal if elastic else path.parent
         load_path, client_state = self.engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(load_from), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if load_path is None or not client_state or "sdzero" not in client_state:
             raise UserError(
                 f"--resume {path}: DeepSpeed found no model states there; is it an sdzero checkpoint?"
             )
         saved = client_state["sdzero"]
-        restore_rng(saved["rng"][self.rank])
+        # Per-sample randomness is keyed by (seed, epoch, index), not by these streams; on another world
+        # size a new rank takes the stream of the rank of its number modulo the old world size.
+        restore_rng(saved["rng"][self.rank % len(saved["rng"])])
         if self.ema is not None:
             if saved.get("ema"):
                 self.ema.load(path / EMA_DIR, self.rank)
@@ -511,16 +558,24 @@ class Checkpointer:
                 log.warning("%s has no EMA; the EMA starts from the resumed weights", path)
         elif saved.get("ema") and self.rank == 0:
             log.warning("%s holds an EMA but --ema-decay is not set; it is not carried on", path)
+        samples = saved.get("samples_in_epoch")
+        micro = point.manifest.micro_batch
+        if samples is None and micro is not None:  # an older sdzero's: micro-batches of every rank
+            samples = int(saved["batches_in_epoch"]) * micro * point.manifest.world_size
         state = TrainState(
             step=int(saved["step"]),
             epoch=int(saved["epoch"]),
             batches_in_epoch=int(saved["batches_in_epoch"]),
+            samples_in_epoch=None if samples is None else int(samples),
         )
         if self.rank == 0:
             log.info(
-                "resumed from %s (step %d) in %.2f s (verify %.2f s, load %.2f s)",
+                "resumed from %s (step %d%s) in %.2f s (verify %.2f s, load %.2f s)",
                 path,
                 state.step,
+                f", {point.manifest.world_size} -> {self.world} ranks through {point.universal}"
+                if elastic
+                else "",
                 point.verify_s + time.perf_counter() - t0,
                 point.verify_s,
                 time.perf_counter() - t0,

@@ -272,24 +272,42 @@ class CaptionedImages(Dataset):
 
 
 class EpochSampler(Sampler):
-    """A `DistributedSampler` that yields (index, epoch) keys and can start mid-epoch (for resume)."""
+    """`DistributedSampler`'s order, yielding (index, epoch) keys, that can start mid-epoch at a position
+    counted in samples taken by all ranks together, so that a resume on another world size continues the
+    same global order with no sample repeated or skipped.
+
+    The epoch's global order is the seeded permutation DistributedSampler draws (identical for every world
+    size), cut to a multiple of the world size (drop_last: every rank gets the same number of samples, so
+    no rank waits on a collective forever). Rank r takes every world-th sample of what is left after
+    `start`; with `start` 0 that is exactly DistributedSampler(drop_last=True).
+    """
 
     def __init__(self, n: int, rank: int, world_size: int, seed: int, shuffle: bool = True):
-        # drop_last: every rank gets the same number of batches, so no rank waits on a collective forever.
-        self.inner = DistributedSampler(
-            range(n), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        self.order_of = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
+        self.n, self.rank, self.world_size = n, rank, world_size
         self.epoch = 0
         self.start = 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-        self.inner.set_epoch(epoch)
+        """`start`: samples of this epoch all ranks have already taken (a resume's data position)."""
+        usable = self.n // self.world_size * self.world_size
+        if not 0 <= start <= self.n:
+            raise UserError(
+                f"the checkpoint's data position ({start} samples into epoch {epoch}) is outside this "
+                f"dataset of {self.n} samples; was the data changed?"
+            )
+        self.epoch, self.start = epoch, min(start, usable)
+        self.order_of.set_epoch(epoch)
+
+    def global_order(self) -> list[int]:
+        """The epoch's sample order over all ranks (what the ranks take between them, in turn)."""
+        return list(self.order_of)[: self.n // self.world_size * self.world_size]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        for pos, index in enumerate(self.inner):
-            if pos >= self.start:
-                yield index, self.epoch
+        rest = self.global_order()[self.start :]
+        usable = len(rest) // self.world_size * self.world_size
+        for index in rest[self.rank : usable : self.world_size]:
+            yield index, self.epoch
 
     def __len__(self) -> int:
-        return len(self.inner) - self.start
+        return (self.n // self.world_size * self.world_size - self.start) // self.world_size

@@ -87,11 +87,14 @@ def quiet_libraries(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[sdzero] %(message)s")
 
 
-def effective_ds_config(cfg: TrainConfig, ds: DsSettings) -> dict[str, Any]:
-    """The JSON handed to DeepSpeed: the user's file with the resolved LR written into the optimizer."""
+def effective_ds_config(cfg: TrainConfig, ds: DsSettings, universal: bool = False) -> dict[str, Any]:
+    """The JSON handed to DeepSpeed: the user's file with the resolved LR written into the optimizer, and
+    `checkpoint.load_universal` when resuming on another world size (sdzero.universal)."""
     config = json.loads(json.dumps(ds.raw))
     if "optimizer" in config:
         config["optimizer"].setdefault("params", {})["lr"] = cfg.effective_lr(ds)
+    if universal:
+        config.setdefault("checkpoint", {})["load_universal"] = True
     return config
 
 
@@ -175,29 +178,53 @@ def build_data(
     return dataset, sampler, loader, n_bad
 
 
+SAMPLE_LOG = "SDZERO_TEST_SAMPLE_LOG"
+"""Test hook: a folder; each rank appends the (epoch, sample indices) of every micro-batch it trains on
+to rank_<r>.jsonl there, so a test can check that resumes neither repeat nor skip a sample."""
+
+
 class Batches:
     """Endless micro-batches across epochs, calling `set_epoch` so each epoch gets a new order.
 
-    A resume starts the sampler `batches_in_epoch` micro-batches into `epoch`: no sample is read twice
-    or skipped, and none is loaded just to be thrown away.
+    The data position is kept in samples taken by all ranks together (`samples_in_epoch`), not in this
+    rank's batches: a resume starts the sampler there, on any world size, so no sample is read twice or
+    skipped, and none is loaded just to be thrown away. `batches_in_epoch` (this rank's micro-batches) is
+    what older checkpoints recorded; it stands for `batches x micro-batch x world size` samples.
     """
 
-    def __init__(self, loader: DataLoader, sampler: EpochSampler, epoch: int = 0, batches_in_epoch: int = 0):
+    def __init__(
+        self,
+        loader: DataLoader,
+        sampler: EpochSampler | BucketBatchSampler,
+        epoch: int = 0,
+        batches_in_epoch: int = 0,
+        samples_in_epoch: int | None = None,
+    ):
         self.loader, self.sampler = loader, sampler
-        self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
         per_batch = int(loader.batch_size or getattr(sampler, "micro_batch", 1))  # batch_sampler: buckets
-        self.sampler.set_epoch(epoch, start=batches_in_epoch * per_batch)
+        self.samples_per_batch = per_batch * sampler.world_size  # one micro-batch on every rank
+        if samples_in_epoch is None:
+            samples_in_epoch = batches_in_epoch * self.samples_per_batch
+        self.epoch, self.samples_in_epoch = epoch, samples_in_epoch
+        self.batches_in_epoch = samples_in_epoch // self.samples_per_batch
+        self.sampler.set_epoch(epoch, start=samples_in_epoch)
         self._it = iter(loader)
+        folder = os.environ.get(SAMPLE_LOG)
+        self._log = Path(folder) / f"rank_{sampler.rank}.jsonl" if folder else None
 
     def next(self) -> dict[str, torch.Tensor]:
         try:
             batch = next(self._it)
         except StopIteration:
-            self.epoch, self.batches_in_epoch = self.epoch + 1, 0
+            self.epoch, self.batches_in_epoch, self.samples_in_epoch = self.epoch + 1, 0, 0
             self.sampler.set_epoch(self.epoch)
             self._it = iter(self.loader)
             batch = next(self._it)
         self.batches_in_epoch += 1
+        self.samples_in_epoch += self.samples_per_batch
+        if self._log is not None:
+            with open(self._log, "a") as f:
+                f.write(json.dumps({"epoch": self.epoch, "index": batch["index"].tolist()}) + "\n")
         return batch
 
 
@@ -210,13 +237,13 @@ def make_lr_scheduler(cfg: TrainConfig, ds: DsSettings):
     )
 
 
-def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components):
+def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components, universal: bool = False):
     import deepspeed
 
     if cfg.gradient_checkpointing:
         comps.unet.enable_gradient_checkpointing()
     params = [p for p in comps.unet.parameters() if p.requires_grad]
-    config = effective_ds_config(cfg, ds)
+    config = effective_ds_config(cfg, ds, universal)
     optimizer = None
     if "optimizer" not in config:
         device_type = get_accelerator_device_type()
@@ -364,7 +391,9 @@ def run(cfg: TrainConfig) -> RunSummary:
     # early collectives (resume discovery, the image census) and frozen models would land on cuda:0.
     accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     check_shared_storage(cfg.output_dir, cfg.data, rank, world)  # a node without them: one clear error
-    point = find_resume(cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, world)  # all ranks agree
+    point = find_resume(  # all ranks agree; on another world size with --resume-elastic, converted once
+        cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, world, cfg.resume_elastic, ds.raw
+    )
     adopt_checkpoint_seed(cfg, point, rank)
     device = torch.device(accel.current_device_name())
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
@@ -378,7 +407,7 @@ def run(cfg: TrainConfig) -> RunSummary:
     dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
     dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
     attention = check_attention(cfg, comps.unet, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
-    engine, config = init_engine(cfg, ds, comps)
+    engine, config = init_engine(cfg, ds, comps, universal=point is not None and point.universal is not None)
     speed = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)
     hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, preemption)
     state = hooks.restore(point)  # a collective when resuming
@@ -402,7 +431,7 @@ def run(cfg: TrainConfig) -> RunSummary:
         )
         if isinstance(sampler, BucketBatchSampler):
             log.info("aspect-ratio buckets (height x width: images): %s", sampler.describe())
-    batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch)
+    batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch, state.samples_in_epoch)
     return train_steps(cfg, ds, comps, engine, batches, writer, prediction_type, n_bad, device, hooks)
 
 

@@ -115,14 +115,24 @@ def describe_run(cfg: Any, ds: Any, comps: Any, prediction_type: str, model_refe
     )
 
 
-def differences(saved: RunIdentity, now: dict[str, Any]) -> list[str]:
+ELASTIC_MAY_CHANGE = {key: LABELS[key] for key in ("world_size", "micro_batch", "grad_accum")}
+"""What --resume-elastic lets differ: the world size, and with it the batch shape (a lost node's ranks
+made up by accumulation, say). The data position is kept in samples, so no sample is repeated or
+skipped; DeepSpeed's universal checkpoint re-partitions the optimizer state."""
+
+
+def differences(saved: RunIdentity, now: dict[str, Any], elastic: bool = False) -> list[str]:
     """One phrase per recorded property that `now` changes. A property the checkpoint did not record
-    (written by an older sdzero) cannot be checked and is passed over."""
+    (written by an older sdzero) cannot be checked and is passed over. With `elastic`, a change of world
+    size is allowed, and so is the batch shape that comes with it (not the batch shape alone)."""
     out = []
+    new_world = now.get("world_size", saved.world_size) != saved.world_size
     for key, value in now.items():
         before = getattr(saved, key, None)
         if key in ("seed", "model") or before is None or before == value:
             continue  # the seed is adopted from the checkpoint; the model is compared by fingerprint
+        if elastic and new_world and key in ELASTIC_MAY_CHANGE:
+            continue
         if key == "objective":
             out += [
                 f"{flag} {before.get(flag)!r} -> {v!r}"
@@ -133,4 +143,12 @@ def differences(saved: RunIdentity, now: dict[str, Any]) -> list[str]:
             out.append(f"{LABELS.get(key, key)} changed")
         else:
             out.append(f"{LABELS.get(key, key)} {before} -> {value}")
+    if elastic and new_world and saved.buckets and {"micro_batch", "grad_accum"} <= set(now):
+        # Each epoch's bucket plan is cut into global batches: another one is another plan.
+        was = (saved.micro_batch or 0) * (saved.grad_accum or 0) * saved.world_size
+        is_ = now["micro_batch"] * now["grad_accum"] * now["world_size"]
+        if saved.micro_batch and saved.grad_accum and was != is_:
+            out.append(
+                f"global batch under --buckets {was} -> {is_} (keep micro-batch x accumulation x ranks)"
+            )
     return out

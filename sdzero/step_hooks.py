@@ -93,7 +93,7 @@ class StepHooks:
 
     def end_of_step(self, step: int, batches: Any, stop: bool) -> None:
         """Validation and checkpoint when due; on an agreed stop, save and raise Preempted (exit 143)."""
-        state = TrainState(step, batches.epoch, batches.batches_in_epoch)
+        state = TrainState(step, batches.epoch, batches.batches_in_epoch, batches.samples_in_epoch)
         if not stop and self.validator.due(step, final=False):
             self.validator.run(step, self.engine, self.comps, self.rank, self.device)
         every = self.cfg.checkpoint_every
@@ -114,5 +114,5 @@ class StepHooks:
         if self.validator.due(step, final=True):
             self.validator.run(step, self.engine, self.comps, self.rank, self.device)
         if self.cfg.checkpoint_every and self.saved_step != step:
-            self.checkpointer.save(TrainState(step, batches.epoch, batches.batches_in_epoch))
+            self.checkpointer.save(TrainState(step, batches.epoch, batches.batches_in_epoch, batches.samples_in_epoch))
             self.saved_step = step

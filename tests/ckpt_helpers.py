@@ -33,8 +33,10 @@ def start_trainer(
     *extra: str,
     steps: int,
     env: dict[str, str] | None = None,
+    ranks: int = 2,
 ) -> subprocess.Popen:
-    """Launch 2 ranks in the background; output goes to <out>.N.log (a pipe could fill and block them)."""
+    """Launch `ranks` ranks in the background; output goes to <out>.N.log (a pipe could fill and block
+    them)."""
     args = [
         "--deepspeed_config",
         str(config),
@@ -55,7 +57,7 @@ def start_trainer(
         n += 1
     log = open(f"{out}.{n}.log", "w")  # noqa: SIM115 (handed to the child, closed by `finish`)
     proc = subprocess.Popen(
-        deepspeed_command(args, num_gpus=2),
+        deepspeed_command(args, num_gpus=ranks),
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
@@ -80,9 +82,9 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
 
 
 def run(
-    config: Path, model: Path, data: Path, out: Path, *extra: str, steps: int, env=None
+    config: Path, model: Path, data: Path, out: Path, *extra: str, steps: int, env=None, ranks: int = 2
 ) -> tuple[int, str]:
-    return finish(start_trainer(config, model, data, out, *extra, steps=steps, env=env))
+    return finish(start_trainer(config, model, data, out, *extra, steps=steps, env=env, ranks=ranks))
 
 
 def ok(result: tuple[int, str]) -> str:

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -232,7 +233,6 @@ def test_resuming_another_stage_precision_or_world_size_stops_with_the_fix(tmp_p
     for key, value, said in [
         ("zero_stage", 3, "ZeRO stage 2 -> 3"),
         ("dtype", "fp32", "precision bf16 -> fp32"),
-        ("world_size", 4, "world size (ranks) 2 -> 4"),
     ]:
         with pytest.raises(UserError) as err:
             ck.check_compatible(
@@ -240,6 +240,24 @@ def test_resuming_another_stage_precision_or_world_size_stops_with_the_fix(tmp_p
             )
         message = str(err.value)
         assert said in message and "sdzero export" in message and "\n" not in message
+
+
+def test_another_world_size_is_refused_naming_resume_elastic_and_allowed_with_it(tmp_path):
+    """Without --resume-elastic a new world size (and the batch shape that comes with it) is one line
+    naming the flag; with it, exactly that is allowed and everything else still refused."""
+    folder = fake_checkpoint(tmp_path, 2)
+    manifest = ck.load_manifest(folder)
+    shrunk = {"zero_stage": 2, "dtype": "bf16", "world_size": 1}
+    with pytest.raises(UserError) as err:
+        ck.check_compatible(folder, manifest, shrunk)
+    assert "world size (ranks) 2 -> 1" in str(err.value) and "--resume-elastic" in str(err.value)
+    assert "\n" not in str(err.value)
+    ck.check_compatible(folder, manifest, shrunk, elastic=True)
+    with pytest.raises(UserError, match="ZeRO stage 2 -> 3") as err:
+        ck.check_compatible(folder, manifest, {**shrunk, "zero_stage": 3}, elastic=True)
+    assert "pass --resume-elastic" not in str(err.value)
+    with pytest.raises(UserError, match="ZeRO stage 2 -> 3"):  # not the flag's hint: it would not help
+        ck.check_compatible(folder, manifest, {**shrunk, "zero_stage": 3})
 
 
 def run_identity(model: Path, data: Path, tmp_path: Path, *extra: str, micro: int = 4, accum: int = 1):
@@ -505,3 +523,60 @@ def test_a_kill_between_the_renames_of_a_resaved_step_leaves_it_listed(tmp_path,
 
     saver._commit(staging, old, 4, files)  # done again, uninterrupted: one copy, the new one
     assert [(p.name, m.serial) for p, m in ck.complete_checkpoints(root)] == [(old.name, 5)]
+
+
+def test_elastic_allows_the_batch_shape_only_with_a_new_world_size():
+    from dataclasses import replace
+
+    from sdzero.run_identity import differences
+
+    saved = ck.RunIdentity(
+        zero_stage=2,
+        dtype="bf16",
+        world_size=2,
+        seed=0,
+        model="m",
+        prediction_type="epsilon",
+        micro_batch=4,
+        grad_accum=1,
+        buckets=False,
+    )
+    now = {"zero_stage": 2, "dtype": "bf16", "world_size": 1, "micro_batch": 4, "grad_accum": 2}
+    assert differences(saved, now, elastic=True) == []
+    assert differences(saved, now) == [
+        "world size (ranks) 2 -> 1",
+        "gradient accumulation (DeepSpeed JSON) 1 -> 2",
+    ]
+    same_world = {**now, "world_size": 2}  # a batch shape change alone is not what the flag is for
+    assert differences(saved, same_world, elastic=True) == ["gradient accumulation (DeepSpeed JSON) 1 -> 2"]
+    # --buckets plans each epoch in global batches: 2 x 4 x 1 = 8 must stay 8.
+    bucketed = replace(saved, buckets=True)
+    assert differences(bucketed, {**now, "buckets": True}, elastic=True) == []
+    assert differences(bucketed, {**now, "grad_accum": 1, "buckets": True}, elastic=True) == [
+        "global batch under --buckets 8 -> 4 (keep micro-batch x accumulation x ranks)"
+    ]
+
+
+def test_universal_support_follows_deepspeeds_loaders():
+    from dataclasses import replace
+
+    from sdzero.universal import unsupported
+
+    manifest = ck.load_manifest(fake_checkpoint(Path(tempfile.mkdtemp()), 2))
+    for stage in (1, 2, 3):
+        for optimizer in (None, "AdamW", "Adam"):
+            assert unsupported(replace(manifest, zero_stage=stage), optimizer) is None
+    assert unsupported(replace(manifest, zero_stage=2), "SGD") is None  # ZeRO-1/2 re-slice every state
+    assert "exp_avg" in unsupported(replace(manifest, zero_stage=3), "SGD")
+    assert "stage 0" in unsupported(replace(manifest, zero_stage=0), None)
+    assert "NVMe" in unsupported(manifest, None, nvme_offload=True)
+
+
+def test_retention_removes_a_universal_conversion_with_its_checkpoint(tmp_path):
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    for name in (".universal-step_00000002", ".universal-step_00000006", ".universal-step_00000008.tmp-1"):
+        (tmp_path / name).mkdir()
+    victims = {p.name for p in ck.retention_victims(tmp_path, keep_last=2)}
+    # step 2 goes, and its conversion with it; a crashed conversion goes; step 6's stays with step 6.
+    assert victims == {"step_00000002", ".universal-step_00000002", ".universal-step_00000008.tmp-1"}

@@ -171,10 +171,40 @@ def test_epoch_sampler_partitions_and_resumes():
     indices = [i for shard in shards for i, _ in shard]
     assert len(indices) == len(set(indices)) == 20  # drop_last: every rank gets 10, none repeats
     assert all(epoch == 4 for shard in shards for _, epoch in shard)
-    samplers[0].set_epoch(4, start=6)
+    samplers[0].set_epoch(4, start=12)  # 12 samples taken by the 2 ranks: 6 each
     assert list(samplers[0]) == shards[0][6:]
     samplers[0].set_epoch(5)
     assert list(samplers[0]) != shards[0]
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 3), (3, 2)])
+def test_epoch_sampler_resumed_on_another_world_size_neither_repeats_nor_skips(before, after):
+    """The data position is in samples of the epoch's one global order: a run stopped after k samples on
+    `before` ranks and continued on `after` ranks takes each sample of the epoch once, in that order."""
+    n, seed, epoch = 23, 7, 2
+    order = EpochSampler(n, 0, 1, seed=seed)
+    order.set_epoch(epoch)
+    full = [i for i, _ in order]  # the global order, as one rank sees it
+
+    def take(world: int, start: int, count: int) -> list[int]:
+        """`count` samples per rank from `start`, interleaved in global order (as a step takes them)."""
+        per_rank = []
+        for rank in range(world):
+            s = EpochSampler(n, rank, world, seed=seed)
+            s.set_epoch(epoch, start=start)
+            per_rank.append([i for i, _ in s][:count])
+        taken = min(len(p) for p in per_rank)  # drop_last: every rank the same number
+        assert taken == max(len(p) for p in per_rank)
+        return [per_rank[r][j] for j in range(taken) for r in range(world)]
+
+    first = take(before, 0, 3)  # 3 micro-batches of 1 on every rank
+    rest = take(after, len(first), 100)
+    seen = first + rest
+    assert len(seen) == len(set(seen))  # no sample twice
+    assert seen == full[: len(seen)]  # none skipped: a prefix of the global order
+    # Only what the batch shape cannot use is left out: the cut to a multiple of the world size, and the
+    # remainder after the resume point.
+    assert len(seen) >= n - 2 * (max(before, after) - 1)
 
 
 def test_records_keep_paths_relative_to_the_folder(tmp_path):
