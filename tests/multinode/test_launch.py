@@ -117,6 +117,7 @@ def test_deepspeed_env_merged_not_clobbered(killed_then_resumed, cluster):
 def test_openmpi_launcher_across_hosts(cluster, args, reference, tmp_path):
     if shutil.which("mpirun") is None:
         pytest.skip("Open MPI is not installed (apt-get install -y openmpi-bin libopenmpi-dev)")
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install -e '.[mpi]')")
     output = ok(
         launch(
             cluster.hostfile,
