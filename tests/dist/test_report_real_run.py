@@ -12,22 +12,12 @@ from advisor.report.train_page import load_run
 
 
 @pytest.fixture(scope="module")
-def real_fp16_run(tiny_model: Path, synth_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real 2-rank ZeRO-2 fp16 run (fp16 patched onto the CPU for tests): 6 steps, checkpoints at 3 and 6."""
-    from launch import CONFIGS, check_ok, run_trainer
+def real_fp16_run(shipped_run) -> Path:
+    """The shipped ZeRO-2 fp16 config's 2-rank run (fp16 patched onto the CPU for tests): 6 steps,
+    checkpoints at 3 and 6 (conftest.RUN_SHAPES; tests/dist/test_train.py checks the same run's metrics)."""
+    from launch import check_ok
 
-    out = tmp_path_factory.mktemp("report-run") / "fp16-run"
-    proc = run_trainer(
-        CONFIGS / "zero2_fp16.json",
-        tiny_model,
-        synth_data,
-        out,
-        "--checkpoint-every",
-        "3",
-        steps=6,
-        fp16_on_cpu=True,
-        timeout=600,
-    )
+    proc, out = shipped_run("zero2_fp16.json")
     check_ok(proc)
     return out
 
