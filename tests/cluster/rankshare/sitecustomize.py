@@ -9,8 +9,9 @@ compute would be faster than the same ranks' compute on hosts of their own. Proc
 (DataLoader workers) inherit its group. Anything that fails (not root, cgroup v2, whose groups with
 processes cannot have children with controllers) leaves the rank where it was: its host's share still holds.
 
-Works for the 1-host trial's ranks. A namespace host's ranks do not see the cgroup mounts (`ip netns exec`
-mounts a fresh /sys), so on a host with several ranks they share the host's quota (see docs/multinode.md).
+Works for the 1-host trial's ranks and for a namespace host's: the host's sshd enters the host's network
+namespace only (nsenter --net), so /sys/fs/cgroup stays visible to what it starts (`ip netns exec` would
+mount a fresh /sys and hide it, and a 2-rank host's ranks would share its quota freely).
 """
 
 from __future__ import annotations
