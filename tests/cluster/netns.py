@@ -254,14 +254,20 @@ class Cluster:
             )
             log = (d / f"sshd.{h.index}.log").open("w")
             sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+            # nsenter enters the host's network namespace only: `ip netns exec` would also mount a fresh
+            # /sys there, hiding /sys/fs/cgroup, so a host's ranks could not take a CPU group of their own
+            # (tests/cluster/rankshare) and a 2-rank host's ranks would share its quota freely.
             proc = subprocess.Popen(
                 [
-                    "ip",
-                    "netns",
-                    "exec",
-                    h.netns,
+                    "nsenter",
+                    f"--net=/run/netns/{h.netns}",
                     "unshare",
                     "--uts",
+                    # A mount namespace of its own (a copy: /sys/fs/cgroup stays), mounts flowing in only:
+                    # cluster/faults.py gives one host a private folder there, as a node without NFS.
+                    "--mount",
+                    "--propagation",
+                    "slave",
                     "sh",
                     "-c",
                     f'hostname "$0"; exec {sshd} -D -e -f {config}',
