@@ -29,6 +29,9 @@ SHARE_RTOL = 0.5
 """A host's time for the same work with all 4 hosts busy vs alone. Without quotas it is ~2x on 2 cores
 (4 hosts); with them ~1x. The bound sits half-way, so the machine's other load (shared cores, CI
 neighbours) cannot make a working quota fail it nor a missing one pass it."""
+RANK_CPUS = 0.15
+"""Per rank of the 2-slot host: the same 0.3 cores a host of the 4 gets, split between its two ranks."""
+RANKSHARE = Path(cpushare.__file__).with_name("rankshare")
 WORK = (
     "import time\nt = time.perf_counter()\nx = 0\n"
     "for i in range(1_000_000): x += i * i\n"  # ~0.08 CPU-s: ~0.27 s at 0.3 of a core
@@ -106,11 +109,46 @@ def test_a_rank_takes_its_own_share_inside_the_one_host_trial(cluster4):
     assert not group.exists()
 
 
-def test_teardown_removes_the_quota_groups():
-    small = Cluster(hosts=1, cpus_per_host=0.5).up()
-    group = small.cpu_group(small.members[0])
-    assert group.is_dir()
-    small.down()
+def rank_work(address: str, local_rank: int, cpus: float) -> subprocess.Popen:
+    """WORK started over ssh as a rank of its host would be (LOCAL_RANK, SDZERO_RANK_CPUS, rankshare)."""
+    env = f"SDZERO_RANK_CPUS={cpus} LOCAL_RANK={local_rank} PYTHONPATH={RANKSHARE}"
+    code = WORK + "\nprint(open('/proc/self/cgroup').read())"
+    return subprocess.Popen(
+        ["ssh", "-o", "BatchMode=yes", address, f'{env} {sys.executable} -c "{code}"'],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_two_rank_hosts_ranks_each_get_their_share_and_teardown_removes_the_groups():
+    """A host with 2 slots: each rank started over ssh moves into a group of its own inside the host's
+    (rankshare; the host's sshd runs in its network namespace only, so /sys/fs/cgroup is visible), and a
+    rank computes as fast with its peer busy as alone: the peer cannot lend it the host's idle share.
+    Then teardown removes the host's groups."""
+    if cpushare.detect().version != 1:
+        pytest.skip("cgroup v2: a group with processes cannot give children a cpu quota")
+    small = Cluster(hosts=1, slots=2, cpus_per_host=2 * RANK_CPUS).up()
+    try:
+        host, group = small.members[0], small.cpu_group(small.members[0])
+        assert group.is_dir()
+        alone, together = [], []
+        for _ in range(2):  # the fastest of 2: other load only ever slows a run down
+            first = rank_work(host.address, 0, RANK_CPUS)
+            out = first.communicate(timeout=60)[0]
+            assert f"/{group.name}/rank0\n" in out, out
+            alone.append(float(out.split()[0]))
+            pair = [rank_work(host.address, r, RANK_CPUS) for r in (0, 1)]
+            outs = [p.communicate(timeout=60)[0] for p in pair]
+            assert f"/{group.name}/rank1\n" in outs[1], outs[1]
+            together.append(float(outs[0].split()[0]))
+        quota, period = (
+            int((group / "rank0" / f).read_text()) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        )
+        assert quota / period == pytest.approx(RANK_CPUS, rel=1e-3)  # whole microseconds
+        # Sharing the host's 0.3 cores freely, a rank alone would run on all of it: 2x faster than paired.
+        assert min(together) / min(alone) < 1 + SHARE_RTOL, f"rank 0: {alone} s alone, {together} s paired"
+    finally:
+        small.down()
     assert not group.exists()
 
 
@@ -133,7 +171,7 @@ def test_three_host_training_run(cluster4, tiny_model, synth_data, exact_zero2, 
         "--output-dir",
         str(out),
         "--max-steps",
-        "2",
+        "1",
         "--num-workers",
         "0",
     ]
@@ -142,7 +180,7 @@ def test_three_host_training_run(cluster4, tiny_model, synth_data, exact_zero2, 
     finally:
         cluster4.set_cpus_per_host(CPUS_PER_HOST)
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2] and {r["world_size"] for r in rows} == {3}
+    assert [r["step"] for r in rows] == [1] and {r["world_size"] for r in rows} == {3}
     for h in cluster4.members[:3]:  # pdsh prefixes every line with the host that printed it
         assert f"{h.address}: " in output
     assert cluster4.members[3].address + ": " not in output
