@@ -13,6 +13,7 @@ What goes wrong on real clusters, and is checked here before any rank starts:
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shlex
@@ -30,6 +31,8 @@ from sdzero.launch import REPO_ROOT, TRAIN_SCRIPT, deepspeed_command
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$", re.ASCII)
 """Host names, IPv4 and IPv6 addresses; nothing a remote shell would interpret."""
+ZONE_ID = re.compile(r"^[A-Za-z0-9._-]+$", re.ASCII)
+"""An IPv6 zone (scope) id after '%': an interface name or number."""
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$", re.ASCII)
 """What DeepSpeed puts after `export ` in every remote command line: a shell variable name."""
 ENV_FILE = ".deepspeed_env"
@@ -124,7 +127,9 @@ def _last_line(text: str) -> str:
 
 def route_interface(host: str, master_addr: str, runner: Runner = ssh_runner) -> str:
     """The interface `host` uses to reach the master address (on the master itself: the one holding it)."""
-    command = f"ip -o -4 route get {master_addr}; ip -o -4 addr show to {master_addr}"
+    family = "-6" if ":" in master_addr else "-4"  # `ip` answers for one address family at a time
+    target = master_addr.partition("%")[0] if family == "-6" else master_addr
+    command = f"ip -o {family} route get {target}; ip -o {family} addr show to {target}"
     proc = runner(host, command)
     if proc.returncode != 0:
         raise UserError(f"could not ask {host} for its route to {master_addr}: {_last_line(proc.stderr)}")
@@ -132,7 +137,7 @@ def route_interface(host: str, master_addr: str, runner: Runner = ssh_runner) ->
     if route and route.group(1) != "lo":
         return route.group(1)
     # The master address is this host's own: route says lo; the interface holding the address is wanted.
-    owned = re.search(r"^\d+:\s+(\S+)\s+inet\s", proc.stdout, re.M)
+    owned = re.search(r"^\d+:\s+(\S+)\s+inet6?\s", proc.stdout, re.M)
     if owned:
         return owned.group(1)
     if route:
@@ -227,13 +232,33 @@ def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
     return EnvMerge(added, kept)
 
 
+def ipv6_literal(text: str) -> str | None:
+    """The IPv6 address in `text` ('fd00::1', '[fd00::1]', 'fe80::1%eth0'), unbracketed, or None.
+
+    Unbracketed is what the ranks need: DeepSpeed hands --master_addr to each rank as MASTER_ADDR, and
+    torch's env:// rendezvous gives it to TCPStore, which resolves it with getaddrinfo (brackets belong
+    in URLs, not there). A zone id is kept only if it is an interface name (it reaches remote shells)."""
+    inner = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    address, _, zone = inner.partition("%")
+    if "%" in inner and not ZONE_ID.match(zone):
+        return None
+    try:
+        ipaddress.IPv6Address(address)
+    except ValueError:
+        return None
+    return inner
+
+
 def check_master_addr(master_addr: str) -> str:
     """--master-addr goes into every rank's environment and into remote shell commands: a host name or an
-    address, nothing else, and one that resolves here."""
-    if not HOST_NAME.match(master_addr):
+    address, nothing else, and one that resolves here. Returns the address the ranks are given."""
+    ipv6 = ipv6_literal(master_addr)
+    if ipv6 is not None:
+        return ipv6
+    if not HOST_NAME.match(master_addr) or ":" in master_addr:
         raise UserError(
-            f"--master-addr {master_addr!r}: a host name or IP address only (letters, digits, '.', '-', "
-            "'_' and ':')"
+            f"--master-addr {master_addr!r}: a host name or IP address only (IPv4, or IPv6 as 'fd00::1' or "
+            "'[fd00::1]')"
         )
     return resolve(master_addr)
 
