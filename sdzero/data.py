@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -218,8 +219,8 @@ class CaptionedImages(Dataset):
         return len(self.records)
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
-        index, epoch = key
-        index, img = self._load(index)
+        requested, epoch = key
+        index, img = self._load(requested)
         rng = sample_generator(self.spec.seed, epoch, index)
         original_hw = (img.height, img.width)
         size_hw = self.sizes[index] if self.sizes else (self.spec.resolution, self.spec.resolution)
@@ -236,6 +237,9 @@ class CaptionedImages(Dataset):
             "timestep": drawn["timestep"],
             **({"flow_u": drawn["flow_u"]} if "flow_u" in drawn else {}),
             "index": torch.tensor(index, dtype=torch.long),
+            # What the sampler asked for: where it differs from `index`, the records between were found
+            # unreadable in a DataLoader worker, whose own count never reaches the rank (LateFailures).
+            "requested": torch.tensor(requested, dtype=torch.long),
             # SDXL's size/crop micro-conditioning (add_time_ids); other families ignore them.
             "original_size": torch.tensor(original_hw, dtype=torch.long),
             "crop_top_left": torch.tensor(crop_top_left, dtype=torch.long),
@@ -269,6 +273,54 @@ class CaptionedImages(Dataset):
     def late_failures(self) -> int:
         """Images skipped after the start-up check, in this process (a worker's count stays there)."""
         return len(self.failed)
+
+
+def skipped_for(requested: int, served: int, n: int) -> list[int]:
+    """Records skipped to serve `served` for `requested`: the cyclic range between them (see _load)."""
+    return [(requested + k) % n for k in range((served - requested) % n)]
+
+
+class LateFailures:
+    """Images that passed the start-up check but failed later, counted over every DataLoader worker of
+    this rank (from each batch's requested/served indices: a worker's own count stays in the worker) and
+    then over all ranks at `check`, a collective that every rank reaches at the same micro-batch (an epoch's
+    end, the run's end). The run stops there with one line once the start-up and late failures together
+    exceed --max-bad-fraction, as the start-up check alone would have stopped it."""
+
+    def __init__(self, n_readable: int, n_bad_at_start: int, max_bad_fraction: float, folder: Path) -> None:
+        self.n_readable, self.n_bad_at_start = n_readable, n_bad_at_start
+        self.max_bad_fraction, self.folder = max_bad_fraction, folder
+        self.mine: set[int] = set()
+        self.all: set[int] = set()
+
+    def note(self, batch: dict[str, torch.Tensor]) -> None:
+        if "requested" not in batch:  # a latent cache: its images were all decoded when it was built
+            return
+        pairs = zip(batch["requested"].tolist(), batch["index"].tolist(), strict=True)
+        for requested, served in pairs:
+            if requested != served:
+                self.mine.update(skipped_for(requested, served, self.n_readable))
+
+    def check(self) -> int:
+        """Gather every rank's late failures; stop (UserError, on every rank alike) over the limit. A
+        collective. Returns how many distinct images failed late on all ranks so far."""
+        import torch.distributed as dist
+
+        shares: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, sorted(self.mine))
+        new = {i for share in shares for i in share} - self.all
+        if new:
+            self.all |= new
+            log.warning("%d images failed after the start-up check so far (all ranks)", len(self.all))
+        n_total = self.n_readable + self.n_bad_at_start
+        n_bad = self.n_bad_at_start + len(self.all)
+        if n_bad / n_total > self.max_bad_fraction:
+            raise UserError(
+                f"--data {self.folder}: {n_bad} of {n_total} images are unreadable ({len(self.all)} of them "
+                f"failed during training, after the start-up check; more than {self.max_bad_fraction:.0%}); "
+                "check the folder (or raise --max-bad-fraction)"
+            )
+        return len(self.all)
 
 
 class EpochSampler(Sampler):

@@ -23,6 +23,7 @@ from sdzero.config import DsSettings, TrainConfig, load_ds_config, world_size_fr
 from sdzero.data import (
     CaptionedImages,
     EpochSampler,
+    LateFailures,
     SampleSpec,
     check_bad_fraction,
     find_unreadable,
@@ -199,8 +200,9 @@ class Batches:
         epoch: int = 0,
         batches_in_epoch: int = 0,
         samples_in_epoch: int | None = None,
+        late: LateFailures | None = None,
     ):
-        self.loader, self.sampler = loader, sampler
+        self.loader, self.sampler, self.late = loader, sampler, late
         per_batch = int(loader.batch_size or getattr(sampler, "micro_batch", 1))  # batch_sampler: buckets
         self.samples_per_batch = per_batch * sampler.world_size  # one micro-batch on every rank
         if samples_in_epoch is None:
@@ -216,16 +218,23 @@ class Batches:
         try:
             batch = next(self._it)
         except StopIteration:
+            self.check_late()  # every rank ends the epoch at the same micro-batch: a safe collective
             self.epoch, self.batches_in_epoch, self.samples_in_epoch = self.epoch + 1, 0, 0
             self.sampler.set_epoch(self.epoch)
             self._it = iter(self.loader)
             batch = next(self._it)
         self.batches_in_epoch += 1
         self.samples_in_epoch += self.samples_per_batch
+        if self.late is not None:
+            self.late.note(batch)
         if self._log is not None:
             with open(self._log, "a") as f:
                 f.write(json.dumps({"epoch": self.epoch, "index": batch["index"].tolist()}) + "\n")
         return batch
+
+    def check_late(self) -> int:
+        """Images that failed after the start-up check, on all ranks (a collective; see LateFailures)."""
+        return self.late.check() if self.late is not None else 0
 
 
 def make_lr_scheduler(cfg: TrainConfig, ds: DsSettings):
@@ -431,7 +440,8 @@ def run(cfg: TrainConfig) -> RunSummary:
         )
         if isinstance(sampler, BucketBatchSampler):
             log.info("aspect-ratio buckets (height x width: images): %s", sampler.describe())
-    batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch, state.samples_in_epoch)
+    late = LateFailures(len(dataset), n_bad, cfg.max_bad_fraction, cfg.data) if cache is None else None
+    batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch, state.samples_in_epoch, late)
     return train_steps(cfg, ds, comps, engine, batches, writer, prediction_type, n_bad, device, hooks)
 
 
@@ -504,6 +514,7 @@ def train_steps(
         hooks.end_of_step(step, batches, stop)  # validation, checkpoint; on stop: save, then exit 143
     log_.flush()
     bar.close()
+    n_bad += batches.check_late() if isinstance(batches, Batches) else 0  # the last epoch's late failures
     hooks.finish(max(first - 1, cfg.max_steps), batches)
     probe.finish()  # a collective when profiling: every rank reports its memory figures
     metrics_path = str(cfg.output_dir / "metrics.jsonl")

@@ -13,6 +13,7 @@ from PIL import Image
 from sdzero.data import (
     CaptionedImages,
     EpochSampler,
+    LateFailures,
     Record,
     SampleSpec,
     check_bad_fraction,
@@ -211,3 +212,52 @@ def test_records_keep_paths_relative_to_the_folder(tmp_path):
     folder = make_folder(tmp_path, n=1)
     assert read_metadata(folder) == [Record(folder / "0.png", "image 0")]
     assert np.asarray(Image.open(read_metadata(folder)[0].path)).shape == (32, 40, 3)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path_factory):
+    """A one-rank gloo group, for LateFailures' collective."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_path, one_rank_group):
+    """Images that break after the start-up check, met by two DataLoader workers (each keeps its own
+    count, which never reaches the rank): the rank counts each once, from the batches, and at the epoch's
+    end the run stops in one line once they exceed --max-bad-fraction."""
+    from torch.utils.data import DataLoader
+
+    from sdzero.loop import Batches
+
+    folder = make_folder(tmp_path, n=12)
+    records = read_metadata(folder)
+    for i in (3, 4, 9):  # readable at the start-up check, broken by the time a worker opens them
+        (folder / f"{i}.png").write_bytes(b"")
+
+    def epoch(max_bad_fraction: float) -> tuple[Batches, LateFailures]:
+        sampler = EpochSampler(len(records), 0, 1, seed=1)
+        loader = DataLoader(
+            CaptionedImages(records, spec(), tokens), batch_size=2, sampler=sampler, num_workers=2
+        )
+        late = LateFailures(len(records), 1, max_bad_fraction, folder)  # 1 more failed at start-up
+        batches = Batches(loader, sampler, late=late)
+        for _ in range(6):  # the whole epoch: 12 records, 2 per micro-batch
+            batches.next()
+        return batches, late
+
+    batches, late = epoch(0.5)
+    assert late.mine == {3, 4, 9}  # counted once each, whichever worker met them (and however often)
+    assert batches.check_late() == 3
+    with pytest.raises(UserError) as err:
+        batches, _ = epoch(0.3)  # (1 + 3) / 13 > 30%
+        batches.next()  # the next epoch starts: every rank checks together at the boundary
+    message = str(err.value)
+    assert "4 of 13 images are unreadable (3 of them failed during training" in message
+    assert "--max-bad-fraction" in message and "\n" not in message
