@@ -261,3 +261,30 @@ def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_p
     message = str(err.value)
     assert "4 of 13 images are unreadable (3 of them failed during training" in message
     assert "--max-bad-fraction" in message and "\n" not in message
+
+
+def test_bucket_sampler_resumed_on_another_world_size_with_the_same_global_batch():
+    """--buckets: 2 ranks x micro 2 x accumulation 1, stopped after 3 steps, continued on 1 rank x micro 2
+    x accumulation 2 (the same global batch of 4): every step trains on the samples the uninterrupted
+    2-rank run would have, none repeated or skipped."""
+    from sdzero.buckets import BucketBatchSampler
+
+    bucket_of = [i % 3 for i in range(40)]
+
+    def steps(micro: int, accum: int, world: int, start: int) -> list[set[int]]:
+        per_rank = []
+        for rank in range(world):
+            s = BucketBatchSampler(bucket_of, 3, micro, accum, rank, world, seed=3)
+            s.set_epoch(1, start=start)
+            per_rank.append([[i for i, _ in batch] for batch in s])
+        n_steps = len(per_rank[0]) // accum
+        return [
+            {i for r in per_rank for batch in r[k * accum : (k + 1) * accum] for i in batch}
+            for k in range(n_steps)
+        ]
+
+    uninterrupted = steps(2, 1, 2, 0)
+    resumed = steps(2, 1, 2, 0)[:3] + steps(2, 2, 1, start=3 * 4)
+    assert resumed == uninterrupted and len(uninterrupted) > 4
+    with pytest.raises(UserError, match="not a whole number"):
+        steps(4, 1, 1, start=6)  # inside a micro-batch round: another global batch's position
