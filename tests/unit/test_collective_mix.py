@@ -175,3 +175,25 @@ def test_the_error_is_given_by_micro_batch_accumulation_and_node_count():
     assert by_accum.loc[1, "mape"] == pytest.approx(0.05) and by_accum.loc[4, "mape"] == pytest.approx(0.1)
     assert list(by_accum["trials"]) == [2, 1]  # the row fitted on (held_out false) does not count
     assert list(error_by(validation, "node_count")["node_count"]) == [1]
+
+
+def test_cuda_trials_measure_the_windows_and_cpu_trials_hide_nothing():
+    """A CUDA trial (torch.cuda saw a peak) runs collectives on DeepSpeed's side stream: its forward and
+    backward phases, less the collectives logged inside them, become the windows, as shares of the
+    per-micro-step compute. A CPU trial gets no windows: at 8 nodes all of ZeRO-3's cost is exposed."""
+    phases = {"forward_s": 0.12, "backward_s": 0.24, "optimizer_s": 0.1}
+    gpu = fit_time_model(
+        pd.DataFrame([one_rank_zero3_trial(cuda_peak_bytes=1e9, **phases)]), NET, NUMELS, ZERO
+    )
+    cpu = fit_time_model(
+        pd.DataFrame([one_rank_zero3_trial(cuda_peak_bytes=None, **phases)]), NET, NUMELS, ZERO
+    )
+    assert gpu.side_stream and not cpu.side_stream
+    per_micro = gpu.compute_per_micro_s(3, "bf16", 2)
+    per_micro -= gpu.once_s(3, "bf16", "none", per_micro)
+    forward, backward = gpu.phase_shares[(3, "bf16", "none")]
+    assert (forward * per_micro, backward * per_micro) == pytest.approx((0.12, 0.24))
+    on_cpu = cpu.predict(3, "bf16", 2, 1, 8, NET)
+    assert on_cpu.exposed_comm_s == pytest.approx(on_cpu.comm_s)
+    on_gpu = gpu.predict(3, "bf16", 2, 1, 8, NET)
+    assert on_gpu.exposed_comm_s < on_cpu.exposed_comm_s  # its prefetched gathers hid behind forward
