@@ -223,6 +223,8 @@ class AlphaBetaFit:
     """Latency per call when many calls are in flight at once (the sweep's burst; all-gather only):
     what each of ZeRO-3's back-to-back parameter gathers costs besides its bytes. None: not measured."""
     burst_in_flight: int = 0
+    largest_time_s: float | None = None
+    """Median time of the largest size fitted (None: a fit recorded before it was kept)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -237,6 +239,17 @@ class AlphaBetaFit:
         hides part of its latency under the transfer, and under-reads the cost per byte (a 4-host gloo
         all-reduce through 1 Gbit/s links read 1.2 Gbit/s busbw with 2 MiB its largest size)."""
         return self.beta_s_per_byte * self.max_bytes >= BANDWIDTH_BOUND * self.alpha_s
+
+    @property
+    def sure_bandwidth_gbps(self) -> float:
+        """The busbw the slope may claim, at most: where the sweep stopped short of the bandwidth regime
+        (`bandwidth_bound`), the largest size's own busbw (its whole time, latency included, spent on its
+        bytes), a rate the link surely reaches; the slope there can read a 200 Mbit/s link as 1.8 Gbit/s
+        (4 hosts swept to 512 KiB, all in the latency regime). Otherwise the slope's."""
+        if self.bandwidth_bound or not self.largest_time_s:
+            return self.bandwidth_gbps
+        sure = busbw_gbps(self.wire_collective, self.ranks, self.max_bytes, self.largest_time_s)
+        return min(self.bandwidth_gbps, sure)
 
     @property
     def latency_us(self) -> float:
@@ -332,6 +345,9 @@ def fit_table(table: pd.DataFrame) -> list[AlphaBetaFit]:
                 clamped=line.clamped,
                 emulated=bool(group["emulated"].astype(bool).any()),
                 noisy_points_dropped=len(group) - len(used),
+                largest_time_s=float(
+                    used.loc[used["size_bytes"] == used["size_bytes"].max(), "time_s"].median()
+                ),
                 **_burst_latency(bursts, values, line.beta_s_per_byte),
             )
         )

@@ -178,17 +178,23 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
         chosen = [f for f in chosen if f.library == library] or chosen
     if not chosen:
         return None
-    chosen.sort(key=lambda f: f.bandwidth_gbps)
+    # A fit whose sweep stopped short of the bandwidth regime gives the rate it surely reached, not its
+    # slope (AlphaBetaFit.sure_bandwidth_gbps).
+    chosen.sort(key=lambda f: f.sure_bandwidth_gbps)
     mid = chosen[len(chosen) // 2]
     latencies = sorted(f.hop_latency_us for f in chosen)
     own = tuple(
         CollectiveFigures(
-            f.collective, f.bandwidth_gbps * GB, f.hop_latency_us * 1e-6, f.burst_hop_latency_s, f.emulated
+            f.collective,
+            f.sure_bandwidth_gbps * GB,
+            f.hop_latency_us * 1e-6,
+            f.burst_hop_latency_s,
+            f.emulated,
         )
         for f in chosen
     )
     return Link(
-        mid.bandwidth_gbps * GB,
+        mid.sure_bandwidth_gbps * GB,
         latencies[len(latencies) // 2] * 1e-6,
         f"measured, {mid.library}, comm_fit.json",
         own,
@@ -239,8 +245,8 @@ def build_network(
             notes.append(
                 "inter-node sweep stopped before the bandwidth regime for "
                 + ", ".join(sorted(set(thin)))
-                + " (its largest size spent less on bytes than twice the latency): the busbw may over-read; "
-                "probe larger sizes (sdzero comm --max-bytes, a longer --budget-s)"
+                + " (its largest size spent less on bytes than twice the latency): costed at the busbw that "
+                "size reached, a lower bound; probe larger sizes (sdzero comm --max-bytes, a longer --budget-s)"
             )
     else:
         bandwidth = inter_node_gbps / 8 * GB if inter_node_gbps else named.busbw_gbyte_s * GB

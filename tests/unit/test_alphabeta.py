@@ -256,3 +256,33 @@ def test_a_sweep_short_of_the_bandwidth_regime_is_flagged() -> None:
     assert not _gloo_fit("all_reduce", max_bytes=2**21).bandwidth_bound
     assert _gloo_fit("all_reduce", max_bytes=2**26).bandwidth_bound
     assert _gloo_fit("all_reduce", max_bytes=2**21).to_dict()["bandwidth_bound"] is False
+
+
+def test_a_sweep_in_the_latency_regime_is_costed_at_the_rate_it_surely_reached() -> None:
+    """4 hosts through 200 Mbit/s links swept to 512 KiB (the probe's budget): all-reduce flat at 14.5 ms
+    up to 256 KiB, 32.2 ms at 512 KiB. The slope over the top sizes reads ~1.8 Gbit/s; the link is costed
+    at the largest size's own busbw, 1.5 x 512 KiB / 32.2 ms = 0.195 Gbit/s."""
+    from advisor.model.network import link_from_fits
+
+    sizes = [4096 * 2**k for k in range(8)]
+    times = [0.0145] * 7 + [0.0322]
+    table = pd.DataFrame(
+        {
+            "backend": "torch",
+            "library": "gloo",
+            "collective": "all_reduce",
+            "link_level": "inter",
+            "ranks": 4,
+            "nodes": 4,
+            "size_bytes": sizes,
+            "time_s": times,
+            "correct": True,
+            "emulated": False,
+        }
+    )
+    (fit,) = fit_table(table)
+    assert not fit.bandwidth_bound and fit.bandwidth_gbps * 8 > 1.0
+    assert fit.sure_bandwidth_gbps * 8 == pytest.approx(1.5 * 2**19 * 8 / 0.0322 / 1e9)
+    link = link_from_fits([fit], "inter")
+    assert link.busbw_bytes_s == pytest.approx(fit.sure_bandwidth_gbps * 1e9)
+    assert link.figures("all_reduce").busbw_bytes_s == pytest.approx(fit.sure_bandwidth_gbps * 1e9)
