@@ -73,6 +73,7 @@ class Premade:
 
     def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
+        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.loop.Batches)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = self.batches[self.i % len(self.batches)]
