@@ -83,7 +83,12 @@ def parse_args() -> argparse.Namespace:
         default=0.4,
         help="CPU quota per rank in cores (a host gets ranks x this); 0: no quota",
     )
-    p.add_argument("--comm-budget-s", type=float, default=8.0, help="per link probe")
+    p.add_argument(
+        "--comm-budget-s",
+        type=float,
+        default=16.0,
+        help="per link probe; 8 s stopped a 4-host sweep at 512 KiB, short of the bandwidth regime",
+    )
     p.add_argument("--round", type=int, default=1, help="round label of this chunk's cases in scaleout.csv")
     p.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
     p.add_argument("--table", default="scaleout.csv", help="the CSV in --work that the cases go to")
