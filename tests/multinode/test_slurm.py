@@ -18,6 +18,7 @@ from sdzero.cli import app
 from sdzero.metrics import read_metrics
 
 SHIMS = Path(__file__).resolve().parents[1] / "cluster" / "slurm_shims"
+STEPS = 12
 TRAIN = ["--deepspeed_config", "ds.json", "--model", "m", "--data", "d", "--output-dir", "runs/a"]
 
 
@@ -71,7 +72,9 @@ def test_bad_options_exit_2(options, train, expected):
 
 @pytest.mark.multinode
 def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path):
-    config_args = args(tmp_path / "run", 30)  # absolute paths; the script adds --resume auto
+    # absolute paths; the script adds --resume auto. 12 steps: the warning comes after step 2, and the
+    # ranks save at the next step boundary, far before the end; the requeued job trains the rest.
+    config_args = args(tmp_path / "run", STEPS)
     rendered = render(
         "--nodes",
         "2",
@@ -109,7 +112,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path)
     assert "got SIGUSR1" in output and "after a preemption warning; requeueing job 4242" in output
     assert "preempted: checkpoint of step" in output  # the ranks saved before stopping
     saved = [m.step for _, m in ck.complete_checkpoints(ck.checkpoint_root(out))]
-    assert len(saved) == 1 and 2 <= saved[0] < 30
+    assert len(saved) == 1 and 2 <= saved[0] < STEPS
     assert (out / "hostfile.4242").read_text() == "".join(f"{h.address} slots=1\n" for h in cluster.members)
 
     second = start(
@@ -118,7 +121,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path)
     code, output = finish(second, timeout=300)
     assert code == 0, output[-4000:]
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
-    assert steps == list(range(saved[0] + 1, 31))
+    assert steps == list(range(saved[0] + 1, STEPS + 1))
     assert (tmp_path / "shim.log").read_text() == "requeue 4242\n"  # no second requeue
 
 
