@@ -147,6 +147,7 @@ class Premade:
 
     def __init__(self, batches: list[dict[str, Any]]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
+        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.loop.Batches)
 
     def next(self) -> dict[str, Any]:
         self.i += 1
