@@ -114,5 +114,7 @@ class StepHooks:
         if self.validator.due(step, final=True):
             self.validator.run(step, self.engine, self.comps, self.rank, self.device)
         if self.cfg.checkpoint_every and self.saved_step != step:
-            self.checkpointer.save(TrainState(step, batches.epoch, batches.batches_in_epoch, batches.samples_in_epoch))
+            self.checkpointer.save(
+                TrainState(step, batches.epoch, batches.batches_in_epoch, batches.samples_in_epoch)
+            )
             self.saved_step = step
