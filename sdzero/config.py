@@ -22,15 +22,6 @@ from sdzero.options import (
     PREDICTION_TYPES,
     TRAIN_GROUPS,
     WEIGHTING_SCHEMES,
-    CheckpointOptions,
-    DataOptions,
-    ExportOptions,
-    FlowOptions,
-    ObjectiveOptions,
-    ProfileOptions,
-    RunOptions,
-    SpeedOptions,
-    ValidationOptions,
     argv_parser,
 )
 
@@ -205,17 +196,7 @@ def _resolve_batch_triple(
 
 
 @dataclass(kw_only=True)
-class TrainConfig(
-    RunOptions,
-    ObjectiveOptions,
-    FlowOptions,
-    DataOptions,
-    CheckpointOptions,
-    ValidationOptions,
-    ExportOptions,
-    ProfileOptions,
-    SpeedOptions,
-):
+class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in sdzero.options
     """Run options: what the DeepSpeed JSON does not say. Every field, its default and its help is declared
     once, in the option groups of sdzero.options; this class adds the checks and the derived settings."""
 
