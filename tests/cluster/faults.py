@@ -6,12 +6,6 @@ of its own (netns.py: `unshare --mount --propagation slave`: the machine's mount
 back out), and every process started over ssh inherits it. A bind mount made in that namespace
 (`nsenter --mount`) over the folder is therefore seen by that host alone.
 
-No name server answers inside the namespaces (the machine's resolv.conf names one they cannot reach), so
-every lookup of a name that is not in /etc/hosts, or of an address (reverse), waits 10 s for the resolver's
-timeout: gloo's rendezvous makes such lookups, and each doctor probe took 14 s. `failing_dns` binds a
-resolv.conf naming 127.0.0.1 in every host, where nothing listens: lookups fail at once, as a real
-cluster's DNS answers at once.
-
 A slower link is a token bucket on both directions of one host's leg to the bridge: its `eth0` (what it
 sends) and its veth on the bridge side (what it receives), so every pair this host is in runs at `rate`
 and the other pairs are untouched. `Cluster.shape` limits all hosts alike; this limits one.
@@ -34,17 +28,6 @@ def private_folder(cluster: Cluster, host: Host, folder: Path, backing: Path) ->
     backing.mkdir(parents=True, exist_ok=True)
     with bind(host, backing, folder):
         yield backing
-
-
-@contextlib.contextmanager
-def failing_dns(cluster: Cluster, scratch: Path) -> Iterator[None]:
-    """Within the block, a name lookup on any host fails at once instead of after 10 s (see above)."""
-    resolv = scratch / "resolv.conf"
-    resolv.write_text("nameserver 127.0.0.1\n")
-    with contextlib.ExitStack() as stack:
-        for host in cluster.members:
-            stack.enter_context(bind(host, resolv, Path("/etc/resolv.conf")))
-        yield
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 from cluster import Cluster, ClusterUnavailable, unavailable_reason
-from cluster.faults import failing_dns, private_folder, slow_link
+from cluster.faults import private_folder, slow_link
 from cluster.launching import SDZERO
 
 pytestmark = pytest.mark.multinode
@@ -40,10 +40,7 @@ def test_doctor_names_the_private_folder_and_the_slow_node(three_hosts, synth_da
     first, slow, private = cluster.members
     out = tmp_path / "out"
     slow_link(cluster, slow, SLOW_RATE)
-    with (
-        failing_dns(cluster, tmp_path),
-        private_folder(cluster, private, out, tmp_path / "private-out") as backing,
-    ):
+    with private_folder(cluster, private, out, tmp_path / "private-out") as backing:
         proc = subprocess.run(
             [
                 SDZERO,
