@@ -12,19 +12,15 @@ model and synthetic data are written into <out>/ first, so `sdzero advise --max-
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import pandas as pd
-import typer
 
+from advisor.inputs import check_train_args, default_inputs
 from advisor.measure.grid import (
     GridPlan,
     GridRequest,
@@ -37,26 +33,18 @@ from advisor.measure.grid import (
 )
 from advisor.model.error import ERROR_EXPLAINED, check_rows, error_summary, fit_models, validation_table
 from advisor.model.memory import ZeroSettings, trained_numels
-from advisor.model.network import PRESETS, Network, build_network
-from advisor.model.predict import (
-    BatchTarget,
-    Candidate,
-    check_reachable,
-    grad_accum_for,
-    node_counts,
-    predict_table,
-)
+from advisor.model.network import Network, build_network
+from advisor.model.predict import BatchTarget, Candidate, check_reachable, grad_accum_for, predict_table
 from advisor.model.recommend import launch_command, recommend, what_would_fit
-from advisor.model.scaling import (
-    DEFAULT_MIN_EFFICIENCY,
-)
+from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY
 from advisor.model.search import check_specs, run_search
+from advisor.scaleout_check import prepare_hostfile, scaleout_check
+from advisor.target import check_options, device_memory_bytes, target_differs, target_memory
 from sdzero.constants import GIB
 from sdzero.errors import UserError
 from sdzero.io import write_csv_atomic, write_json_atomic
-from sdzero.lr import DEFAULT_LR_SCALING, check_rule
+from sdzero.lr import DEFAULT_LR_SCALING
 from sdzero.lr import reference_batch as lr_reference_batch_of
-from sdzero.options import DEFAULTS, cli_option, input_option
 
 CPU_GRID = GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
 """On a CPU: 12 grid points, of which the search measures about 5 (a few minutes on 2 cores)."""
@@ -70,141 +58,6 @@ class AdviseResult:
     full_grid: int
     report: Path | None
     notes: list[str] = field(default_factory=list)
-
-
-TARGET_GPUS = {
-    "a100-40gb": 40.0,
-    "a100-80gb": 80.0,
-    "h100-80gb": 80.0,
-    "h100-94gb": 94.0,
-    "h200": 141.0,
-    "l40s": 48.0,
-    "a10g": 24.0,
-    "l4": 24.0,
-    "v100-32gb": 32.0,
-    "rtx4090": 24.0,
-}
-"""--target-gpu names and their memory in GiB (the vendors' nominal figure; the usable part is smaller,
-which --headroom accounts for)."""
-
-
-def check_options(
-    max_nodes: int,
-    headroom: float,
-    device_memory_gib: float | None,
-    lr_scaling: str,
-    budget_minutes: float | None,
-    min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
-    fixed_nodes: int | None = None,
-    target_gpu: str | None = None,
-) -> list[int]:
-    """The node counts to predict (1, 2, 4, ... --max-nodes, and --nodes); bad values raise UserError."""
-    nodes = node_counts(max_nodes)
-    if not 0 <= headroom < 1:
-        raise UserError(f"--headroom {headroom}: a fraction in [0, 1), e.g. 0.1 keeps 10% of memory free")
-    if device_memory_gib is not None and not device_memory_gib > 0:
-        raise UserError(f"--device-memory-gib {device_memory_gib}: must be a positive number of GiB")
-    check_rule(lr_scaling)
-    if budget_minutes is not None and not budget_minutes > 0:
-        raise UserError(f"--budget-minutes {budget_minutes}: must be a positive number of minutes")
-    if not 0 < min_efficiency <= 1:
-        raise UserError(f"--min-efficiency {min_efficiency}: a fraction in (0, 1], e.g. 0.8")
-    if target_gpu is not None and target_gpu.lower() not in TARGET_GPUS:
-        raise UserError(
-            f"--target-gpu {target_gpu!r}: unknown; choose from {', '.join(TARGET_GPUS)} "
-            "or give --device-memory-gib"
-        )
-    if fixed_nodes is not None:
-        node_counts(fixed_nodes)  # the same bounds as --max-nodes
-        nodes = sorted({*nodes, fixed_nodes})
-    return nodes
-
-
-def target_differs(
-    device: dict[str, Any], ranks: int, gpus_per_node: int | None, target_gpu: str | None
-) -> str | None:
-    """Why the trials' device is not the target's (None when the target is nodes like this one)."""
-    here = "a CPU" if device["device"] == "cpu" else f"{ranks} {device['device']} device(s)"
-    if target_gpu is not None:
-        return f"the trials ran on {here}; the target is {target_gpu} GPUs"
-    if device["device"] == "cpu" and gpus_per_node is not None:
-        return f"the trials ran on {here}; the target has {gpus_per_node} GPUs per node (--gpus-per-node)"
-    if device["device"] != "cpu" and gpus_per_node is not None and gpus_per_node != ranks:
-        return f"the trials ran on {here}; the target has {gpus_per_node} per node (--gpus-per-node)"
-    return None
-
-
-def target_memory(
-    differs: str | None, device_memory_gib: float | None, target_gpu: str | None
-) -> tuple[float, str] | None:
-    """(GiB, where it comes from) for a target unlike this machine; refuses when nothing gives it."""
-    if device_memory_gib:
-        return device_memory_gib, "assumed (user figure: --device-memory-gib)"
-    if target_gpu:
-        return TARGET_GPUS[target_gpu.lower()], f"assumed (--target-gpu {target_gpu.lower()} nominal memory)"
-    if differs:
-        raise UserError(
-            f"{differs}: give the target's device memory with --device-memory-gib (or --target-gpu "
-            f"{'/'.join(TARGET_GPUS)}) so memory is predicted for it, not for this machine"
-        )
-    return None
-
-
-def device_memory_bytes(device: dict[str, Any], ranks_per_node: int) -> tuple[float, str]:
-    """A GPU's total memory, or on a CPU the host's memory shared by the node's ranks."""
-    if device["device"] != "cpu":
-        code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        if out.returncode == 0 and out.stdout.strip().isdigit():
-            return float(out.stdout.strip()), f"{device['device']} device 0 total memory"
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return float(total) / ranks_per_node, f"host memory / {ranks_per_node} ranks (no accelerator)"
-
-
-ADVISOR_OWNED = (
-    "--deepspeed_config",
-    "--model",
-    "--data",
-    "--output-dir",
-    "--max-steps",
-    "--profile-out",
-    "--profile-warmup-steps",
-    "--local_rank",
-)
-"""Trainer options every trial sets itself: --train-args may not change them."""
-
-
-def check_train_args(train_args: Sequence[str] | str) -> tuple[str, ...]:
-    """The user's extra trainer options (--resolution, --cache-dir, --gradient-checkpointing, ...), which
-    change what a step costs and so must be measured; checked by the trainer's own parser, and refused if
-    they take over what the trials set."""
-    from sdzero.config import build_parser, given_train_options
-
-    args = tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args)
-    given = given_train_options(args, "--train-args")
-    owned = {build_parser()._option_string_actions[flag].dest for flag in ADVISOR_OWNED}
-    for dest, name in given.items():
-        if dest in owned:
-            raise UserError(
-                f"--train-args: {name} is set by the advisor for every trial (use --model, --data or "
-                "--deepspeed-config of `sdzero advise` instead, or leave it out)"
-            )
-    return args
-
-
-def default_inputs(out_dir: Path, model: str | None, data: Path | None) -> tuple[str, Path]:
-    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
-
-    if model is None:
-        model_dir = out_dir / "model"
-        if not (model_dir / "model_index.json").exists():
-            write_tiny_model(model_dir)
-        model = str(model_dir)
-    if data is None:
-        data = out_dir / "data"
-        if not (data / "metadata.jsonl").exists():
-            write_synthetic_dataset(data, images=64, size=40)
-    return model, Path(data)
 
 
 def trial_runner(
@@ -510,58 +363,6 @@ def run_advise(
     return AdviseResult(out_dir, recommendation, len(trials), search.full_grid, report, notes)
 
 
-def prepare_hostfile(hostfile: Path | None, say: Callable[[str], None]) -> list[Any]:
-    """Check the hosts (as `sdzero launch` does) and write the .deepspeed_env their ranks need."""
-    if hostfile is None:
-        return []
-    from sdzero.hosts import prepare_hosts
-
-    entries, master, interface, env_file, merge = prepare_hosts(Path(hostfile))
-    say(
-        f"{len(entries)} hosts; master {master} over {interface}; {env_file}: added {sorted(merge.added) or 'nothing'}"
-    )
-    return entries
-
-
-def scaleout_check(
-    best: Any,
-    base: dict[str, Any],
-    settings: Any,
-    hostfile: Path,
-    hosts: list[Any],
-    fit_path: Path,
-    out_dir: Path,
-    say: Callable[[str], None],
-) -> dict[str, Any]:
-    """Predict the recommended config on the hostfile's hosts from a 1-host trial plus the measured link,
-    then run it there: the prediction's error, measured, in recommendation.json and scaleout.csv."""
-    from dataclasses import replace
-
-    from advisor.measure.grid import TrialSpec
-    from advisor.model.scaleout import check_config, rows_table
-
-    slots = hosts[0].slots
-    if any(h.slots != slots for h in hosts):
-        return {"skipped": "hosts with different slots= counts; the check needs the same ranks on each"}
-    spec = TrialSpec(
-        int(best["zero_stage"]), str(best["dtype"]), int(best["micro_batch"]), str(best["offload"]), slots
-    )
-    remote = replace(settings, hostfile=Path(hostfile).resolve(), hosts=len(hosts))
-    say(
-        f"scale-out check: {spec.trial_id} on 1 host x {len(hosts) * slots} ranks, then {len(hosts)} hosts x {slots}"
-    )
-    try:
-        row, _ = check_config(spec, base, settings, remote, fit_path, len(hosts), slots, out_dir / "scaleout")
-    except RuntimeError as exc:
-        return {"failed": str(exc).splitlines()[0]}
-    rows_table([row]).to_csv(out_dir / "scaleout.csv", index=False)
-    say(
-        f"scale-out check: predicted {row.predicted_step_s:.3f} s/step, measured {row.measured_step_s:.3f} s "
-        f"({row.error:+.1%})"
-    )
-    return {**vars(row), "error": row.error}
-
-
 def _environment(
     memory_bytes: float, source: str, headroom: float, target: Network, measured: Network, notes: list[str]
 ) -> dict[str, Any]:
@@ -580,127 +381,3 @@ def _environment(
         "measured_network": measured.describe(),
         "notes": notes,
     }
-
-
-def advise_command(
-    max_nodes: Annotated[int, typer.Option(help="Predict for 1, 2, 4, ... up to this many nodes.")] = 32,
-    model: Annotated[
-        str | None, input_option("model", note="default: the embedded tiny model, written into --out")
-    ] = None,
-    data: Annotated[
-        Path | None, input_option("data", note="default: synthetic data written into --out")
-    ] = None,
-    deepspeed_config: Annotated[
-        Path | None,
-        input_option("deepspeed_config", note="the base of every trial; default ds_configs/zero2_bf16.json"),
-    ] = None,
-    out: Annotated[
-        Path,
-        typer.Option(
-            "--out", "-o", help="folder for trials, benchmark, predictions, recommendation, report."
-        ),
-    ] = Path("reports/advise"),
-    budget_minutes: Annotated[
-        float | None,
-        typer.Option(help="wall-clock budget for trials and benchmark (default 5 on a CPU, 30 on GPUs)."),
-    ] = None,
-    hostfile: Annotated[
-        Path | None,
-        input_option("hostfile", note="trials and benchmark run across its hosts (measured inter-node link)"),
-    ] = DEFAULTS.hostfile,
-    gpus_per_node: Annotated[
-        int | None, cli_option("gpus_per_node", note="of the target cluster; default: this machine's")
-    ] = None,
-    inter_node_gbps: Annotated[
-        float | None,
-        typer.Option(help="achievable inter-node bandwidth per NIC, Gbit/s (describes the target network)."),
-    ] = None,
-    tune_buckets: Annotated[
-        bool,
-        typer.Option(
-            help="also try overlap_comm and reduce bucket sizes, measured only where predicted to matter."
-        ),
-    ] = False,
-    nics_per_node: Annotated[
-        int | None,
-        typer.Option(
-            help="inter-node NICs per node (rail-optimised: one per GPU); default: preset's, else 1."
-        ),
-    ] = None,
-    inter_node_latency_us: Annotated[
-        float | None, typer.Option(help="inter-node latency per ring hop, microseconds.")
-    ] = None,
-    preset: Annotated[
-        str | None,
-        typer.Option(
-            help=f"named inter-node fabric: {', '.join(PRESETS)} (figures in advisor/model/network.py)."
-        ),
-    ] = None,
-    global_batch: Annotated[
-        str | None,
-        typer.Option(
-            help="global batch target, e.g. 256, or a range 256-1024; default: the base config's on one "
-            "target node, kept at every node count (strong scaling)."
-        ),
-    ] = None,
-    headroom: Annotated[float, typer.Option(help="fraction of device memory left free.")] = 0.1,
-    device_memory_gib: Annotated[
-        float | None,
-        typer.Option(help="device memory per rank of the target; required when it is not this machine."),
-    ] = None,
-    target_gpu: Annotated[
-        str | None,
-        typer.Option(help=f"the target's GPU, for its memory: {', '.join(TARGET_GPUS)}."),
-    ] = None,
-    min_efficiency: Annotated[
-        float,
-        typer.Option(help="recommend the largest node count keeping this scaling efficiency (0-1]."),
-    ] = DEFAULT_MIN_EFFICIENCY,
-    nodes: Annotated[
-        int | None,
-        cli_option("nodes", note="recommend for this node count instead of choosing by efficiency"),
-    ] = None,
-    lr_scaling: Annotated[str, cli_option("lr_scaling")] = DEFAULTS.lr_scaling,
-    lr_reference_batch: Annotated[
-        int | None,
-        cli_option(
-            "lr_reference_batch",
-            help="global batch the base LR was tuned for; default: the base config's on one node",
-        ),
-    ] = DEFAULTS.lr_reference_batch,
-    train_args: Annotated[
-        str, cli_option("train_args", note="also in the recommended launch; checked by the trainer's parser")
-    ] = DEFAULTS.train_args,
-) -> None:
-    """Measure a few trials and the network, predict 1..--max-nodes nodes, recommend a runnable config."""
-    from rich.console import Console
-
-    from advisor.report.terminal import print_advice
-
-    console = Console(stderr=True)
-    result = run_advise(
-        max_nodes=max_nodes,
-        model=model,
-        data=data,
-        deepspeed_config=deepspeed_config,
-        out_dir=out,
-        budget_minutes=budget_minutes,
-        hostfile=hostfile,
-        gpus_per_node=gpus_per_node,
-        inter_node_gbps=inter_node_gbps,
-        inter_node_latency_us=inter_node_latency_us,
-        preset=preset,
-        nics_per_node=nics_per_node,
-        tune_buckets=tune_buckets,
-        global_batch=global_batch,
-        headroom=headroom,
-        device_memory_gib=device_memory_gib,
-        lr_scaling=lr_scaling,
-        log=lambda message: console.print(f"[dim]{message}[/dim]"),
-        train_args=check_train_args(train_args),
-        min_efficiency=min_efficiency,
-        nodes=nodes,
-        target_gpu=target_gpu,
-        lr_reference_batch=lr_reference_batch,
-    )
-    print_advice(result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report)

@@ -396,7 +396,7 @@ def export(
 
 
 def _register_advisor_commands() -> None:
-    from advisor.advise import advise_command
+    from advisor.cli import advise_command
     from advisor.measure.collectives_launch import comm_command
     from advisor.measure.profile import profile_command
     from advisor.report.build import report_command

@@ -17,7 +17,7 @@ import typer
 from launch import check_ok, metrics, run_trainer
 from typer.testing import CliRunner
 
-from advisor.advise import advise_command
+from advisor.cli import advise_command
 from advisor.model.memory import ZeroSettings, trained_numels
 from sdzero.errors import EXIT_USER_ERROR, UserError
 from sdzero.launch import shipped_config

@@ -38,11 +38,12 @@ def test_lr_is_capped_with_a_warning_and_a_warmup():
 
 def test_trainer_and_advisor_share_one_rule_and_its_defaults(tmp_path):
     import advisor.advise as advise
+    import advisor.cli as advise_cli
 
     assert not hasattr(config_module, "scaled_lr") and not hasattr(recommend_module, "scaled_lr")
     assert TrainConfig.__dataclass_fields__["lr_scaling"].default == DEFAULT_LR_SCALING
     assert inspect.signature(advise.run_advise).parameters["lr_scaling"].default == DEFAULT_LR_SCALING
-    assert inspect.signature(advise.advise_command).parameters["lr_scaling"].default == DEFAULT_LR_SCALING
+    assert inspect.signature(advise_cli.advise_command).parameters["lr_scaling"].default == DEFAULT_LR_SCALING
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(BASE))
     ds = load_ds_config(path, world_size=64)  # 4 x 1 x 64 = 256

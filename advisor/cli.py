@@ -1,0 +1,139 @@
+"""`sdzero advise`'s command line: options declared here, the pipeline in advisor.advise.run_advise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from advisor.advise import run_advise
+from advisor.inputs import check_train_args
+from advisor.model.network import PRESETS
+from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY
+from advisor.target import TARGET_GPUS
+from sdzero.options import DEFAULTS, cli_option, input_option
+
+
+def advise_command(
+    max_nodes: Annotated[int, typer.Option(help="Predict for 1, 2, 4, ... up to this many nodes.")] = 32,
+    model: Annotated[
+        str | None, input_option("model", note="default: the embedded tiny model, written into --out")
+    ] = None,
+    data: Annotated[
+        Path | None, input_option("data", note="default: synthetic data written into --out")
+    ] = None,
+    deepspeed_config: Annotated[
+        Path | None,
+        input_option("deepspeed_config", note="the base of every trial; default ds_configs/zero2_bf16.json"),
+    ] = None,
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", "-o", help="folder for trials, benchmark, predictions, recommendation, report."
+        ),
+    ] = Path("reports/advise"),
+    budget_minutes: Annotated[
+        float | None,
+        typer.Option(help="wall-clock budget for trials and benchmark (default 5 on a CPU, 30 on GPUs)."),
+    ] = None,
+    hostfile: Annotated[
+        Path | None,
+        input_option("hostfile", note="trials and benchmark run across its hosts (measured inter-node link)"),
+    ] = DEFAULTS.hostfile,
+    gpus_per_node: Annotated[
+        int | None, cli_option("gpus_per_node", note="of the target cluster; default: this machine's")
+    ] = None,
+    inter_node_gbps: Annotated[
+        float | None,
+        typer.Option(help="achievable inter-node bandwidth per NIC, Gbit/s (describes the target network)."),
+    ] = None,
+    tune_buckets: Annotated[
+        bool,
+        typer.Option(
+            help="also try overlap_comm and reduce bucket sizes, measured only where predicted to matter."
+        ),
+    ] = False,
+    nics_per_node: Annotated[
+        int | None,
+        typer.Option(
+            help="inter-node NICs per node (rail-optimised: one per GPU); default: preset's, else 1."
+        ),
+    ] = None,
+    inter_node_latency_us: Annotated[
+        float | None, typer.Option(help="inter-node latency per ring hop, microseconds.")
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help=f"named inter-node fabric: {', '.join(PRESETS)} (figures in advisor/model/network.py)."
+        ),
+    ] = None,
+    global_batch: Annotated[
+        str | None,
+        typer.Option(
+            help="global batch target, e.g. 256, or a range 256-1024; default: the base config's on one "
+            "target node, kept at every node count (strong scaling)."
+        ),
+    ] = None,
+    headroom: Annotated[float, typer.Option(help="fraction of device memory left free.")] = 0.1,
+    device_memory_gib: Annotated[
+        float | None,
+        typer.Option(help="device memory per rank of the target; required when it is not this machine."),
+    ] = None,
+    target_gpu: Annotated[
+        str | None,
+        typer.Option(help=f"the target's GPU, for its memory: {', '.join(TARGET_GPUS)}."),
+    ] = None,
+    min_efficiency: Annotated[
+        float,
+        typer.Option(help="recommend the largest node count keeping this scaling efficiency (0-1]."),
+    ] = DEFAULT_MIN_EFFICIENCY,
+    nodes: Annotated[
+        int | None,
+        cli_option("nodes", note="recommend for this node count instead of choosing by efficiency"),
+    ] = None,
+    lr_scaling: Annotated[str, cli_option("lr_scaling")] = DEFAULTS.lr_scaling,
+    lr_reference_batch: Annotated[
+        int | None,
+        cli_option(
+            "lr_reference_batch",
+            help="global batch the base LR was tuned for; default: the base config's on one node",
+        ),
+    ] = DEFAULTS.lr_reference_batch,
+    train_args: Annotated[
+        str, cli_option("train_args", note="also in the recommended launch; checked by the trainer's parser")
+    ] = DEFAULTS.train_args,
+) -> None:
+    """Measure a few trials and the network, predict 1..--max-nodes nodes, recommend a runnable config."""
+    from rich.console import Console
+
+    from advisor.report.terminal import print_advice
+
+    console = Console(stderr=True)
+    result = run_advise(
+        max_nodes=max_nodes,
+        model=model,
+        data=data,
+        deepspeed_config=deepspeed_config,
+        out_dir=out,
+        budget_minutes=budget_minutes,
+        hostfile=hostfile,
+        gpus_per_node=gpus_per_node,
+        inter_node_gbps=inter_node_gbps,
+        inter_node_latency_us=inter_node_latency_us,
+        preset=preset,
+        nics_per_node=nics_per_node,
+        tune_buckets=tune_buckets,
+        global_batch=global_batch,
+        headroom=headroom,
+        device_memory_gib=device_memory_gib,
+        lr_scaling=lr_scaling,
+        log=lambda message: console.print(f"[dim]{message}[/dim]"),
+        train_args=check_train_args(train_args),
+        min_efficiency=min_efficiency,
+        nodes=nodes,
+        target_gpu=target_gpu,
+        lr_reference_batch=lr_reference_batch,
+    )
+    print_advice(result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report)

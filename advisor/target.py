@@ -1,0 +1,106 @@
+"""What the advice is for: the node counts to predict, and the target's device and its memory.
+
+The trials run here (a CPU, or this node's GPUs); the target may be other nodes. When it differs, memory
+must be predicted for the target's devices, so their memory has to be given (--device-memory-gib or
+--target-gpu) rather than read from this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+from advisor.model.predict import node_counts
+from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY
+from sdzero.errors import UserError
+from sdzero.lr import check_rule
+
+TARGET_GPUS = {
+    "a100-40gb": 40.0,
+    "a100-80gb": 80.0,
+    "h100-80gb": 80.0,
+    "h100-94gb": 94.0,
+    "h200": 141.0,
+    "l40s": 48.0,
+    "a10g": 24.0,
+    "l4": 24.0,
+    "v100-32gb": 32.0,
+    "rtx4090": 24.0,
+}
+"""--target-gpu names and their memory in GiB (the vendors' nominal figure; the usable part is smaller,
+which --headroom accounts for)."""
+
+
+def check_options(
+    max_nodes: int,
+    headroom: float,
+    device_memory_gib: float | None,
+    lr_scaling: str,
+    budget_minutes: float | None,
+    min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
+    fixed_nodes: int | None = None,
+    target_gpu: str | None = None,
+) -> list[int]:
+    """The node counts to predict (1, 2, 4, ... --max-nodes, and --nodes); bad values raise UserError."""
+    nodes = node_counts(max_nodes)
+    if not 0 <= headroom < 1:
+        raise UserError(f"--headroom {headroom}: a fraction in [0, 1), e.g. 0.1 keeps 10% of memory free")
+    if device_memory_gib is not None and not device_memory_gib > 0:
+        raise UserError(f"--device-memory-gib {device_memory_gib}: must be a positive number of GiB")
+    check_rule(lr_scaling)
+    if budget_minutes is not None and not budget_minutes > 0:
+        raise UserError(f"--budget-minutes {budget_minutes}: must be a positive number of minutes")
+    if not 0 < min_efficiency <= 1:
+        raise UserError(f"--min-efficiency {min_efficiency}: a fraction in (0, 1], e.g. 0.8")
+    if target_gpu is not None and target_gpu.lower() not in TARGET_GPUS:
+        raise UserError(
+            f"--target-gpu {target_gpu!r}: unknown; choose from {', '.join(TARGET_GPUS)} "
+            "or give --device-memory-gib"
+        )
+    if fixed_nodes is not None:
+        node_counts(fixed_nodes)  # the same bounds as --max-nodes
+        nodes = sorted({*nodes, fixed_nodes})
+    return nodes
+
+
+def target_differs(
+    device: dict[str, Any], ranks: int, gpus_per_node: int | None, target_gpu: str | None
+) -> str | None:
+    """Why the trials' device is not the target's (None when the target is nodes like this one)."""
+    here = "a CPU" if device["device"] == "cpu" else f"{ranks} {device['device']} device(s)"
+    if target_gpu is not None:
+        return f"the trials ran on {here}; the target is {target_gpu} GPUs"
+    if device["device"] == "cpu" and gpus_per_node is not None:
+        return f"the trials ran on {here}; the target has {gpus_per_node} GPUs per node (--gpus-per-node)"
+    if device["device"] != "cpu" and gpus_per_node is not None and gpus_per_node != ranks:
+        return f"the trials ran on {here}; the target has {gpus_per_node} per node (--gpus-per-node)"
+    return None
+
+
+def target_memory(
+    differs: str | None, device_memory_gib: float | None, target_gpu: str | None
+) -> tuple[float, str] | None:
+    """(GiB, where it comes from) for a target unlike this machine; refuses when nothing gives it."""
+    if device_memory_gib:
+        return device_memory_gib, "assumed (user figure: --device-memory-gib)"
+    if target_gpu:
+        return TARGET_GPUS[target_gpu.lower()], f"assumed (--target-gpu {target_gpu.lower()} nominal memory)"
+    if differs:
+        raise UserError(
+            f"{differs}: give the target's device memory with --device-memory-gib (or --target-gpu "
+            f"{'/'.join(TARGET_GPUS)}) so memory is predicted for it, not for this machine"
+        )
+    return None
+
+
+def device_memory_bytes(device: dict[str, Any], ranks_per_node: int) -> tuple[float, str]:
+    """A GPU's total memory, or on a CPU the host's memory shared by the node's ranks."""
+    if device["device"] != "cpu":
+        code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        if out.returncode == 0 and out.stdout.strip().isdigit():
+            return float(out.stdout.strip()), f"{device['device']} device 0 total memory"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(total) / ranks_per_node, f"host memory / {ranks_per_node} ranks (no accelerator)"
