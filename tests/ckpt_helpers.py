@@ -10,7 +10,7 @@ from typing import Any
 
 import psutil
 import torch
-from launch import fp32_config, metrics
+from launch import fp32_config, metrics, trainer_args
 
 from sdzero.launch import deepspeed_command
 
@@ -37,21 +37,7 @@ def start_trainer(
 ) -> subprocess.Popen:
     """Launch `ranks` ranks in the background; output goes to <out>.N.log (a pipe could fill and block
     them)."""
-    args = [
-        "--deepspeed_config",
-        str(config),
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output-dir",
-        str(out),
-        "--max-steps",
-        str(steps),
-        "--num-workers",
-        "1",
-        *extra,
-    ]
+    args = trainer_args(config, model, data, out, steps, *extra)
     n = 1
     while Path(f"{out}.{n}.log").exists():
         n += 1

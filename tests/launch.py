@@ -39,18 +39,9 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def run_trainer(
-    config: Path,
-    model: Path,
-    data: Path,
-    out: Path,
-    *extra: str,
-    steps: int = 2,
-    ranks: int = 2,
-    fp16_on_cpu: bool = False,
-    timeout: float = 400,
-) -> subprocess.CompletedProcess:
-    args = [
+def trainer_args(config: Path, model: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    """The trainer's argv as every test writes it: one loader worker (2 cores), `extra` last (it wins)."""
+    return [
         "--deepspeed_config",
         str(config),
         "--model",
@@ -65,6 +56,20 @@ def run_trainer(
         "1",
         *extra,
     ]
+
+
+def run_trainer(
+    config: Path,
+    model: Path,
+    data: Path,
+    out: Path,
+    *extra: str,
+    steps: int = 2,
+    ranks: int = 2,
+    fp16_on_cpu: bool = False,
+    timeout: float = 400,
+) -> subprocess.CompletedProcess:
+    args = trainer_args(config, model, data, out, steps, *extra)
     env = dict(os.environ)
     if fp16_on_cpu:
         env["SDZERO_TEST_FP16_ON_CPU"] = "1"

@@ -18,24 +18,6 @@ order; only the transport differs. The margin covers a reordered sum in a reduct
 ROOT_MPI = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def trainer_args(config: Path, model: Path, data: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    return [
-        "--deepspeed_config",
-        str(config),
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output-dir",
-        str(out),
-        "--max-steps",
-        str(steps),
-        "--num-workers",
-        "1",
-        *extra,
-    ]
-
-
 def start(
     command: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import exact_config
 from cluster import Cluster, ClusterUnavailable, unavailable_reason
-from cluster.launching import REFERENCE_STEPS, losses, trainer_args
-from launch import check_ok, run_trainer, write_config
+from cluster.launching import REFERENCE_STEPS, losses
+from launch import check_ok, run_trainer, trainer_args, write_config
 
 
 @pytest.fixture(scope="session")
