@@ -12,7 +12,11 @@ ZeRO stage and gradient accumulation (bf16, the shipped base config):
    the shaped link; once per layout and rate),
 3. the advisor's time model fitted on the 1-host trial predicts the step time at hosts x ranks over the
    measured links,
-4. the same config runs on the hosts through the hostfile; its median step time is the measurement.
+4. the same config runs on the hosts through the hostfile; its median step time is the measurement,
+5. (`--bracket`, the default) the 1-host trial runs again after the hosts' runs, and the prediction is made
+   from both trials: on a machine shared with other people's jobs the compute of one launch differs from
+   the next by more than the model's error (docs/multinode.md), so a drift between the trial and the
+   hosts' runs is halved, and the two trials' difference (`one_host_spread`) says how large it was.
 
 The matrix is large for 2 shared cores: run it in chunks (a few layouts/stages at a time, each under the
 heavy-job lock) with the same `--work`; every case is appended to <work>/scaleout.csv as it finishes, with
@@ -47,6 +51,7 @@ from advisor.measure.grid import TrialSpec, load_base_config  # noqa: E402
 from advisor.measure.profile import trial_settings  # noqa: E402
 from advisor.model.network import NCCL  # noqa: E402
 from advisor.model.scaleout import (  # noqa: E402
+    ScaleoutRow,
     check_config,
     flat_ring_step_s,
     merge_fits,
@@ -55,6 +60,7 @@ from advisor.model.scaleout import (  # noqa: E402
     rows_table,
     trial_table,
 )
+from advisor.model.step_time import measured_step_s  # noqa: E402
 from sdzero.hosts import prepare_hosts  # noqa: E402
 from sdzero.io import write_text_atomic  # noqa: E402
 from sdzero.launch import shipped_config  # noqa: E402
@@ -88,6 +94,12 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=16.0,
         help="per link probe; 8 s stopped a 4-host sweep at 512 KiB, short of the bandwidth regime",
+    )
+    p.add_argument(
+        "--bracket",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the 1-host trial again after the hosts' runs and predict from both (see above)",
     )
     p.add_argument("--round", type=int, default=1, help="round label of this chunk's cases in scaleout.csv")
     p.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
@@ -196,6 +208,7 @@ def run_layout(
                     replace(spec, ranks_per_node=hosts * slots), local, case_base, case_dir / "1host", nodes=1
                 )
             one_host.to_csv(case_dir / "1host.csv", index=False)  # for --repredict
+            rows = []
             for rate in args.rates:
                 cluster.shape(rate, delay_ms=args.delay_ms or None)
                 try:
@@ -217,6 +230,23 @@ def run_layout(
                         flush=True,
                     )
                     continue
+                rows.append((rate, row))
+            spread = float("nan")
+            if args.bracket and rows:
+                with local_share():  # the same trial again, after the hosts' runs
+                    again = trial_table(
+                        replace(spec, ranks_per_node=hosts * slots),
+                        local,
+                        case_base,
+                        case_dir / "1host-after",
+                        nodes=1,
+                    )
+                both = pd.concat([one_host, again], ignore_index=True)
+                both.to_csv(case_dir / "1host.csv", index=False)  # both trials, for --repredict
+                steps = measured_step_s(both)
+                spread = float(steps.iloc[1] / steps.iloc[0] - 1)
+                rows = [(rate, predicted_again(row, both, fits[rate], hosts, slots)) for rate, row in rows]
+            for rate, row in rows:
                 append(
                     csv,
                     rows_table(
@@ -228,14 +258,35 @@ def run_layout(
                         overlap_comm="" if overlap is None else overlap,
                         one_host_csv=str(case_dir / "1host.csv"),
                         fit_json=str(fits[rate]),
+                        one_host_spread=spread,
                     ),
                 )
                 print(
                     f"round {args.round} {hosts}x{slots} {rate} {row.config}: predicted "
                     f"{row.predicted_step_s:.3f} s, measured {row.measured_step_s:.3f} s "
-                    f"({row.error:+.1%})",
+                    f"({row.error:+.1%}); 1-host trial again: {spread:+.1%}",
                     flush=True,
                 )
+
+
+def predicted_again(
+    row: ScaleoutRow, one_host: pd.DataFrame, fit: Path, hosts: int, slots: int
+) -> ScaleoutRow:
+    """The case's prediction from every 1-host trial given (the one before and the one after its hosts'
+    runs); the measured columns stay."""
+    step, comm, _ = predict_from_one_host(one_host, fit, hosts, slots)
+    return replace(
+        row,
+        predicted_step_s=step,
+        predicted_comm_s=comm,
+        predicted_compute_s=step - comm,
+        one_host_step_s=float(measured_step_s(one_host).mean()),
+        one_host_comm_s=float(pd.to_numeric(one_host["comm_s"], errors="coerce").mean()),
+        flat_ring_step_s=flat_ring_step_s(one_host, fit, hosts, slots) if slots > 1 else float("nan"),
+        hierarchy_step_s=predict_from_one_host(one_host, fit, hosts, slots, NCCL)[0]
+        if slots > 1
+        else float("nan"),
+    )
 
 
 def repredict(table: pd.DataFrame) -> pd.DataFrame:
@@ -257,6 +308,7 @@ def repredict(table: pd.DataFrame) -> pd.DataFrame:
         if slots > 1:
             table.loc[i, "flat_ring_step_s"] = flat_ring_step_s(one_host, fit, hosts, slots)
             table.loc[i, "hierarchy_step_s"] = predict_from_one_host(one_host, fit, hosts, slots, NCCL)[0]
+        table.loc[i, "one_host_step_s"] = float(measured_step_s(one_host).mean())
         table.loc[i, "error"] = step / float(r["measured_step_s"]) - 1
     return table
 
@@ -276,7 +328,8 @@ def append(csv: Path, rows: pd.DataFrame) -> None:
 def print_table(table: pd.DataFrame) -> None:
     print(
         "\n| round | hosts x ranks | link | config | inter busbw | 1-host step | predicted (compute + comm) "
-        "| measured (comm) | error | of which compute, comm |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| measured (comm) | error | of which compute, comm | 1-host trial again |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for _, r in table.iterrows():
         # The error split: the measured run's time outside collectives against the predicted compute, and
@@ -284,12 +337,13 @@ def print_table(table: pd.DataFrame) -> None:
         measured_compute = r["measured_step_s"] - r["measured_comm_s"]
         from_compute = (r["predicted_compute_s"] - measured_compute) / r["measured_step_s"]
         from_comm = (r["predicted_comm_s"] - r["measured_comm_s"]) / r["measured_step_s"]
+        spread = r.get("one_host_spread", float("nan"))
         print(
             f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']}, {r['delay_ms']:g} ms | {r['config']} "
             f"| {r['inter_busbw_gbit_s']:.3f} Gbit/s | {r['one_host_step_s']:.3f} s "
             f"| {r['predicted_step_s']:.3f} s ({r['predicted_compute_s']:.3f} + {r['predicted_comm_s']:.3f}) "
             f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%} "
-            f"| {from_compute:+.1%}, {from_comm:+.1%} |"
+            f"| {from_compute:+.1%}, {from_comm:+.1%} | {'-' if pd.isna(spread) else f'{spread:+.1%}'} |"
         )
     flat = table[table["slots"] > 1] if "flat_ring_step_s" in table else table.iloc[:0]
     if len(flat):

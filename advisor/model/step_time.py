@@ -21,10 +21,14 @@ do, while its latency (bursts of small ops) is charged per level as in the hiera
 ops repeat per accumulation micro-step (ZeRO-2's reductions, ZeRO-3's gathers and reduce-scatters) and
 which run once per step (ZeRO-0/1's boundary reduction, the gathers after the optimizer step).
 
-Transport: per stage, the ratio of the time the 1-node trials spent in collectives to what the
-alpha-beta model says the same ops cost there (`comm_factor`): one node's collectives may run on another
-transport than the benchmark measured (DeepSpeed's shared-memory ops on CPUs, NVLink on GPUs). It scales
-the within-node part only. It is not overlap: the logged time is the collectives' own, not the step's.
+Transport and the wait for the slowest rank: per stage, the time the 1-node trials spent in collectives
+against what the alpha-beta model says the same ops cost there. Below the cost, the ratio
+(`comm_factor`, at most 1) is the transport: one node's collectives may run faster than the benchmark
+measured; it scales the within-node part only. Above the cost, the excess is not the link's: a rank that
+arrives first at a collective waits there for the slowest one (advisor.model.sync_wait). That wait is
+carried as its own term (`wait_sigma_s`), per synchronisation, grown with the expected maximum of the
+target's ranks, so a hosts x 1 prediction, whose within-node part is zero, keeps it. Neither is overlap:
+the logged time is the collectives' own, not the step's.
 
 Overlap: the bucket-level account of advisor.model.overlap, within and across nodes alike: what is issued
 during forward or backward (all but the last reduce bucket with overlap_comm, all but the first ZeRO-3
@@ -46,6 +50,7 @@ from advisor.model.collective_mix import Collective, collective_mix, logger_view
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Link, Network
 from advisor.model.overlap import OpCost, Windows, exposed_s
+from advisor.model.sync_wait import predicted_wait_s, sigma_s, wait_s
 
 SMALL_OP_BYTES = 1024
 """Ops below this size (loss-scale checks, broadcasts of flags) cost latency only and run once per step."""
@@ -244,8 +249,11 @@ class StepPrediction:
     step_time_s: float
     samples_per_s: float
     exposed_intra_s: float = 0.0
-    """The part of exposed_comm_s within nodes; the rest is across nodes."""
+    """The link part of exposed_comm_s within nodes (exposed_inter_s: across nodes)."""
     exposed_inter_s: float = 0.0
+    wait_s: float = 0.0
+    """The part of exposed_comm_s spent waiting for the slowest rank (advisor.model.sync_wait): in
+    collectives, but no link's."""
 
 
 Group = tuple[int, str, str]
@@ -276,8 +284,8 @@ class TimeModel:
     slopes: dict[str, float]
     ops: dict[int, list[CommOp]]
     comm_factor: dict[int, float] = field(default_factory=dict)
-    """Per stage: measured / costed communication of the trials within one node: the transport (see the
-    module doc), applied to the within-node part."""
+    """Per stage: measured / costed communication of the trials within one node, at most 1: the transport
+    (see the module doc), applied to the within-node part."""
     notes: list[str] = field(default_factory=list)
     once_per_step_s: dict[Group, float] = field(default_factory=dict)
     """Per group: compute that runs once per optimizer step whatever the accumulation (the optimizer
@@ -294,6 +302,15 @@ class TimeModel:
     phase_shares: dict[Group, tuple[float, float]] = field(default_factory=dict)
     """Per group: forward and backward compute as shares of a micro-step's per-micro-step compute (the
     windows of advisor.model.overlap), from the trials' phase split less the collectives inside it."""
+    wait_sigma_s: dict[int, float] = field(default_factory=dict)
+    """Per stage: the ranks' compute spread per synchronisation, seconds, from what the 1-node trials'
+    ranks spent in collectives beyond the link's cost (advisor.model.sync_wait); 0 where unmeasured."""
+
+    def syncs(self, stage: int, grad_accum: int) -> int:
+        """Synchronisations a step: per micro-step where the stage's large collectives repeat per
+        micro-step (ZeRO-2's reductions, ZeRO-3's gathers), once per step otherwise."""
+        repeats = any(op.per_micro_step for op in self.ops.get(stage, []))
+        return grad_accum if repeats else 1
 
     def compute_per_micro_s(
         self, stage: int, precision: str, micro_batch: int, offload: str = "none"
@@ -370,9 +387,10 @@ class TimeModel:
         exposed_intra, exposed_inter = self.exposed_comm_s(
             stage, grad_accum, net.gpus_per_node, nodes, net, windows
         )
-        exposed = exposed_intra + exposed_inter
-        step = compute + exposed
         world = nodes * net.gpus_per_node
+        wait = predicted_wait_s(self.wait_sigma_s.get(stage, 0.0), world, self.syncs(stage, grad_accum))
+        exposed = exposed_intra + exposed_inter + wait
+        step = compute + exposed
         return StepPrediction(
             compute,
             intra + inter,
@@ -381,6 +399,7 @@ class TimeModel:
             micro_batch * grad_accum * world / step,
             exposed_intra,
             exposed_inter,
+            wait,
         )
 
 
@@ -574,17 +593,23 @@ def _set_ops(model: TimeModel, ok: pd.DataFrame, mixes: dict[int, list[Collectiv
 
 
 def _calibrate(model: TimeModel, stage: int, rows: pd.DataFrame, measured_net: Network) -> None:
-    """Measured against costed communication within a node, per stage, from the 1-node trials: one node's
-    collectives may run on another transport than the benchmark measured (DeepSpeed's shared-memory ops
-    on CPUs, NVLink on GPUs), which says nothing about the inter-node link. Multi-node trials are not
-    used for a factor: across nodes the link is costed as measured and the overlap account says what
+    """Measured against costed communication within a node, per stage, from the 1-node trials. Below the
+    cost, the ratio is the transport (one node's collectives may run faster than the benchmark measured),
+    which says nothing about the inter-node link; above it, the excess is the ranks' wait for the slowest
+    one (advisor.model.sync_wait), which no link explains and every world size of ranks pays. Multi-node
+    trials are not used: across nodes the link is costed as measured and the overlap account says what
     hides."""
-    intra_ratios = []
+    intra_ratios, sigmas = [], []
     for _, r in rows.iterrows():
         if int(r.get("nodes", 1) or 1) != 1:
             continue
         intra, _ = model.comm_seconds(stage, int(r["grad_accum"]), int(r["ranks_per_node"]), 1, measured_net)
         comm = float(r["comm_s"]) if pd.notna(r["comm_s"]) else 0.0
         if intra > 0:
-            intra_ratios.append(comm / intra)
+            intra_ratios.append(min(comm / intra, 1.0))
+            accum = int(r["grad_accum"])
+            sigma = sigma_s(wait_s(comm, intra), int(r["world_size"]), model.syncs(stage, accum))
+            if sigma is not None:
+                sigmas.append(sigma)
     model.comm_factor[stage] = float(np.median(intra_ratios)) if intra_ratios else 1.0
+    model.wait_sigma_s[stage] = float(np.median(sigmas)) if sigmas else 0.0

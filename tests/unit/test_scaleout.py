@@ -179,3 +179,62 @@ def test_the_measured_library_sets_the_algorithm(fit_file):
     assert any("one ring over all ranks" in n for n in notes)
     assert build_network(fit_file(10.0), 2, preset="ib-200")[0].algorithm.name == "nccl"
     assert build_network(None, 8)[0].algorithm.hierarchical
+
+
+def test_expected_maximum_of_normal_draws_matches_its_closed_forms():
+    """e(W), how far the slowest of W ranks lies above a typical one in standard deviations: 0 for one rank,
+    1/sqrt(pi) for two, 3/(2 sqrt(pi)) for three, growing slowly (about sqrt(2 ln W)) beyond."""
+    import math
+
+    from advisor.model.sync_wait import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_normal(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-6)
+    assert expected_max_normal(5) == pytest.approx(1.16296, rel=1e-4)  # tabulated
+    values = [expected_max_normal(w) for w in (2, 4, 8, 32, 256)]
+    assert values == sorted(values) and values[-1] < math.sqrt(2 * math.log(256))
+
+
+def test_the_wait_for_the_slowest_rank_is_kept_at_one_rank_per_host(fit_file):
+    """A 1-host trial whose ranks spent 40 ms a step in collectives beyond what its link costs waited for
+    the slowest rank. That wait is no link's: at 2 hosts x 1 rank (no within-host part to scale) the same
+    2 ranks wait as long again, beside the inter-host cost; the link ratio stays a transport ratio (at
+    most 1). At 4 hosts the slowest of 4 lies further out: e(4)/e(2) times the wait."""
+    from advisor.model.sync_wait import expected_max_normal
+
+    path = fit_file(10.0)
+    costed = costed_intra_s(path)
+    trial = one_host_trial(comm_s=costed + 0.04)
+    net, _ = build_network(path, 2)
+    model = fit_time_model(trial, net)
+    assert model.comm_factor[2] == pytest.approx(1.0)
+    at_2 = model.predict(2, "bf16", 4, 1, 2, build_network(path, 1)[0])
+    assert at_2.wait_s == pytest.approx(0.04, rel=1e-6)
+    step, comm, _ = predict_from_one_host(trial, path, hosts=2, slots=1)
+    inter = model.comm_seconds(2, 1, 1, 2, build_network(path, 1)[0])[1]
+    assert step == pytest.approx(0.30 - costed - 0.04 + inter + 0.04, rel=1e-6)
+    assert comm == pytest.approx(inter + 0.04, rel=1e-6)  # spent in collectives, so counted with them
+    at_4 = model.predict(2, "bf16", 4, 1, 4, build_network(path, 1)[0])
+    assert at_4.wait_s == pytest.approx(0.04 * expected_max_normal(4) / expected_max_normal(2), rel=1e-6)
+    assert model.predict(2, "bf16", 4, 1, 1, build_network(path, 1)[0]).wait_s == 0.0  # one rank
+
+
+def test_the_wait_repeats_with_each_synchronisation(fit_file):
+    """ZeRO-2 reduces every micro-step, so at accumulation 4 its ranks meet (and wait) four times a step;
+    a stage that reduces only at the boundary (here the same trial read as ZeRO-1) meets once."""
+    path = fit_file(1.0)
+    net, _ = build_network(path, 2)
+    trial = one_host_trial(comm_s=costed_intra_s(path) + 0.02)
+    zero2 = fit_time_model(trial, net)
+    zero1 = fit_time_model(trial.assign(zero_stage=1), net)
+    assert zero2.predict(2, "bf16", 4, 4, 1, net).wait_s == pytest.approx(4 * 0.02, rel=1e-6)
+    assert zero1.predict(1, "bf16", 4, 4, 1, net).wait_s == pytest.approx(0.02, rel=1e-6)
+
+
+def test_a_trial_at_its_links_cost_waits_for_nothing(fit_file):
+    """The logged time at or below the link's cost leaves no wait (the transport ratio takes it)."""
+    path = fit_file(1.0)
+    net, _ = build_network(path, 2)
+    model = fit_time_model(one_host_trial(comm_s=costed_intra_s(path) / 2), net)
+    assert model.wait_sigma_s[2] == 0.0 and model.comm_factor[2] == pytest.approx(0.5)
