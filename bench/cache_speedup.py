@@ -1,7 +1,7 @@
 """Training from a latent/text cache against encoding online, alternated in one run.
 
-One DeepSpeed engine, two real input pipelines through the trainer's own code (`loop.build_data`,
-`loop.train_steps`): online (images decoded, VAE and text encoders run every micro-step) and cached
+One DeepSpeed engine, two real input pipelines through the trainer's own code (a `Trainer` set up from
+the options, its batches swapped per block; `data_feed.build_data` for the cached side): online (images decoded, VAE and text encoders run every micro-step) and cached
 (`sdzero cache` shards read back; no encoder runs). Blocks alternate (online, cached, online, ...) so drift
 in machine load hits both alike; the ratio of median samples/s is the figure. The cache build itself
 (`sdzero cache --num-gpus RANKS`) is timed first.
@@ -20,8 +20,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,27 +116,11 @@ def timed(fn) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    from sdzero import loop
     from sdzero.cache import open_cache
-    from sdzero.config import TrainConfig, load_ds_config, world_size_from_env
-    from sdzero.environment import share_cpu_threads
-    from sdzero.models import load_components, resolve_prediction_type
-    from sdzero.preemption import PreemptionFlag
-    from sdzero.shm import release_shm_buffer
-    from sdzero.step_hooks import StepHooks
+    from sdzero.config import TrainConfig
+    from sdzero.data_feed import Batches, build_data
+    from sdzero.trainer import Trainer
 
-    ds = load_ds_config(args.config, world_size_from_env())
-    share_cpu_threads()  # as the trainer does
-    deepspeed.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()
-    release_shm_buffer(rank)
-    loop.quiet_libraries(rank)
-    device = torch.device(get_accelerator().current_device_name())
     model, data, cache_dir = (
         args.work / f"model-{args.family}",
         args.work / "data",
@@ -152,29 +134,26 @@ def worker(args: argparse.Namespace) -> None:
         max_steps=args.steps,
         num_workers=args.num_workers,
     )
-    online_cfg = TrainConfig(**common)
+    # The online side is the trainer as set up from its options (the frozen parts loaded); the cached side
+    # trains the same engine from the cache's batches, which never touch the frozen parts.
+    trainer = Trainer.setup(TrainConfig(**common))
+    ds, comps, rank, world = trainer.ds, trainer.comps, trainer.rank, trainer.world
     cached_cfg = TrainConfig(**common, cache_dir=cache_dir)
     cache = open_cache(cache_dir, str(model), data, None, False, ds.dtype, False)
-    # The online side needs the frozen parts; the cached side never touches them (same engine for both).
-    comps = load_components(str(model), ds.dtype, device)
-    prediction_type = resolve_prediction_type(comps, None)
-    _, online_sampler, online_loader, _ = loop.build_data(online_cfg, ds, comps, rank, world)
-    _, cached_sampler, cached_loader, _ = loop.build_data(cached_cfg, ds, comps, rank, world, cache)
-    online = loop.Batches(online_loader, online_sampler)
-    cached = loop.Batches(cached_loader, cached_sampler)
-    engine, _ = loop.init_engine(online_cfg, ds, comps)
-    hooks = StepHooks(online_cfg, ds, engine, comps, prediction_type, device, PreemptionFlag(60.0))
+    _, cached_sampler, cached_loader, _ = build_data(cached_cfg, ds, comps, rank, world, cache)
+    sides = {"online": trainer.batches, "cached": Batches(cached_loader, cached_sampler)}
 
-    def block(cfg: TrainConfig, batches: loop.Batches) -> None:
-        loop.train_steps(cfg, ds, comps, engine, batches, None, prediction_type, 0, device, hooks)
+    def block(side: str) -> None:
+        trainer.batches = sides[side]
+        trainer.train(until=trainer.state.step + args.steps)
 
-    block(online_cfg, online)  # warm-up: allocations, JIT, loader workers of both sides
-    block(cached_cfg, cached)
+    block("online")  # warm-up: allocations, JIT, loader workers of both sides
+    block("cached")
     samples = ds.global_batch * args.steps
     rates: dict[str, list[float]] = {"online": [], "cached": []}
     for _ in range(args.rounds):
-        rates["online"].append(samples / timed(lambda: block(online_cfg, online)))
-        rates["cached"].append(samples / timed(lambda: block(cached_cfg, cached)))
+        rates["online"].append(samples / timed(lambda: block("online")))
+        rates["cached"].append(samples / timed(lambda: block("cached")))
     if rank == 0:
         report(args, ds, rates, cache)
 

@@ -10,7 +10,7 @@ Rows (each a fresh UNet, warm-up steps, then timed steps between two device sync
 - example: the loop pattern of diffusers' examples/text_to_image/train_text_to_image.py, written here: fp32
   weights under torch.autocast(bf16), noise and timesteps, add_noise, UNet, MSE, backward, clip at 1.0,
   AdamW step, zero_grad, and the example's per-step `gather(loss).mean().item()` (a sync per step).
-- sdzero: `loop.train_steps` on a one-rank DeepSpeed engine, ZeRO-2 bf16 (ds_configs/zero2_bf16.json with
+- sdzero: `Trainer.train` on a one-rank DeepSpeed engine, ZeRO-2 bf16 (ds_configs/zero2_bf16.json with
   sdzero's own fused AdamW), default switches; then one switch changed per row (--sync-timing, --no-tf32,
   --channels-last, --attention flash|efficient|math, --compile) and the best pair (channels-last + compile).
 
@@ -143,33 +143,18 @@ def premade_batches(n: int, batch: int, side: int, text_width: int, device: Any)
 
 
 class Premade:
-    """What train_steps reads batches from (as bench/trainer_overhead.py's)."""
+    """What the Trainer draws batches from (as bench/trainer_overhead.py's)."""
 
     def __init__(self, batches: list[dict[str, Any]]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
-        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.loop.Batches)
+        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data_feed.Batches)
 
     def next(self) -> dict[str, Any]:
         self.i += 1
         return self.batches[self.i % len(self.batches)]
 
-
-class NoHooks:
-    """loop.StepHooks with nothing due (no EMA, checkpoint, validation or stop vote), without the run
-    identity it builds from a pipeline folder and a dataset, which this in-memory UNet has not."""
-
-    state = SimpleNamespace(step=0)
-    ema = None
-    stop_requested = False
-
-    def after_optimizer_step(self) -> None:
-        pass
-
-    def end_of_step(self, step: int, batches: Any, stop: bool) -> None:
-        pass
-
-    def finish(self, step: int, batches: Any) -> None:
-        pass
+    def check_late(self) -> int:
+        return 0  # no images read, none failing late
 
 
 def sync(device: Any) -> None:
@@ -246,14 +231,15 @@ def ds_config(a: argparse.Namespace, dest: Path) -> Path:
 def sdzero_rate(
     a: argparse.Namespace, options: dict[str, Any], base_unet: Any, batches: list, scheduler: Any, device: Any
 ) -> tuple[float, dict[str, Any]]:
-    """samples/s of sdzero's own loop (loop.train_steps) with these run options, and what it really used."""
+    """samples/s of sdzero's own Trainer with these run options, and what it really used."""
     import torch
 
-    from sdzero import loop
     from sdzero.config import TrainConfig, load_ds_config
+    from sdzero.engine import init_engine
     from sdzero.models import DTYPES, Components
     from sdzero.speed import apply_backend_flags, check_attention, speed_report
     from sdzero.timing import timing_mode
+    from sdzero.trainer import Trainer
 
     work = a.out / "work"
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -280,17 +266,17 @@ def sdzero_rate(
         native_resolution=a.resolution,
         latent_scaling_factor=0.18215,
     )
-    engine, _ = loop.init_engine(cfg, ds, comps)
+    engine, _ = init_engine(cfg, ds, comps)
     try:
         attention = check_attention(cfg, engine.module, DTYPES[ds.dtype], device)
         used = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)
-        hooks = NoHooks()
-        feed = Premade(batches)
-        loop.train_steps(cfg, ds, comps, engine, feed, None, "epsilon", 0, device, hooks)  # warm-up
-        cfg.max_steps = a.steps
+        # Built from parts: this in-memory UNet has no pipeline folder or dataset to set a run up from, and
+        # nothing is due around the step (no EMA, checkpoint, validation or stop vote): no callbacks.
+        trainer = Trainer(cfg, ds, comps, engine, Premade(batches), device=device, prediction_type="epsilon")
+        trainer.train()  # warm-up: --max-steps is a.warmup
         sync(device)
         start = time.perf_counter()
-        loop.train_steps(cfg, ds, comps, engine, feed, None, "epsilon", 0, device, hooks)
+        trainer.train(until=trainer.state.step + a.steps)
         sync(device)
         return a.batch * a.steps / (time.perf_counter() - start), used
     finally:
@@ -304,8 +290,7 @@ def sdzero_rate(
 
 def start_one_rank(device_type: str) -> None:
     """A one-rank process group in this process (NCCL on CUDA, gloo on the CPU), as DeepSpeed expects."""
-    import deepspeed
-
+    from sdzero.distributed import start_distributed
     from sdzero.launch import free_port
 
     for key, value in (
@@ -316,7 +301,7 @@ def start_one_rank(device_type: str) -> None:
         ("MASTER_PORT", str(free_port())),
     ):
         os.environ.setdefault(key, value)
-    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
+    start_distributed(backend="nccl" if device_type == "cuda" else "gloo", set_device=device_type == "cuda")
 
 
 def rows_to_markdown(results: dict[str, Any]) -> str:
@@ -360,9 +345,7 @@ def main() -> int:
 
     began = time.monotonic()
     device = torch.device("cuda" if not a.cpu_rehearsal else "cpu")
-    start_one_rank(device.type)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
+    start_one_rank(device.type)  # on CUDA, device 0 (LOCAL_RANK 0) becomes the current device
     a.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = unet_config(small=a.cpu_rehearsal)

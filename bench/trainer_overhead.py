@@ -1,8 +1,8 @@
 """sdzero's steady-state throughput against a bare DeepSpeed loop, alternated in one run.
 
 Both loops drive the same engine (same model, same DeepSpeed JSON) over the same pre-made micro-batches,
-so the only difference is what sdzero adds per step: phase timers, the per-step loss/memory all-gather,
-metrics.jsonl, the progress bar. Blocks alternate (bare, sdzero, bare, ...) so drift in machine load hits
+so the only difference is what sdzero's Trainer (built by `Trainer.setup`, as a run builds it) adds per
+step: phase timers, the per-step loss/memory all-gather, its callbacks, metrics.jsonl, the progress bar. Blocks alternate (bare, sdzero, bare, ...) so drift in machine load hits
 both sides alike; the ratio of medians is the figure. Goal: >= 0.98.
 
 On a CPU a device sync is free, so this cannot see what the loop's GPU syncs would cost: that is what
@@ -73,12 +73,15 @@ class Premade:
 
     def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
-        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.loop.Batches)
+        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data_feed.Batches)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = self.batches[self.i % len(self.batches)]
         self.i += 1
         return batch
+
+    def check_late(self) -> int:
+        return 0  # no images read, none failing late
 
 
 def bare_block(engine, comps, batches: Premade, steps: int, accum: int, device) -> None:
@@ -123,27 +126,12 @@ def loader_rate(loader, sampler, n_batches: int) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import deepspeed
     import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
 
-    from sdzero import loop
-    from sdzero.config import TrainConfig, load_ds_config, world_size_from_env
-    from sdzero.environment import share_cpu_threads
+    from sdzero.config import TrainConfig
     from sdzero.metrics import MetricsWriter
-    from sdzero.models import load_components
-    from sdzero.preemption import PreemptionFlag
-    from sdzero.shm import release_shm_buffer
-    from sdzero.step_hooks import StepHooks
+    from sdzero.trainer import Trainer
 
-    ds = load_ds_config(args.config, world_size_from_env())
-    share_cpu_threads()  # as the trainer does, so both loops run on the same thread pool
-    deepspeed.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()  # every rank has mapped its peers' shared-memory buffers by now
-    release_shm_buffer(rank)
-    loop.quiet_libraries(rank)
-    device = torch.device(get_accelerator().current_device_name())
     out = args.work / "bench_run"
     cfg = TrainConfig(
         deepspeed_config=args.config,
@@ -153,24 +141,23 @@ def worker(args: argparse.Namespace) -> None:
         max_steps=args.steps,
         num_workers=2,
     )
-    comps = load_components(cfg.model, ds.dtype, device)
-    prediction_type = comps.noise_scheduler.config.prediction_type
-    _, sampler, loader, _ = loop.build_data(cfg, ds, comps, rank, world)
+    # The trainer's own set-up (distributed start, model, data, engine); no checkpoints, EMA or validation,
+    # so what is left of the callbacks per step is the preemption vote.
+    trainer = Trainer.setup(cfg)
+    ds, engine, comps, rank, world = trainer.ds, trainer.engine, trainer.comps, trainer.rank, trainer.world
+    loader, sampler = trainer.batches.loader, trainer.batches.sampler
     feed = loader_rate(loader, sampler, n_batches=12)
     sampler.set_epoch(0)
     premade = Premade([b for _, b in zip(range(4 * ds.grad_accum), iter(loader), strict=False)])
-    engine, config = loop.init_engine(cfg, ds, comps)
-    loop.prepare_output(cfg, ds, config, rank)
-    # No checkpoints, EMA or validation: what is left of the hooks is the per-step preemption vote.
-    hooks = StepHooks(cfg, ds, engine, comps, prediction_type, device, PreemptionFlag(60.0))
+    trainer.batches = premade
 
     def sdzero_block() -> None:
-        # train_steps closes its writer at the end, as a run does; each block opens one (appending).
-        writer = MetricsWriter(out / "metrics.jsonl") if rank == 0 else None
-        loop.train_steps(cfg, ds, comps, engine, premade, writer, prediction_type, 0, device, hooks)
+        # train() closes its writer at the end, as a run does; each block opens one (appending).
+        trainer.writer = MetricsWriter(out / "metrics.jsonl") if rank == 0 else None
+        trainer.train(until=trainer.state.step + args.steps)
 
     def bare() -> None:
-        bare_block(engine, comps, premade, args.steps, ds.grad_accum, device)
+        bare_block(engine, comps, premade, args.steps, ds.grad_accum, trainer.device)
 
     bare()  # warm-up: first steps allocate, JIT and fill caches
     samples = ds.global_batch * args.steps

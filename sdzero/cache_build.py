@@ -13,7 +13,6 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +57,9 @@ class _Ranks:
             import torch.distributed as dist
 
             if not dist.is_initialized():
-                import deepspeed
+                from sdzero.distributed import start_distributed
 
-                deepspeed.init_distributed(
-                    dist_backend="gloo",
-                    timeout=timedelta(seconds=timeout_s),
-                    auto_mpi_discovery=True,
-                    distributed_port=int(os.environ.get("MASTER_PORT", "29500")),
-                )
-                from sdzero.shm import release_shm_buffer
-
-                dist.barrier()  # every rank has mapped its peers' shared-memory buffers (CPU hosts)
-                release_shm_buffer(dist.get_rank())  # else DeepSpeed leaks 69 MB of /dev/shm per rank
+                start_distributed(timeout_s, backend="gloo", set_device=False)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             self.group = True
 

@@ -29,7 +29,6 @@ import logging
 import os
 import random
 import shutil
-import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -54,8 +53,6 @@ UNIVERSAL_PREFIX = ".universal-"
 UNIVERSAL_SOURCE = "source.json"
 EMA_DIR = "ema"
 MANIFEST_FORMAT = 1
-KILL_HOOK = "SDZERO_TEST_KILL_BEFORE_COMMIT"
-"""Test hook: rank 0 SIGKILLs itself after every shard of this step is written, before the commit."""
 
 
 def step_tag(step: int) -> str:
@@ -445,6 +442,9 @@ class Checkpointer:
         self.ema = ema
         self.ident = ident
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.before_commit: Callable[[int, Path], None] | None = None
+        """Called on every rank with (step, staging folder) once every shard is written and hashed, just
+        before rank 0 commits: the Trainer's `on_checkpoint_staged` event (tests kill a rank there)."""
         if engine.checkpoint_engine.is_decoupled():
             raise UserError(
                 "the DeepSpeed JSON selects a decoupled (asynchronous) checkpoint engine; sdzero's commit "
@@ -483,9 +483,9 @@ class Checkpointer:
         t_hash = time.perf_counter()
 
         final = self.root / tag
+        if self.before_commit is not None:
+            self.before_commit(state.step, staging)
         if self.rank == 0:
-            if os.environ.get(KILL_HOOK) == str(state.step):
-                os.kill(os.getpid(), signal.SIGKILL)
             files = {k: v for share in shares for k, v in share.items()}
             self._commit(staging, final, state.step, files)
         dist.barrier()  # nobody goes on (or exits) before the commit is durable

@@ -1,8 +1,8 @@
 """Trial measurements taken inside the trainer, for `sdzero profile` (the advisor runs the real trainer).
 
-`start_probe` returns a `Probe` that the training loop calls at four points (step begin, step end, the
-step's metrics record once read back, after the last step). With `--profile-out FILE` it records, after
-`--profile-warmup-steps` uncounted steps:
+`start_probe` returns a `Probe`, a Trainer callback (sdzero.callbacks) on four events: step begin, step
+queued, the step's metrics record once read back, and the run's finish. With `--profile-out FILE` it
+records, after `--profile-warmup-steps` uncounted steps:
 
 - throughput and step time, the trainer's own phase timers, DeepSpeed's `wall_clock_breakdown` timers and
   its `comms_logger` totals (when the DeepSpeed JSON enables them);
@@ -12,194 +12,36 @@ step's metrics record once read back, after the last step). With `--profile-out 
   network (saved-tensor hooks), parameters excluded;
 - per rank, peak RSS, the CUDA allocator's peak, and the peak a device would hold (see `device_peak`).
 
-Rank 0 writes FILE as JSON once every rank has reported. Without `--profile-out` the probe only serves the
-test hooks below and costs nothing per step.
+The memory meters live in sdzero.memory_meters; DeepSpeed's timers and communication meters here.
 
-Test-only hooks (read from the environment, used by the advisor's failure tests): SDZERO_TEST_CRASH_AT_STEP=N
-raises at the start of step N on every rank; SDZERO_TEST_HANG_AT_STEP=N sleeps forever there.
+Rank 0 writes FILE as JSON once every rank has reported. Without `--profile-out` the Trainer runs no
+probe at all.
 """
 
 from __future__ import annotations
 
-import os
-import resource
 import statistics
-import sys
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from sdzero.callbacks import Callback
 from sdzero.io import write_json_atomic
+from sdzero.memory_meters import (
+    STATE_KINDS,
+    ActivationMeter,
+    compute_device_type,
+    cuda_peak_bytes,
+    model_state_bytes,
+    module_bytes,
+    peak_rss_bytes,
+    trained_param_count,
+)
 
 PROFILE_VERSION = 1
-STATE_KINDS = ("params", "grads", "master", "optimizer")
-"""Model states, in the order the ZeRO paper counts them: 2Ψ + 2Ψ + KΨ with K = 12 for Adam."""
-
-# Where DeepSpeed's ZeRO optimizers (0.16 .. 0.19) keep gradients besides `param.grad`: stage 1/2 keep the
-# rank's reduced partition in `averaged_gradients` (or `grads_in_partition` with contiguous gradients),
-# stage 3 in one flat `grad_partitions_flat_buffer`. Internal names, so a missing one is skipped, not an error.
-_GRAD_ATTRS = ("grads_in_partition", "averaged_gradients", "grad_partitions_flat_buffer")
-_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-# Communication buckets: gradients pass through them on the way to a reduce; not model states.
-_BUCKET_ATTRS = ("ipg_buckets", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")
-
-
-class InjectedCrash(RuntimeError):
-    """Raised by the SDZERO_TEST_CRASH_AT_STEP hook."""
-
-
-def _env_step(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
-# --------------------------------------------------------------------------------------------------
-# Memory: storages held, deduplicated (views of one flat buffer count once, padding included)
-
-
-def _tensors(node: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors inside nested lists, tuples, dicts and dataclass-like objects (DeepSpeed's buckets)."""
-    if depth > 4 or node is None:
-        return
-    if isinstance(node, torch.Tensor):
-        yield node
-    elif isinstance(node, dict):
-        for value in node.values():
-            yield from _tensors(value, depth + 1)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            yield from _tensors(value, depth + 1)
-    elif hasattr(node, "__dataclass_fields__"):
-        for name in node.__dataclass_fields__:
-            yield from _tensors(getattr(node, name, None), depth + 1)
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[tuple[str, int]]) -> tuple[int, int]:
-    """(bytes, of which off the compute device) of the storages behind `tensors` not yet in `seen`.
-
-    Counting storages, not tensor sizes, gives what the allocator really holds: ZeRO keeps parameters,
-    gradients and master weights as views into flat buffers padded for alignment, and a view's own numel
-    would miss that padding.
-    """
-    total = offloaded = 0
-    compute = _compute_device_type()
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
-            continue  # a ZeRO-3 placeholder (its data lives in ds_tensor) or an empty tensor
-        key = (str(t.device), storage.data_ptr())
-        if key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-        if t.device.type != compute:
-            offloaded += storage.nbytes()
-    return total, offloaded
-
-
-def _compute_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _module_param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    for p in module.parameters():
-        # ZeRO-3: `ds_tensor` is this rank's shard; `p.data` is empty unless the parameter is persistent
-        # (below stage3_param_persistence_threshold, kept whole on every rank) or gathered right now.
-        # A gathered non-persistent parameter is ZeRO-3's working set, not a model state: left out.
-        shard = getattr(p, "ds_tensor", None)
-        if shard is None:
-            yield p.data
-            continue
-        yield shard
-        if getattr(p, "ds_persist", False):
-            yield p.data
-
-
-def trained_param_count(module: torch.nn.Module) -> int:
-    """Ψ: the trained network's parameter count (ZeRO-3 knows the full size as `ds_numel`)."""
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
-
-
-def model_state_bytes(engine: Any) -> dict[str, int]:
-    """Bytes of model states this rank holds, by kind, read from the engine.
-
-    A storage counts once, in the first kind that reaches it, in this order: `buckets` (ZeRO's reduce
-    buckets: gradients pass through them, so a gradient that is a view into one is counted there, not as a
-    gradient), `params` (the module's 16-bit weights or, under ZeRO-3, their shards), `master` (fp32
-    master partitions), `optimizer` (the inner optimizer's state: Adam's m and v), `grads` (`param.grad`
-    and ZeRO's gradient partitions). `offloaded` says how many of these bytes live off the compute device
-    (CPU offload on a GPU machine).
-    """
-    seen: set[tuple[str, int]] = set()
-    zero_opt = engine.optimizer
-    inner = getattr(zero_opt, "optimizer", zero_opt)
-    # fp32 master partitions: the inner optimizer's state keys and parameters (ZeRO-3 swaps them into its
-    # param_groups only while stepping, so its flat partitions are read by name too)
-    masters = [*inner.state.keys(), *(p for group in inner.param_groups for p in group["params"])]
-    # `grad_accum`: where ZeRO-1 accumulates when the accumulation dtype differs from the weights' dtype
-    grads = [g for p in engine.module.parameters() for g in (p.grad, getattr(p, "grad_accum", None))]
-    sources: dict[str, list[torch.Tensor]] = {
-        "buckets": [t for name in _BUCKET_ATTRS for t in _tensors(getattr(zero_opt, name, None))],
-        "params": list(_module_param_tensors(engine.module)),
-        "master": masters + [t for name in _MASTER_ATTRS for t in _tensors(getattr(zero_opt, name, None))],
-        "optimizer": [t for state in inner.state.values() for t in _tensors(state)],
-        "grads": grads + [t for name in _GRAD_ATTRS for t in _tensors(getattr(zero_opt, name, None))],
-    }
-    out = {"offloaded": 0}
-    for kind, tensors in sources.items():
-        out[kind], offloaded = storage_bytes(tensors, seen)
-        out["offloaded"] += offloaded
-    return {k: out[k] for k in (*STATE_KINDS, "buckets", "offloaded")}
-
-
-def module_bytes(*modules: torch.nn.Module) -> int:
-    """Parameter and buffer bytes of frozen modules (VAE, text encoder), replicated on every rank."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for m in modules:
-        total += storage_bytes([*m.parameters(), *m.buffers()], seen)[0]
-    return total
-
-
-def peak_rss_bytes() -> int:
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return int(kib if sys.platform == "darwin" else kib * 1024)
-
-
-def cuda_peak_bytes() -> int | None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    return None
-
-
-class ActivationMeter:
-    """Bytes autograd saves for backward during one forward of `module`: the activation memory.
-
-    A saved-tensor pack hook sees every tensor saved for backward. Parameters (and views of them, such as a
-    transposed weight) are model states, not activations, and are skipped; storages count once.
-    """
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.tensors = 0
-        self._seen: set[tuple[str, int]] = set()
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)):
-            added, _ = storage_bytes([t], self._seen)
-            if added:
-                self.bytes += added
-                self.tensors += 1
-        return t
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,16 +197,14 @@ stages 1 and 2 all-gather the updated partitions inside `step`."""
 # The probe
 
 
-class Probe:
-    """The training loop's hook: test hooks always, measurements with `--profile-out`."""
+class Probe(Callback):
+    """The Trainer's measurements for `--profile-out FILE`."""
 
     def __init__(
-        self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...], out: Path | None, warmup_steps: int
+        self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...], out: Path, warmup_steps: int
     ) -> None:
         self.engine, self.ds, self.frozen = engine, ds, frozen
         self.out, self.warmup_steps = out, warmup_steps
-        self.crash_at = _env_step("SDZERO_TEST_CRASH_AT_STEP")
-        self.hang_at = _env_step("SDZERO_TEST_HANG_AT_STEP")
         # Instruments run on the last uncounted step (or step 1 without warm-up), so their own overhead
         # (a Python call per saved tensor) stays out of the measured window.
         self.instrument_step = max(1, warmup_steps)
@@ -375,38 +215,19 @@ class Probe:
         self._handles: list[Any] = []
         self._wrapped: list[tuple[Any, str]] = []
         self._first_step: int | None = None
-        self.comm = CommMeter() if out is not None else None
+        self.comm = CommMeter()
 
-    @property
-    def enabled(self) -> bool:
-        return self.out is not None
-
-    def step_begin(self, step: int) -> None:
+    def on_step_begin(self, trainer: Any, step: int) -> None:
         if self._first_step is None:
             self._first_step = step
-        if step == self.crash_at:
-            raise InjectedCrash(f"injected crash at step {step} (SDZERO_TEST_CRASH_AT_STEP)")
-        if step == self.hang_at:
-            print(
-                f"sdzero: injected hang at step {step} (SDZERO_TEST_HANG_AT_STEP)",
-                file=sys.stderr,
-                flush=True,
-            )
-            while True:
-                time.sleep(3600)
-        if not self.enabled:
-            return
         n = self._nth(step)
         if n == self.instrument_step:
             self._arm_instruments()
         if n == self.warmup_steps + 1:
-            assert self.comm is not None
             self.comm.reset()
 
-    def step_end(self, step: int) -> None:
+    def on_step_queued(self, trainer: Any, step: int) -> None:
         """At the step's own end: instruments off, DeepSpeed's timers of this step read."""
-        if not self.enabled:
-            return
         n = self._nth(step)
         if n == self.instrument_step:
             self._disarm_instruments()
@@ -415,9 +236,9 @@ class Probe:
             cache = self.engine.get_wall_clock_timers()
             self.ds_timers.append({k: cache[k] / 1e3 for k in DS_TIMERS if k in cache})
 
-    def add_record(self, step: int, record: dict[str, Any]) -> None:
-        """The step's metrics line, when the loop has read it back (on CUDA, a step after `step_end`)."""
-        if self.enabled and self._nth(step) > self.warmup_steps:
+    def on_metrics(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
+        """The step's metrics line, once read back (on CUDA, a step after `on_step_queued`)."""
+        if self._nth(step) > self.warmup_steps:
             self.records.append(record)
 
     def _nth(self, step: int) -> int:
@@ -478,11 +299,11 @@ class Probe:
             vars(owner).pop(name, None)
         self._wrapped = []
 
+    def on_finish(self, trainer: Any) -> None:
+        self.finish()
+
     def finish(self) -> dict[str, Any] | None:
         """Gather every rank's figures and write the profile (rank 0). A collective: every rank calls it."""
-        if not self.enabled:
-            return None
-        assert self.out is not None and self.comm is not None
         self.comm.close()
         mine = self._rank_figures()
         ranks: list[Any] = [None] * dist.get_world_size()
@@ -520,7 +341,6 @@ class Probe:
         }
 
     def _summary(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        assert self.comm is not None
         steps = len(self.records)
         step_times = [r["step_time_s"] for r in self.records]
         total_time = sum(step_times)
@@ -539,7 +359,7 @@ class Probe:
             "global_batch": ds.global_batch,
             "offload_optimizer": ds.offload_optimizer,
             "offload_param": ds.offload_param,
-            "device": _compute_device_type(),
+            "device": compute_device_type(),
             "warmup_steps": self.warmup_steps,
             "measured_steps": steps,
             "trained_params": trained_param_count(self.engine.module),
@@ -557,9 +377,11 @@ class Probe:
         }
 
 
-def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe:
-    """The loop's probe; `cfg.profile_out` None means no measurements (test hooks still apply)."""
+def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe | None:
+    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost)."""
     out = getattr(cfg, "profile_out", None)
+    if not out:
+        return None
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
     # Every frozen module the family loaded (VAE, one to three text encoders; none when training from a cache).
-    return Probe(engine, ds, comps.frozen_modules(), Path(out) if out else None, warmup)
+    return Probe(engine, ds, comps.frozen_modules(), Path(out), warmup)

@@ -1,6 +1,6 @@
 """Per-step statistics kept on the device until the metrics line needs them.
 
-At each optimizer step's end the loop launches one small all-gather of (mean loss, peak memory, stop vote)
+At each optimizer step's end the Trainer launches one small all-gather of (mean loss, peak memory, stop vote)
 on the loss's device (`launch_step_stats`) and reads it back only when it writes that step's metrics line
 (`StepLog.flush`). On a CUDA run with event timing the line is written one step late: step N's values are
 read after step N+1 has been queued, so the read finds them done and the GPU never runs dry while the CPU
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,9 +75,17 @@ class PendingStep:
 class StepLog:
     """Writes each step's metrics line when its stats are read, `lag` steps after the step."""
 
-    def __init__(self, lag: int, global_batch: int, writer: Any, monitor: Any, probe: Any, bar: Any) -> None:
+    def __init__(
+        self,
+        lag: int,
+        global_batch: int,
+        writer: Any,
+        monitor: Any,
+        on_record: Callable[[int, dict[str, Any]], None],
+        bar: Any,
+    ) -> None:
         self.lag, self.global_batch = lag, global_batch
-        self.writer, self.monitor, self.probe, self.bar = writer, monitor, probe, bar
+        self.writer, self.monitor, self.on_record, self.bar = writer, monitor, on_record, bar
         self.pending: deque[PendingStep] = deque()
         self.losses: list[float] = []
         self.rates: list[float] = []
@@ -124,7 +133,7 @@ class StepLog:
                         ("Train/Samples/samples_per_s", samples_per_s, p.global_samples),
                     ]
                 )
-        self.probe.add_record(p.step, record)
+        self.on_record(p.step, record)  # the Trainer's on_metrics event
         self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.1f}")
         self.bar.update(1)
         return stop

@@ -1,6 +1,6 @@
 """DeepSpeed entrypoint: `deepspeed [--num_gpus N | --hostfile H] sdzero/train.py --deepspeed_config ...`.
 
-Parses the run options and hands them to `sdzero.loop.run`; everything else lives in the package.
+Parses the run options and hands them to `sdzero.trainer.run`; everything else lives in the package.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def report_user_error(exc: UserError, rank: int, grace_s: float = PEER_ERROR_GRA
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
-        from sdzero.loop import run
+        from sdzero import trainer
 
-        summary = run(cfg)
+        summary = trainer.run(cfg)
     except Preempted as stop:
         exit_now(int(stop.code))  # the checkpoint is committed; no teardown that could hang
     except UserError as exc:

@@ -36,6 +36,7 @@ from ckpt_helpers import (
 from launch import metrics, write_config
 from PIL import Image
 from safetensors.torch import load_file
+from support.fault_callbacks import KILL_BEFORE_COMMIT, fault_env
 
 from sdzero import checkpoint as ck
 from sdzero.ema import assemble
@@ -128,7 +129,9 @@ def runs(tiny_model, synth_data, tmp_path_factory):
             return run(cfg, tiny_model, synth_data, out, *EMA, *extra, steps=steps, env=env)
 
         rec: dict = {"out": out, "staging": staging}
-        rec["killed"] = go(config, "--checkpoint-every", "2", steps=4, env={ck.KILL_HOOK: "4"})
+        rec["killed"] = go(
+            config, "--checkpoint-every", "2", steps=4, env=fault_env({KILL_BEFORE_COMMIT: "4"})
+        )
         rec["after_kill"] = {
             "latest": (root / ck.LATEST).read_text(),
             "complete": [m.step for _, m in ck.complete_checkpoints(root)],

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import ok, run
 from launch import CONFIGS, metrics, write_config
+from support.fault_callbacks import SAMPLE_LOG, fault_env
 from torch.utils.data import DistributedSampler
 
 from sdzero import checkpoint as ck
-from sdzero.loop import SAMPLE_LOG
 
 pytestmark = pytest.mark.dist
 
@@ -55,7 +55,7 @@ def test_resume_on_another_world_size_continues_through_the_universal_checkpoint
     one = write_config(tmp_path / "one.json", {**bf16, "gradient_accumulation_steps": 2})  # 1 x 4 x 2 = 8
 
     def launch(config: Path, out: Path, *extra: str, steps: int, ranks: int, log: Path | None = None):
-        env = {SAMPLE_LOG: str(log)} if log else None
+        env = fault_env({SAMPLE_LOG: str(log)}) if log else None
         if log:
             log.mkdir()
         return run(config, tiny_model, synth_data, out, *WARMUP, *extra, steps=steps, env=env, ranks=ranks)

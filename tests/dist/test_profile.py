@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
+from support.fault_callbacks import CRASH_AT, HANG_AT, fault_env
 
 from advisor.measure.grid import GridRequest, TrialSpec
 from advisor.measure.profile import TRIAL_COLUMNS, ProfileResult, run_profile
@@ -254,9 +255,8 @@ CAP_GIB = 0.01  # far below the tiny model's ~110 MB device peak (the 50M-elemen
 
 def inject(spec: TrialSpec) -> dict[str, str]:
     """z1 crashes at its second step, z2 runs (and passes the memory cap), z3 hangs at its second step."""
-    return {1: {"SDZERO_TEST_CRASH_AT_STEP": "2"}, 2: {}, 3: {"SDZERO_TEST_HANG_AT_STEP": "2"}}[
-        spec.zero_stage
-    ]
+    faults = {1: {CRASH_AT: "2"}, 2: {}, 3: {HANG_AT: "2"}}[spec.zero_stage]
+    return fault_env(faults) if faults else {}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """GPU speed without a GPU: no per-phase sync unless --sync-timing, stats read a step late on CUDA, and the
-fast-path options reaching the network (sdzero.timing, sdzero.step_log, sdzero.speed, the loop)."""
+fast-path options reaching the network (sdzero.timing, sdzero.step_log, sdzero.speed, the Trainer)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdzero import loop, speed
+from sdzero import speed
+from sdzero import trainer as trainer_module
+from sdzero.callbacks import Callback
 from sdzero.errors import UserError
 from sdzero.timing import PhaseTimer, timing_mode
+from sdzero.trainer import Trainer
 
 
 class FakeEvent:
@@ -86,7 +89,7 @@ def test_sync_timer_synchronizes_after_every_phase(syncs):
 
 
 # --------------------------------------------------------------------------------------------------
-# The real train_steps, with a stand-in engine and model (one gloo rank)
+# The real Trainer, with a stand-in engine and model (one gloo rank)
 
 
 class FakeEngine:
@@ -109,55 +112,61 @@ class FakeEngine:
         return False
 
 
-class FakeHooks:
-    """Records, at each step's end, how many metrics lines were written and the stop vote seen."""
+class Recorder(Callback):
+    """Records, at each step's end, how many metrics lines were written and whether the ranks stopped."""
 
     def __init__(self, lines: list, stop_from: int | None) -> None:
-        self.state = SimpleNamespace(step=0)
-        self.ema, self.lines, self.stop_from, self.seen = None, lines, stop_from, []
+        self.lines, self.stop_from, self.seen = lines, stop_from, []
         self.step = 0
 
-    @property
-    def stop_requested(self) -> bool:
+    def wants_stop(self, trainer) -> bool:
         return self.stop_from is not None and self.step >= self.stop_from
 
-    def after_optimizer_step(self) -> None:
+    def on_optimizer_step(self, trainer, step: int) -> None:
         self.step += 1
 
-    def end_of_step(self, step: int, batches, stop: bool) -> None:
-        self.seen.append((step, len(self.lines), stop))
-        if stop:
-            raise SystemExit(143)
+    def on_step_end(self, trainer, step: int) -> None:
+        self.seen.append((step, len(self.lines), False))
 
-    def finish(self, step: int, batches) -> None:
-        pass
+    def on_stop(self, trainer, step: int) -> None:
+        self.seen.append((step, len(self.lines), True))
+        raise SystemExit(143)
 
 
 def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, steps: int = 3):
-    """train_steps as on a device timed in `mode` ("host": a CPU; "events"/"sync": CUDA by default / with
+    """Trainer.train as on a device timed in `mode` ("host": a CPU; "events"/"sync": CUDA by default / with
     --sync-timing), the model's loss replaced by the step number."""
-    monkeypatch.setattr(loop, "timing_mode", lambda device, sync: mode)
-    monkeypatch.setattr(loop, "PhaseTimer", functools.partial(PhaseTimer, event_factory=FakeEvent))
-    monkeypatch.setattr(loop, "encode_batch", lambda comps, batch: (None, None))
-    hooks = FakeHooks([], stop_from)
-    monkeypatch.setattr(loop, "denoising_loss", lambda *a, **k: torch.tensor(float(hooks.step + 1)))
+    monkeypatch.setattr(trainer_module, "timing_mode", lambda device, sync: mode)
+    monkeypatch.setattr(trainer_module, "PhaseTimer", functools.partial(PhaseTimer, event_factory=FakeEvent))
+    monkeypatch.setattr(trainer_module, "encode_batch", lambda comps, batch: (None, None))
+    hooks = Recorder([], stop_from)
+    monkeypatch.setattr(trainer_module, "denoising_loss", lambda *a, **k: torch.tensor(float(hooks.step + 1)))
     cfg = SimpleNamespace(
         max_steps=steps,
         sync_timing=mode == "sync",
         export_final=False,
         output_dir=tmp_path,
-        profile_out=None,
-        profile_warmup_steps=0,
         snr_gamma=None,
     )
     ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="bf16", micro_batch=2)
-    comps = SimpleNamespace(family="sd", frozen_modules=lambda: (), noise_scheduler=None)
-    batches = SimpleNamespace(next=lambda: {}, epoch=0, batches_in_epoch=0)
+    comps = SimpleNamespace(family="sd", noise_scheduler=None)
+    batches = SimpleNamespace(
+        next=lambda: {}, epoch=0, batches_in_epoch=0, samples_in_epoch=0, check_late=lambda: 0
+    )
     writer = SimpleNamespace(write=hooks.lines.append, close=lambda: None)
+    trainer = Trainer(
+        cfg,
+        ds,
+        comps,
+        FakeEngine(),
+        batches,
+        device=torch.device("cpu"),
+        prediction_type="epsilon",
+        callbacks=[hooks],
+        writer=writer,
+    )
     try:
-        summary = loop.train_steps(
-            cfg, ds, comps, FakeEngine(), batches, writer, "epsilon", 0, torch.device("cpu"), hooks
-        )
+        summary = trainer.train()
     except SystemExit:
         summary = None
     return hooks, summary

@@ -23,11 +23,11 @@ STUCK_CHILD_THEN_PREEMPTED = textwrap.dedent("""
         child = multiprocessing.Process(target=stuck)  # non-daemon: teardown joins it
         child.start()
         print(child.pid, flush=True)
-        import sdzero.loop
+        import sdzero.trainer
         from sdzero.preemption import Preempted
         def run(cfg):
-            raise Preempted()  # what the loop raises once the preemption checkpoint is committed
-        sdzero.loop.run = run
+            raise Preempted()  # what the Trainer raises once the preemption checkpoint is committed
+        sdzero.trainer.run = run
         import sdzero.train
         sdzero.train.parse_train_args = lambda argv: None
         sys.exit(sdzero.train.main([]))

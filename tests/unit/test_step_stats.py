@@ -4,7 +4,7 @@ other than the CPU, without needing a GPU: it also fails any read-back to the ho
 
 import torch
 
-from sdzero import loop
+from sdzero import step_log
 
 
 def test_step_stats_tensor_lives_on_the_loss_device(monkeypatch):
@@ -19,8 +19,8 @@ def test_step_stats_tensor_lives_on_the_loss_device(monkeypatch):
             torch.tensor([1.0, 300.0, 1.0], dtype=torch.float64),
         ]
 
-    monkeypatch.setattr(loop.dist, "all_gather", fake_all_gather)
-    monkeypatch.setattr(loop, "peak_memory_bytes", lambda: 100)
-    loss, peaks, stop = loop.gather_step_stats(torch.full((), 6.0, device="meta"), 2, 2)
+    monkeypatch.setattr(step_log.dist, "all_gather", fake_all_gather)
+    pending = step_log.launch_step_stats(torch.full((), 6.0, device="meta"), 2, 2, stop=False, peak_bytes=100)
+    loss, peaks, stop = pending.resolve()
     assert seen == {"device": torch.device("meta"), "dtype": torch.float64}
     assert (loss, peaks, stop) == (2.0, [100, 300], True)

@@ -49,8 +49,8 @@ def classify(
 
 CRASH_LOG = """$ deepspeed ...
 [rank0]: Traceback (most recent call last):
-[rank0]:   File "/work/sdzero/loop.py", line 1, in train_steps
-[rank0]: sdzero.profiling.InjectedCrash: injected crash at step 2 (SDZERO_TEST_CRASH_AT_STEP)
+[rank0]:   File "/work/tests/support/fault_callbacks.py", line 1, in on_step_begin
+[rank0]: fault_callbacks.InjectedCrash: injected crash at step 2 (SDZERO_TEST_CRASH_AT_STEP)
 [2026-01-01 00:00:00,000] [INFO] [launch.py:253:sigkill_handler] Killing subprocess 123
 """
 
@@ -58,7 +58,7 @@ CRASH_LOG = """$ deepspeed ...
 def test_crash_reason_is_the_exception_line(tmp_path):
     out = classify(tmp_path, CRASH_LOG)
     assert out.status == "crash"
-    assert out.reason.startswith("sdzero.profiling.InjectedCrash: injected crash at step 2")
+    assert out.reason.startswith("fault_callbacks.InjectedCrash: injected crash at step 2")
     assert out.reason.endswith("(exit code 1)")
     assert "Killing subprocess" in out.log_tail and out.log_tail.count("\n") < 20
 

@@ -1,0 +1,318 @@
+"""The Trainer's events and its callbacks, in one process: a one-rank gloo group, a stand-in engine, the
+model's loss replaced by the step number (sdzero.trainer, sdzero.callbacks)."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sdzero import trainer as trainer_module
+from sdzero.callbacks import (
+    CALLBACKS_ENV,
+    Callback,
+    CheckpointCallback,
+    PreemptionCallback,
+    extra_callbacks,
+    load_callbacks,
+    overrides,
+)
+from sdzero.errors import UserError
+from sdzero.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
+from sdzero.timing import PhaseTimer
+from sdzero.trainer import Trainer
+
+
+class FakeEvent:
+    """A CUDA event stand-in (no GPU needed to run the lagged, event-timed loop)."""
+
+    clock_ms = 0.0
+
+    def record(self) -> None:
+        FakeEvent.clock_ms += 1.0
+        self.at_ms = FakeEvent.clock_ms
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.at_ms - self.at_ms
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.module = torch.nn.Linear(2, 2)
+        self.monitor = SimpleNamespace(enabled=False)
+        self.global_samples = 0
+        self.skipped_steps = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        pass
+
+    def step(self) -> None:
+        self.global_samples += 1
+
+    def get_lr(self) -> list[float]:
+        return [1e-4]
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+
+class Feed:
+    """Endless micro-batches of 2 samples each, with the data position a checkpoint records."""
+
+    def __init__(self) -> None:
+        self.epoch, self.batches_in_epoch, self.samples_in_epoch = 0, 0, 0
+
+    def next(self) -> dict[str, torch.Tensor]:
+        self.batches_in_epoch += 1
+        self.samples_in_epoch += 2
+        return {"index": torch.tensor([self.samples_in_epoch - 2, self.samples_in_epoch - 1])}
+
+    def check_late(self) -> int:
+        return 0
+
+
+class Recorder(Callback):
+    """Appends (name, event, args) to a shared list for every event; votes to stop from `stop_from`."""
+
+    def __init__(self, name: str, events: list, stop_from: int | None = None) -> None:
+        self.name, self.events, self.stop_from = name, events, stop_from
+
+    def _add(self, event: str, *args) -> None:
+        self.events.append((self.name, event, *args))
+
+    def on_setup(self, trainer) -> None:
+        self._add("setup")
+
+    def on_step_begin(self, trainer, step) -> None:
+        self._add("begin", step)
+
+    def on_batch(self, trainer, batch) -> None:
+        self._add("batch", batch["index"].tolist())
+
+    def on_optimizer_step(self, trainer, step) -> None:
+        self._add("optimizer", step)
+
+    def wants_stop(self, trainer) -> bool:
+        self._add("vote")
+        steps = sum(1 for e in self.events if e[:2] == (self.name, "optimizer"))
+        return self.stop_from is not None and steps >= self.stop_from
+
+    def on_step_queued(self, trainer, step) -> None:
+        self._add("queued", step)
+
+    def on_metrics(self, trainer, step, record) -> None:
+        self._add("metrics", step, record["loss"])
+
+    def on_step_end(self, trainer, step) -> None:
+        self._add("end", step, trainer.state.step)
+
+    def on_stop(self, trainer, step) -> None:
+        self._add("stop", step)
+
+    def on_checkpoint_staged(self, trainer, step, folder) -> None:
+        self._add("staged", step)
+
+    def on_finish(self, trainer) -> None:
+        self._add("finish", trainer.state.step)
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    created = not dist.is_initialized()
+    if created:
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: int = 2, family: str = "sd"):
+    """A Trainer of `steps` steps x 2 micro-steps, timed as on a CPU ("host") or on CUDA ("events")."""
+    monkeypatch.setattr(trainer_module, "timing_mode", lambda device, sync: mode)
+    monkeypatch.setattr(trainer_module, "PhaseTimer", functools.partial(PhaseTimer, event_factory=FakeEvent))
+    monkeypatch.setattr(trainer_module, "encode_batch", lambda comps, batch: (None, None))
+    engine = FakeEngine()
+    losses: list = []
+
+    def loss(*args, **kwargs):
+        losses.append(kwargs)
+        return torch.tensor(float(engine.global_samples // 2 + 1))  # the step number
+
+    monkeypatch.setattr(trainer_module, "denoising_loss", loss)
+    flow_calls: list = []
+    cfg = SimpleNamespace(
+        max_steps=steps,
+        sync_timing=False,
+        export_final=False,
+        output_dir=tmp_path,
+        snr_gamma=None,
+        flow_settings=lambda: flow_calls.append(1) or "the flow settings",
+    )
+    ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="fp32", micro_batch=2)
+    comps = SimpleNamespace(family=family, noise_scheduler=None)
+    trainer = Trainer(
+        cfg,
+        ds,
+        comps,
+        engine,
+        Feed(),
+        device=torch.device("cpu"),
+        prediction_type="epsilon",
+        callbacks=callbacks,
+    )
+    return trainer, SimpleNamespace(losses=losses, flow_calls=flow_calls)
+
+
+def test_events_come_in_order_and_callbacks_in_list_order(monkeypatch, tmp_path, process_group):
+    events: list = []
+    trainer, _ = make_trainer(monkeypatch, tmp_path, [Recorder("a", events), Recorder("b", events)])
+    summary = trainer.train()
+    assert summary.steps == 2 and (summary.first_loss, summary.last_loss) == (1.0, 2.0)
+    a = [e[1:] for e in events if e[0] == "a"]
+    assert a == [
+        ("setup",),
+        ("begin", 1),
+        ("batch", [0, 1]),
+        ("batch", [2, 3]),
+        ("optimizer", 1),
+        ("vote",),
+        ("queued", 1),
+        ("metrics", 1, 1.0),  # on a CPU the line is read at its own step's end
+        ("end", 1, 1),  # trainer.state is the finished step's
+        ("begin", 2),
+        ("batch", [4, 5]),
+        ("batch", [6, 7]),
+        ("optimizer", 2),
+        ("vote",),
+        ("queued", 2),
+        ("metrics", 2, 2.0),
+        ("end", 2, 2),
+        ("finish", 2),
+    ]
+    # every event reaches "a" before "b"
+    assert [e[0] for e in events] == [name for _ in a for name in ("a", "b")]
+    assert trainer.state.samples_in_epoch == 8 and trainer.state.batches_in_epoch == 4
+
+
+def test_on_cuda_a_steps_metrics_come_after_the_next_step_is_queued(monkeypatch, tmp_path, process_group):
+    events: list = []
+    trainer, _ = make_trainer(monkeypatch, tmp_path, [Recorder("a", events)], mode="events", steps=3)
+    trainer.train()
+    order = [e[1:] for e in events if e[1] in ("queued", "metrics", "end", "finish")]
+    assert order == [
+        ("queued", 1),
+        ("end", 1, 1),
+        ("queued", 2),
+        ("metrics", 1, 1.0),
+        ("end", 2, 2),
+        ("queued", 3),
+        ("metrics", 2, 2.0),
+        ("end", 3, 3),
+        ("metrics", 3, 3.0),  # the last line after the loop, before the finish
+        ("finish", 3),
+    ]
+
+
+def test_an_agreed_stop_writes_its_line_then_stops_instead_of_ending_the_step(
+    monkeypatch, tmp_path, process_group
+):
+    """Nobody turns the stop into an exit here, so the run ends at that step and finishes normally."""
+    events: list = []
+    trainer, _ = make_trainer(monkeypatch, tmp_path, [Recorder("a", events, stop_from=2)], steps=5)
+    summary = trainer.train()
+    tail = [e[1:] for e in events][-5:]
+    assert tail == [("vote",), ("queued", 2), ("metrics", 2, 2.0), ("stop", 2), ("finish", 2)]
+    assert summary.steps == 2 and trainer.state.step == 2
+
+
+def test_flow_settings_are_resolved_once_not_per_micro_step(monkeypatch, tmp_path, process_group):
+    trainer, seen = make_trainer(monkeypatch, tmp_path, [], steps=3, family="sd3")
+    trainer.train()
+    assert len(seen.flow_calls) == 1 and len(seen.losses) == 6
+    assert {k["flow"] for k in seen.losses} == {"the flow settings"}
+    trainer, seen = make_trainer(monkeypatch, tmp_path, [], steps=1)
+    trainer.train()
+    assert seen.flow_calls == [] and seen.losses[0]["flow"] is None
+
+
+class FakeCheckpointer:
+    """Records saves; like the real one, announces the staged folder before it commits."""
+
+    def __init__(self, events: list) -> None:
+        self.events, self.before_commit = events, None
+
+    def save(self, state) -> None:
+        self.before_commit(state.step, Path("staging"))
+        self.events.append(("checkpointer", "commit", state.step))
+
+
+def test_checkpoints_at_the_cadence_and_the_end_with_the_staged_event_before_each_commit(
+    monkeypatch, tmp_path, process_group
+):
+    events: list = []
+    checkpoints = CheckpointCallback(FakeCheckpointer(events), every=2)
+    trainer, _ = make_trainer(monkeypatch, tmp_path, [checkpoints, Recorder("a", events)], steps=3)
+    trainer.train()
+    saves = [e for e in events if e[1] in ("staged", "commit")]
+    assert saves == [
+        ("a", "staged", 2),
+        ("checkpointer", "commit", 2),
+        ("a", "staged", 3),  # the final checkpoint: step 3 is not a multiple of 2
+        ("checkpointer", "commit", 3),
+    ]
+
+
+def test_preemption_saves_then_exits_143_at_the_agreed_step(monkeypatch, tmp_path, process_group):
+    events: list = []
+    flag = PreemptionFlag(timeout_s=60)
+    flag.signum = signal.SIGTERM  # as if SIGTERM had arrived (no watchdog started)
+    callbacks = [CheckpointCallback(FakeCheckpointer(events), every=0), PreemptionCallback(flag)]
+    trainer, _ = make_trainer(monkeypatch, tmp_path, [*callbacks, Recorder("a", events)], steps=5)
+    with pytest.raises(Preempted) as stopped:
+        trainer.train()
+    assert stopped.value.code == EXIT_PREEMPTED
+    assert ("checkpointer", "commit", 1) in events  # saved at the first step, where the vote was read
+    assert not any(e[1] in ("stop", "finish") for e in events if e[0] == "a")  # raised before later ones
+
+
+def test_only_overridden_events_are_dispatched(monkeypatch, tmp_path, process_group):
+    class Quiet(Callback):
+        def on_finish(self, trainer) -> None:
+            self.finished = True
+
+    quiet = Quiet()
+    assert overrides(quiet, "on_finish") and not overrides(quiet, "on_batch")
+    trainer, _ = make_trainer(monkeypatch, tmp_path, [quiet])
+    assert trainer._handlers["on_batch"] == [] and len(trainer._handlers["on_finish"]) == 1
+    trainer.train()
+    assert quiet.finished
+
+
+def test_extra_callbacks_are_loaded_from_module_attribute_names(monkeypatch, tmp_path):
+    (tmp_path / "my_callbacks.py").write_text(
+        "from sdzero.callbacks import Callback\n"
+        "class Mine(Callback):\n    pass\n"
+        "def make():\n    return Mine()\n"
+        "def nothing():\n    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = load_callbacks("my_callbacks:make, my_callbacks:nothing,")
+    assert [type(c).__name__ for c in found] == ["Mine"]  # a factory may decline (None)
+    monkeypatch.setenv(CALLBACKS_ENV, "my_callbacks:make")
+    assert len(extra_callbacks()) == 1
+    monkeypatch.delenv(CALLBACKS_ENV)
+    assert extra_callbacks() == []
+    for bad in ("my_callbacks:missing", "no_such_module_here:make", "my_callbacks"):
+        with pytest.raises(UserError, match=f"{CALLBACKS_ENV}: cannot load"):
+            load_callbacks(bad)
+    sys.modules.pop("my_callbacks", None)
