@@ -39,6 +39,7 @@ from sdzero.data import (
     sample_generator,
 )
 from sdzero.errors import UserError
+from sdzero.families import FAMILIES, detect_family
 
 log = logging.getLogger("sdzero.cache")
 
@@ -46,7 +47,9 @@ CACHE_FORMAT = 1
 INDEX_NAME = "cache.json"
 BUILD_NAME = "build.json"
 FLIP_POLICIES = ("none", "both")
-TRAINED_NETS = ("unet", "transformer")  # not part of the cache's fingerprint: the cache never uses them
+# The trained networks' folders (unet, transformer), not part of the cache's fingerprint: the cache never
+# uses them. Registry order; run_identity.model_fingerprint hashes them in this order.
+TRAINED_NETS = tuple(dict.fromkeys(family.subfolder for family in FAMILIES))
 SKIPPED_PARTS = (*TRAINED_NETS, "scheduler")
 
 
@@ -201,10 +204,7 @@ def run_spec(
     max_sequence_length: int | None = None,
 ) -> tuple[CacheSpec, list[Record], list[list[Any]]]:
     """The spec a run with these options needs (used by the cache build and by training alike)."""
-    from sdzero.models import DEFAULT_MAX_SEQUENCE_LENGTH, detect_family
-
     family = detect_family(model)
-    tokens = (max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH) if family == "sd3" else None
     geometry = net_geometry(model)
     res = resolution or geometry.native_resolution
     sizes = (
@@ -215,14 +215,14 @@ def run_spec(
     records = read_metadata(Path(data))
     rows = data_files(Path(data), records)
     spec = CacheSpec(
-        family=family,
+        family=family.name,
         model_fingerprint=model_fingerprint(model),
         resolution=res,
         buckets=sizes,
         flip=flip,
         dtype=dtype,
         data_fingerprint=data_fingerprint(rows, records),
-        text_tokens=tokens,
+        text_tokens=family.text_tokens(max_sequence_length),
         model=str(model),
         data=str(Path(data).resolve()),
     )

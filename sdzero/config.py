@@ -313,40 +313,13 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
                 f"--max-sequence-length must be in [1, 512] (T5 tokens per caption), got {self.max_sequence_length}"
             )
 
-    def sd3_only_flags(self) -> list[str]:
-        """The SD3 flags this run sets (an error unless the model is SD3)."""
-        flags = {
-            "--weighting-scheme": self.weighting_scheme is not None,
-            "--logit-mean": self.logit_mean is not None,
-            "--logit-std": self.logit_std is not None,
-            "--mode-scale": self.mode_scale is not None,
-            "--precondition-outputs": self.precondition_outputs,
-            "--max-sequence-length": self.max_sequence_length is not None,
-        }
-        return [flag for flag, is_set in flags.items() if is_set]
+    def check_family(self, family: Any) -> None:
+        """Options that only one kind of objective understands, checked once the model's family (a Family,
+        or its name) is known from its model_index.json, before any process group exists. The rule is the
+        family's own: Family.check_options."""
+        from sdzero.families import as_family  # imports torch: the option parsing stays light without it
 
-    def check_family(self, family: str) -> None:
-        """Options that only one kind of objective understands, checked once the model's family is known
-        (from its model_index.json), before any process group exists."""
-        if family != "sd3":
-            flags = self.sd3_only_flags()
-            if flags:
-                raise UserError(
-                    f"{', '.join(flags)}: SD3 (flow matching) options, but --model {self.model} is a {family} "
-                    "pipeline; drop them or train an SD3 model"
-                )
-            return
-        ddpm = {
-            "--prediction-type": self.prediction_type is not None,
-            "--snr-gamma": self.snr_gamma is not None,
-            "--noise-offset": self.noise_offset > 0,
-        }
-        flags = [flag for flag, is_set in ddpm.items() if is_set]
-        if flags:
-            raise UserError(
-                f"{', '.join(flags)}: DDPM options, but --model {self.model} is SD3, trained by flow matching; "
-                "use --weighting-scheme (and --logit-mean/--logit-std/--mode-scale) instead"
-            )
+        as_family(family).check_options(self)
 
     def flow_settings(self) -> FlowSettings:
         """SD3's flow-matching settings, defaults filled in."""

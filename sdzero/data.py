@@ -1,8 +1,9 @@
 """Captioned image folders: metadata, a sharded check for unreadable files, and per-sample determinism.
 
-Every random choice for a sample (crop, flip, noise, timestep) comes from a generator seeded by
-(seed, epoch, sample index). A sample therefore gets the same noise whatever the world size, micro-batch,
-ZeRO stage, worker count or resume point, which is what makes runs comparable and resumes exact.
+Every random choice for a sample (crop, flip, noise, timestep, SD3's flow draw) comes from a generator
+seeded by (seed, epoch, sample index). A sample therefore gets the same noise whatever the world size,
+micro-batch, ZeRO stage, worker count or resume point, which is what makes runs comparable and resumes
+exact. The worker only produces tensors; the family encodes them and forms the loss (sdzero.families).
 """
 
 from __future__ import annotations
@@ -161,12 +162,30 @@ class SampleSpec:
     random_crop: bool = False
     noise_offset: float = 0.0
     flow: FlowSettings | None = None
-    """SD3: each sample also draws `flow_u`, its place on the flow-matching schedule."""
+    """SD3: each sample also draws `flow_u`, its place on the flow-matching schedule (the family says
+    whether: Family.flow_settings)."""
 
     def latent_shape_for(self, size_hw: tuple[int, int]) -> tuple[int, int, int]:
         """The latent shape of a sample trained at (height, width) pixels (an aspect-ratio bucket)."""
         channels, side = self.latent_shape[0], self.latent_shape[1]
         return channels, size_hw[0] * side // self.resolution, size_hw[1] * side // self.resolution
+
+
+def flow_u(flow: FlowSettings, generator: torch.Generator) -> float:
+    """One sample's draw from the timestep density of `flow.weighting_scheme` (diffusers' own sampler),
+    in [0, 1]; the sample's generator makes it a function of (seed, epoch, index). The objective maps it
+    to a timestep and sigma (objectives.flow_timesteps)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme=flow.weighting_scheme,
+        batch_size=1,
+        logit_mean=flow.logit_mean,
+        logit_std=flow.logit_std,
+        mode_scale=flow.mode_scale,
+        generator=generator,
+    )
+    return float(u[0])
 
 
 def draw_noise(
@@ -190,8 +209,6 @@ def draw_noise(
         "timestep": torch.tensor(timestep, dtype=torch.long),
     }
     if spec.flow is not None:
-        from sdzero.objectives import flow_u  # diffusers' density sampler, driven by this sample's seed
-
         generator = torch.Generator().manual_seed(int(rng.integers(0, 2**63 - 1)))
         drawn["flow_u"] = torch.tensor(flow_u(spec.flow, generator), dtype=torch.float32)
     return drawn

@@ -40,10 +40,8 @@ def gathered_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
 
 
-def unet_from_state(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, cls: Any = None):
+def network_from_state(config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype, cls: Any):
     """The trained network (a UNet, or SD3's transformer: `cls`) rebuilt from its config and `state`."""
-    if cls is None:
-        from diffusers import UNet2DConditionModel as cls
     net = cls.from_config(config)
     missing, unexpected = net.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -57,41 +55,12 @@ def unet_from_state(config: Any, state: dict[str, torch.Tensor], dtype: torch.dt
 def build_pipeline(comps: Any, trained: torch.nn.Module, scheduler: Any = None) -> Any:
     """The family's diffusers pipeline around `trained` and the frozen parts of `comps` (loaded if a cache
     run skipped them). `scheduler` defaults to a fresh one of the pipeline's own sampler class."""
-    from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
-
     from sdzero.models import ensure_frozen, sampling_scheduler
 
     # Beside the trained network: on the rank's device for validation, on the CPU for an export.
     ensure_frozen(comps, next(trained.parameters()).device)
     scheduler = scheduler if scheduler is not None else sampling_scheduler(comps)
-    clip = {"vae": comps.vae, "text_encoder": comps.text_encoder, "tokenizer": comps.tokenizer}
-    if comps.family == "sdxl":
-        return StableDiffusionXLPipeline(
-            **clip,
-            text_encoder_2=comps.text_encoder_2,
-            tokenizer_2=comps.tokenizer_2,
-            unet=trained,
-            scheduler=scheduler,
-            add_watermarker=False,
-        )
-    if comps.family == "sd3":
-        return StableDiffusion3Pipeline(
-            **clip,
-            text_encoder_2=comps.text_encoder_2,
-            tokenizer_2=comps.tokenizer_2,
-            text_encoder_3=comps.text_encoder_3,
-            tokenizer_3=comps.tokenizer_3,
-            transformer=trained,
-            scheduler=scheduler,
-        )
-    return StableDiffusionPipeline(
-        **clip,
-        unet=trained,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    return comps.family.build_pipeline(comps, trained, scheduler)
 
 
 def frozen_parts_for_export(comps: Any) -> Any:
@@ -100,23 +69,23 @@ def frozen_parts_for_export(comps: Any) -> Any:
     The loaded ones are in the training precision (bf16 weights rounded from the fp32 originals) and may
     sit on a GPU; an export casts from the originals instead, so an fp32 export holds them unchanged.
     """
-    from sdzero.models import TEXT_ENCODERS, ensure_frozen
+    from sdzero.models import ensure_frozen
 
     fresh = dataclasses.replace(
-        comps, compute="fp32", vae=None, **{name: None for name in TEXT_ENCODERS[comps.family]}
+        comps, compute="fp32", vae=None, **{name: None for name in comps.family.text_encoders}
     )
     return ensure_frozen(fresh, "cpu")
 
 
 def write_pipeline(
     out: Path,
-    unet_state: dict[str, torch.Tensor],
+    network_state: dict[str, torch.Tensor],
     comps: Any,
     dtype: torch.dtype = torch.float32,
     extra_unets: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """A complete pipeline folder of the model's family: the trained network from `unet_state` (the UNet,
-    or SD3's transformer) plus the frozen parts, every component in `dtype`.
+    """A complete pipeline folder of the model's family: the trained network from `network_state` (the
+    UNet, or SD3's transformer) plus the frozen parts, every component in `dtype`.
 
     One dtype for all: diffusers loads its models as fp32 and transformers loads text encoders in the dtype
     they were saved in, so a bf16 UNet beside fp32 encoders (or the reverse) fails at the first matmul of
@@ -127,8 +96,8 @@ def write_pipeline(
     becoming the family's folder ("transformer_ema" for SD3); the pipeline's model_index.json does not list
     them, so `from_pretrained(out)` loads the trained network and ignores them.
     """
-    cls = type(comps.unet)
-    trained = unet_from_state(comps.unet.config, unet_state, dtype, cls)
+    cls, config = type(comps.network), comps.network.config
+    trained = network_from_state(config, network_state, dtype, cls)
     pipe = build_pipeline(frozen_parts_for_export(comps), trained)
     pipe.to(dtype=dtype)
     out = Path(out)
@@ -137,8 +106,8 @@ def write_pipeline(
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         for name, state in (extra_unets or {}).items():
-            folder = name.replace("unet", comps.trained_subfolder, 1)
-            unet_from_state(comps.unet.config, state, dtype, cls).save_pretrained(
+            folder = name.replace("unet", comps.family.subfolder, 1)
+            network_from_state(config, state, dtype, cls).save_pretrained(
                 tmp / folder, safe_serialization=True
             )
         publish_dir(tmp, out)
@@ -176,7 +145,7 @@ def export_checkpoint(
     """`sdzero export`: a checkpoint (or the newest complete one in a folder / run) -> diffusers pipeline."""
     from sdzero.checkpoint import EMA_DIR, first_verified, locate, verify_files
     from sdzero.ema import assemble
-    from sdzero.models import DTYPES, load_components, resolve_prediction_type
+    from sdzero.models import DTYPES, load_components
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -198,7 +167,8 @@ def export_checkpoint(
         comps = load_components(model, "fp32", "cpu", frozen=False)
     except UserError as exc:
         raise UserError(f"{exc}; pass --model with the pipeline the run trained from") from exc
-    resolve_prediction_type(comps, manifest.prediction_type)  # a no-op for SD3 (flow matching)
+    # Recorded in the exported scheduler's config (SD3 has none: flow matching).
+    comps.family.resolve_prediction_type(comps.noise_scheduler, manifest.prediction_type)
     weights = consolidated_weights(path, manifest.zero_stage)
     extra = None
     if manifest.ema:

@@ -1,11 +1,12 @@
 """What a micro-step feeds the trained network: latents and text conditioning, either encoded online from
-pixels and tokens by the frozen VAE and text encoders, or read from a latent cache (sdzero.cache)."""
+pixels and tokens by the frozen VAE and the family's text encoders, or read from a latent cache
+(sdzero.cache). The data worker only produces tensors; encoding happens here, on the rank's device."""
 
 from __future__ import annotations
 
 import torch
 
-from sdzero.models import Components, encode_latents, encode_prompts
+from sdzero.models import Components, encode_latents
 
 COND_PREFIX = "cond."
 """Batch keys of cached text conditioning: `cond.encoder_hidden_states`, `cond.pooled_prompt_embeds`, ..."""
@@ -35,4 +36,4 @@ def encode_batch(
         cond = {k[len(COND_PREFIX) :]: v for k, v in batch.items() if k.startswith(COND_PREFIX)}
         return latents_from_posterior(comps, batch), cond
     latents = encode_latents(comps.vae, batch["pixel_values"], batch["latent_eps"])
-    return latents, encode_prompts(comps, batch)
+    return latents, comps.family.encode_prompts(comps, batch)

@@ -1,23 +1,34 @@
 """Denoising objectives: what the network is asked to predict and how each sample's loss is weighted.
 
-DDPM families (SD, SDXL): epsilon or v targets, Min-SNR weights. SD3: flow matching with the timestep
-densities and loss weights of diffusers.training_utils (the SD3 paper's schemes).
+DDPM families (SD, SDXL): epsilon or v targets, Min-SNR weights. SD3: flow matching with the loss weights
+of diffusers.training_utils (the SD3 paper's schemes). Which family uses which, and the network inputs
+each adds, is the family's business (sdzero.families); the per-sample draws these read (`noise`,
+`timestep`, `flow_u`) come with the batch from the data worker (sdzero.data).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers.training_utils import (
-    compute_density_for_timestep_sampling,
-    compute_loss_weighting_for_sd3,
-    compute_snr,
-)
+from diffusers.training_utils import compute_loss_weighting_for_sd3, compute_snr
 
 from sdzero.config import FlowSettings
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a run trains towards, resolved once at start-up (Family.objective)."""
+
+    prediction_type: str
+    """"epsilon" or "v_prediction" (DDPM families), "flow_matching" (SD3)."""
+    snr_gamma: float | None = None
+    """Min-SNR-gamma weighting (DDPM only); None: plain MSE."""
+    flow: FlowSettings | None = None
+    """SD3's timestep density and loss weighting."""
 
 
 def training_target(
@@ -47,29 +58,6 @@ def diffusion_loss(
     weights = weights / snr if prediction_type == "epsilon" else weights / (snr + 1)
     per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
     return (per_sample * weights).mean()
-
-
-def sdxl_added_cond(
-    cond: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """SDXL's micro-conditioning: the pooled text embedding and six numbers per sample, (original height,
-    width, crop top, left, target height, width), which the UNet embeds like timesteps."""
-    time_ids = torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
-    return {"text_embeds": cond["pooled_prompt_embeds"].to(dtype), "time_ids": time_ids.to(dtype)}
-
-
-def flow_u(flow: FlowSettings, generator: torch.Generator) -> float:
-    """One sample's draw from the timestep density of `flow.weighting_scheme` (diffusers' own sampler),
-    in [0, 1]; the sample's generator makes it a function of (seed, epoch, index)."""
-    u = compute_density_for_timestep_sampling(
-        weighting_scheme=flow.weighting_scheme,
-        batch_size=1,
-        logit_mean=flow.logit_mean,
-        logit_std=flow.logit_std,
-        mode_scale=flow.mode_scale,
-        generator=generator,
-    )
-    return float(u[0])
 
 
 def flow_timesteps(scheduler: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +104,28 @@ def flow_matching_loss(
     return per_sample.mean()
 
 
+def ddpm_loss(
+    model: Callable[..., Any],
+    model_dtype: torch.dtype,
+    scheduler: Any,
+    latents: torch.Tensor,
+    cond: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    prediction_type: str,
+    snr_gamma: float | None,
+    added_inputs: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """The DDPM objective (SD, SDXL): noise the latents with each sample's own noise and timestep, predict
+    epsilon or v, compare. `added_inputs` are the family's further network inputs (SDXL's
+    `added_cond_kwargs`)."""
+    timesteps, noise = batch["timestep"], batch["noise"]
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    text = cond["encoder_hidden_states"].to(model_dtype)
+    pred = model(noisy.to(model_dtype), timesteps, text, return_dict=False, **(added_inputs or {}))[0]
+    target = training_target(scheduler, prediction_type, latents, noise, timesteps)
+    return diffusion_loss(pred, target, timesteps, scheduler, prediction_type, snr_gamma)
+
+
 def denoising_loss(
     model: Callable[..., Any],
     model_dtype: torch.dtype,
@@ -125,22 +135,15 @@ def denoising_loss(
     batch: dict[str, torch.Tensor],
     prediction_type: str,
     snr_gamma: float | None,
-    family: str = "sd",
+    family: Any = "sd",
     flow: FlowSettings | None = None,
 ) -> torch.Tensor:
-    """One micro-batch's loss: noise the latents with the sample's own noise and timestep, predict, compare.
+    """One micro-batch's loss by `family` (a Family or its name): `Family.loss` with these settings.
 
-    `cond` is the text conditioning by name (models.encode_prompts, or a cache); `batch` carries the
-    per-sample randomness (`noise`, `timestep`, SD3's `flow_u`) and SDXL's size/crop inputs.
+    Temporary: the form sdzero/loop.py still calls; new code calls `comps.family.loss(..., objective)`
+    with the Objective built once (Family.objective). Remove once loop.py does.
     """
-    if family == "sd3":
-        if flow is None:
-            raise ValueError("SD3 trains by flow matching: pass its FlowSettings")
-        return flow_matching_loss(model, model_dtype, scheduler, latents, cond, batch, flow)
-    timesteps, noise = batch["timestep"], batch["noise"]
-    noisy = scheduler.add_noise(latents, noise, timesteps)
-    text = cond["encoder_hidden_states"].to(model_dtype)
-    extra = {"added_cond_kwargs": sdxl_added_cond(cond, batch, model_dtype)} if family == "sdxl" else {}
-    pred = model(noisy.to(model_dtype), timesteps, text, return_dict=False, **extra)[0]
-    target = training_target(scheduler, prediction_type, latents, noise, timesteps)
-    return diffusion_loss(pred, target, timesteps, scheduler, prediction_type, snr_gamma)
+    from sdzero.families import as_family  # families builds on this module: imported at call time
+
+    objective = Objective(prediction_type, snr_gamma=snr_gamma, flow=flow)
+    return as_family(family).loss(model, model_dtype, scheduler, latents, cond, batch, objective)

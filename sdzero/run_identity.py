@@ -12,11 +12,11 @@ Options that do not change the trajectory may change freely on resume (SAFE_TO_C
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from sdzero.checkpoint import RunIdentity
+from sdzero.families import Family, as_family
 
 SAFE_TO_CHANGE = (
     "--max-steps",
@@ -79,24 +79,23 @@ def data_fingerprint(data: Path, cache_dir: Path | None) -> str:
     return cache.data_fingerprint(rows, records)  # the cache's digest, of rows without mtimes
 
 
-def objective_settings(cfg: Any, ds: Any, family: str) -> dict[str, Any]:
-    """The loss, its weighting and the sample transforms, keyed by the flag that sets each."""
-    settings: dict[str, Any] = {
+def objective_settings(cfg: Any, ds: Any, family: Family | str) -> dict[str, Any]:
+    """The loss, its weighting and the sample transforms, keyed by the flag that sets each (and the
+    family's own options: SD3's flow matching)."""
+    return {
         "--snr-gamma": cfg.snr_gamma,
         "--noise-offset": cfg.noise_offset,
         "--random-flip": cfg.random_flip,
         "--random-crop": cfg.random_crop,
         "--lr (effective)": cfg.effective_lr(ds),
         "--lr-warmup-steps": cfg.lr_warmup_steps,
+        **as_family(family).identity_options(cfg),
     }
-    if family == "sd3":
-        settings.update({f"--{k.replace('_', '-')}": v for k, v in asdict(cfg.flow_settings()).items()})
-        settings["--max-sequence-length"] = cfg.max_sequence_length
-    return settings
 
 
 def describe_run(cfg: Any, ds: Any, comps: Any, prediction_type: str, model_reference: str) -> RunIdentity:
     """This run's identity, as the manifest will record it."""
+    family = as_family(comps.family)
     return RunIdentity(
         zero_stage=ds.zero_stage,
         dtype=ds.dtype,
@@ -104,13 +103,13 @@ def describe_run(cfg: Any, ds: Any, comps: Any, prediction_type: str, model_refe
         seed=cfg.seed,
         model=model_reference,
         prediction_type=prediction_type,
-        family=comps.family,
+        family=family.name,
         model_fingerprint=model_fingerprint(cfg.model),
         micro_batch=ds.micro_batch,
         grad_accum=ds.grad_accum,
         resolution=cfg.resolution or comps.native_resolution,
         buckets=bool(cfg.buckets),
-        objective=objective_settings(cfg, ds, comps.family),
+        objective=objective_settings(cfg, ds, family),
         data_fingerprint=data_fingerprint(cfg.data, cfg.cache_dir),
     )
 

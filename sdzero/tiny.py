@@ -255,13 +255,15 @@ def _tiny_sd3():
 
 
 TINY_BUILDERS = {"sd15": _tiny_sd15, "sdxl": _tiny_sdxl, "sd3": _tiny_sd3}
-FAMILIES = tuple(TINY_BUILDERS)
+TINY_FAMILIES = tuple(TINY_BUILDERS)
+"""`tiny-model --family` names: one pipeline per registered family (sdzero.families); sd15's is detected
+as family `sd` (SD 1.x/2.x)."""
 
 
 def write_tiny_model(out: Path, family: str = "sd15", seed: int = 0) -> Path:
     """Write a complete diffusers pipeline folder with small random weights; returns `out`."""
     if family not in TINY_BUILDERS:
-        raise UserError(f"unknown --family {family!r}; choose one of: {', '.join(FAMILIES)}")
+        raise UserError(f"unknown --family {family!r}; choose one of: {', '.join(TINY_FAMILIES)}")
     import torch
 
     torch.manual_seed(seed)

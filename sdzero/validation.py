@@ -100,22 +100,20 @@ class Validator:
 
     @torch.no_grad()
     def run(self, step: int, engine: Any, comps: Any, rank: int, device: torch.device) -> list[Path]:
-        """Sample every prompt; all ranks must call this (ZeRO-3 gathers inside each UNet forward)."""
-        from diffusers import DDIMScheduler
-
+        """Sample every prompt; all ranks must call this (ZeRO-3 gathers inside each network forward)."""
         from sdzero.export import build_pipeline
 
         start = time.perf_counter()
-        unet = engine.module  # the trained network: a UNet, or SD3's transformer
+        network = engine.module  # the trained network: a UNet, or SD3's transformer
         # SD/SDXL sample with DDIM from the training betas; SD3 with a fresh copy of its flow-matching
         # scheduler (the training objective reads the unshifted-by-set_timesteps training schedule).
-        scheduler = None if comps.family == "sd3" else DDIMScheduler.from_config(comps.noise_scheduler.config)
-        pipe = build_pipeline(comps, unet, scheduler)  # loads the frozen parts if a cache run skipped them
-        extra = {"max_sequence_length": comps.max_sequence_length} if comps.family == "sd3" else {}
+        scheduler = comps.family.validation_scheduler(comps)
+        pipe = build_pipeline(comps, network, scheduler)  # loads the frozen parts if a cache run skipped them
+        extra = comps.family.sampling_options(comps)
         pipe.set_progress_bar_config(disable=True)
         folder = step_folder(self.out, step)
         written: list[Path] = []
-        unet.eval()
+        network.eval()
         try:
             with torch.random.fork_rng(devices=[]):
                 for i, prompt in enumerate(self.prompts):
@@ -136,7 +134,7 @@ class Validator:
                         image.save(path)
                         written.append(path)
         finally:
-            unet.train()
+            network.train()
         if rank == 0:
             write_text_atomic(folder / PROMPTS_FILE, json.dumps(self.prompts, indent=1) + "\n")
             log.info(

@@ -94,10 +94,10 @@ def test_export_loads_in_the_family_pipeline(family, family_runs, tmp_path):
     from safetensors.torch import load_file
 
     from sdzero.export import export_checkpoint
-    from sdzero.models import TRAINED_SUBFOLDER
+    from sdzero.families import detect_family
 
     model, run, _ = family_runs(family)
-    sub = TRAINED_SUBFOLDER[family]
+    sub = detect_family(str(model)).subfolder
     cls = getattr(diffusers, PIPELINES[family])
     extra = {"max_sequence_length": 8} if family == "sd3" else {}
     final = run / "final"
@@ -135,7 +135,7 @@ def test_profile_counts_the_family_network_and_every_frozen_part(family, family_
     model, run, _ = family_runs(family)
     profile = json.loads((run.parent / "profile.json").read_text())
     comps = load_components(str(model), "bf16", "cpu")
-    assert profile["trained_params"] == sum(p.numel() for p in comps.unet.parameters())
+    assert profile["trained_params"] == sum(p.numel() for p in comps.network.parameters())
     assert len(comps.frozen_modules()) == {"sdxl": 3, "sd3": 4}[family]
     for rank in profile["ranks"]:
         assert rank["frozen_bytes"] == module_bytes(*comps.frozen_modules())

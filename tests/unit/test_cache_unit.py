@@ -17,8 +17,10 @@ from sdzero.cache_build import BuildInterrupted, build_cache
 from sdzero.cli import app
 from sdzero.data import CaptionedImages, SampleSpec, read_metadata
 from sdzero.errors import UserError
+from sdzero.families import Family
 from sdzero.inputs import encode_batch
 from sdzero.models import load_components, tokenize
+from sdzero.objectives import Objective
 
 # Where build_cache encodes: the GPU when there is one. Online encoding in these tests runs there too, so
 # cached and online latents come from the same kernels (a GPU-built cache against CPU encoding differed
@@ -209,20 +211,19 @@ def test_bucketed_cache_follows_each_images_bucket(tiny_model, tmp_path):
 
 def test_cached_training_path_needs_no_frozen_parts(tiny_model, synth_data, flip_cache, monkeypatch):
     import sdzero.models as models
-    from sdzero.objectives import denoising_loss
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cached run loaded a frozen part")
 
     monkeypatch.setattr(models, "_load_vae", refuse)
-    monkeypatch.setattr(models, "_load_text_encoders", refuse)
+    monkeypatch.setattr(Family, "load_text_encoders", refuse)
     comps = load_components(str(tiny_model), "fp32", "cpu", frozen=False)
     assert comps.vae is None and comps.text_encoder is None and comps.frozen_modules() == ()
     cache = open_cache(flip_cache, str(tiny_model), synth_data, None, False, "fp32", False)
     batch = default_collate([CachedSamples(cache, spec_for(comps, False))[(i, 0)] for i in range(4)])
     latents, cond = encode_batch(comps, batch)
-    loss = denoising_loss(
-        comps.unet, torch.float32, comps.noise_scheduler, latents, cond, batch, "epsilon", None
+    loss = comps.family.loss(
+        comps.network, torch.float32, comps.noise_scheduler, latents, cond, batch, Objective("epsilon")
     )
     assert torch.isfinite(loss) and loss > 0
 

@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 
 from sdzero.export import write_pipeline
 from sdzero.models import load_components
-from sdzero.tiny import FAMILIES, write_tiny_model
+from sdzero.tiny import TINY_FAMILIES, write_tiny_model
 
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export_models")
-    return {f: write_tiny_model(root / f, family=f) for f in FAMILIES}
+    return {f: write_tiny_model(root / f, family=f) for f in TINY_FAMILIES}
 
 
 def saved_dtypes(out: Path) -> set[torch.dtype]:
@@ -32,13 +32,13 @@ def generate(pipe) -> torch.Tensor:
     return torch.as_tensor(image.images[0])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_export_of_a_bf16_run_loads_with_no_arguments_and_generates(family, family_models, tmp_path):
     from diffusers import DiffusionPipeline
 
     # What a bf16 run holds: frozen parts loaded in bf16, the trained net's gathered 16-bit weights.
     comps = load_components(str(family_models[family]), "bf16", "cpu")
-    state = {k: v.to(torch.bfloat16) for k, v in comps.unet.state_dict().items()}
+    state = {k: v.to(torch.bfloat16) for k, v in comps.network.state_dict().items()}
     out = write_pipeline(tmp_path / "pipe", state, comps, extra_unets={"unet_ema": state})
     assert saved_dtypes(out) == {torch.float32}
     pipe = DiffusionPipeline.from_pretrained(out)
@@ -54,7 +54,7 @@ def test_a_bf16_export_is_bf16_throughout_and_loads_with_torch_dtype(family_mode
     from diffusers import DiffusionPipeline
 
     comps = load_components(str(family_models["sd15"]), "fp32", "cpu")
-    out = write_pipeline(tmp_path / "pipe", comps.unet.state_dict(), comps, torch.bfloat16)
+    out = write_pipeline(tmp_path / "pipe", comps.network.state_dict(), comps, torch.bfloat16)
     assert saved_dtypes(out) == {torch.bfloat16}
     pipe = DiffusionPipeline.from_pretrained(out, dtype=torch.bfloat16)
     assert generate(pipe).shape == (32, 32, 3)

@@ -17,10 +17,11 @@ from typer.testing import CliRunner
 
 from sdzero.cli import app
 from sdzero.config import WEIGHTING_SCHEMES, FlowSettings, TrainConfig, parse_train_args
-from sdzero.data import CaptionedImages, SampleSpec, read_metadata
+from sdzero.data import CaptionedImages, SampleSpec, flow_u, read_metadata
 from sdzero.errors import UserError
+from sdzero.families import family_named
 from sdzero.models import detect_family, encode_prompts, ensure_frozen, load_components, tokenize
-from sdzero.objectives import denoising_loss, flow_matching_loss, flow_timesteps, flow_u
+from sdzero.objectives import Objective, flow_matching_loss, flow_timesteps
 from sdzero.tiny import write_tiny_model
 
 PROMPT = "a small red circle on a blue background"
@@ -69,7 +70,7 @@ def test_frozen_false_skips_encoders_but_keeps_the_geometry(family, models, comp
         encode_prompts(bare, batch)
     from sdzero.export import build_pipeline
 
-    pipe = build_pipeline(bare, bare.unet)  # validation and export in a cache run load them when due
+    pipe = build_pipeline(bare, bare.network)  # validation and export in a cache run load them when due
     assert bare.frozen_loaded and pipe.vae is bare.vae and pipe.text_encoder_2 is bare.text_encoder_2
     ensure_frozen(bare, "cpu")  # loaded once: a second call keeps them
     assert pipe.vae is bare.vae
@@ -83,7 +84,7 @@ def test_training_conditioning_equals_the_pipelines(family, comps):
     from sdzero.export import build_pipeline
 
     c = comps[family]
-    pipe = build_pipeline(c, c.unet)
+    pipe = build_pipeline(c, c.network)
     batch = {k: v[None] for k, v in tokenize(c, PROMPT).items()}
     assert set(batch) == ({"input_ids", "input_ids_2"} | ({"input_ids_3"} if family == "sd3" else set()))
     ours = encode_prompts(c, batch)
@@ -115,16 +116,8 @@ def test_sdxl_micro_conditioning_reaches_the_unet():
         "target_size": torch.tensor([[32, 32], [32, 32]]),
     }
     cond = {"encoder_hidden_states": torch.randn(2, 16, 48), "pooled_prompt_embeds": torch.randn(2, 24)}
-    denoising_loss(
-        model,
-        torch.float32,
-        DDPMScheduler(),
-        torch.randn(2, 4, 8, 8),
-        cond,
-        batch,
-        "epsilon",
-        None,
-        family="sdxl",
+    family_named("sdxl").loss(
+        model, torch.float32, DDPMScheduler(), torch.randn(2, 4, 8, 8), cond, batch, Objective("epsilon")
     )
     expected = [[40, 50, 3, 9, 32, 32], [64, 48, 0, 8, 32, 32]]  # (orig h, w, crop top, left, target h, w)
     assert seen["time_ids"].tolist() == expected
@@ -334,4 +327,4 @@ def test_advisor_counts_the_sd3_transformer(models, comps):
     from advisor.model.memory import trained_numels
 
     numels = trained_numels(models["sd3"])
-    assert sum(numels) == sum(p.numel() for p in comps["sd3"].unet.parameters())
+    assert sum(numels) == sum(p.numel() for p in comps["sd3"].network.parameters())
