@@ -154,6 +154,8 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         rates["online"].append(samples / timed(lambda: block("online")))
         rates["cached"].append(samples / timed(lambda: block("cached")))
+    for batches in sides.values():
+        batches.close()  # loader workers ignore SIGTERM: stopped now, not left for the exit to wait on
     if rank == 0:
         report(args, ds, rates, cache)
 

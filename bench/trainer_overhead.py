@@ -149,7 +149,8 @@ def worker(args: argparse.Namespace) -> None:
     feed = loader_rate(loader, sampler, n_batches=12)
     sampler.set_epoch(0)
     premade = Premade([b for _, b in zip(range(4 * ds.grad_accum), iter(loader), strict=False)])
-    trainer.batches = premade
+    loaded, trainer.batches = trainer.batches, premade
+    loaded.close()  # its loader workers ignore SIGTERM: stopped now, not left for the exit to wait on
 
     def sdzero_block() -> None:
         # train() closes its writer at the end, as a run does; each block opens one (appending).

@@ -41,6 +41,10 @@ class BatchSource(Protocol):
         """Images that failed after the start-up check (a collective for `Batches`)."""
         ...
 
+    def close(self) -> None:
+        """Stop any worker processes (after the last `train()`)."""
+        ...
+
 
 def build_data(
     cfg: TrainConfig,
@@ -168,3 +172,16 @@ class Batches:
     def check_late(self) -> int:
         """Images that failed after the start-up check, on all ranks (a collective; see LateFailures)."""
         return self.late.check() if self.late is not None else 0
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now.
+
+        They ignore SIGTERM (sdzero.preemption), so if they were still alive at interpreter exit,
+        multiprocessing's exit handler would terminate them (no effect) and then wait on them for ever.
+        Dropping the last reference to the loader's iterator would stop them too, but only if nothing
+        else (a reference cycle) keeps it alive: this does not depend on that.
+        """
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)  # multi-process iterators only
+        if shutdown is not None:
+            shutdown()

@@ -235,6 +235,11 @@ class Trainer:
             skipped_images=self.skipped_images,
         )
 
+    def close(self) -> None:
+        """Stop the data loader's worker processes: call it after the last `train()` (see Batches.close;
+        an exit without it waits on them for ever)."""
+        self.batches.close()
+
     # ------------------------------------------------------------------------------------------- setup
 
     @classmethod
@@ -349,4 +354,8 @@ class Trainer:
 
 def run(cfg: TrainConfig) -> RunSummary:
     """A whole run from its options: what `sdzero/train.py` does."""
-    return Trainer.setup(cfg).train()
+    trainer = Trainer.setup(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
