@@ -316,3 +316,36 @@ def test_extra_callbacks_are_loaded_from_module_attribute_names(monkeypatch, tmp
         with pytest.raises(UserError, match=f"{CALLBACKS_ENV}: cannot load"):
             load_callbacks(bad)
     sys.modules.pop("my_callbacks", None)
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"index": i}
+
+
+def test_closing_the_batches_stops_the_loader_workers_which_ignore_sigterm():
+    """Else a finished run's exit waits on them for ever (multiprocessing joins its children at exit)."""
+    from torch.utils.data import DataLoader
+
+    from sdzero.data import EpochSampler
+    from sdzero.data_feed import Batches
+    from sdzero.preemption import ignore_preemption_signals
+
+    sampler = EpochSampler(8, 0, 1, seed=0)
+    loader = DataLoader(
+        Numbers(),
+        batch_size=2,
+        sampler=sampler,
+        num_workers=1,
+        persistent_workers=True,
+        worker_init_fn=ignore_preemption_signals,
+    )
+    batches = Batches(loader, sampler)
+    assert len(batches.next()["index"]) == 2
+    workers = list(batches._it._workers)
+    assert workers and all(w.is_alive() for w in workers)
+    batches.close()
+    assert not any(w.is_alive() for w in workers)
