@@ -233,14 +233,31 @@ def run_layout(
                 rows.append((rate, row))
             spread = float("nan")
             if args.bracket and rows:
-                with local_share():  # the same trial again, after the hosts' runs
-                    again = trial_table(
-                        replace(spec, ranks_per_node=hosts * slots),
-                        local,
-                        case_base,
-                        case_dir / "1host-after",
-                        nodes=1,
-                    )
+                try:
+                    with local_share():  # the same trial again, after the hosts' runs
+                        again = trial_table(
+                            replace(spec, ranks_per_node=hosts * slots),
+                            local,
+                            case_base,
+                            case_dir / "1host-after",
+                            nodes=1,
+                        )
+                except (KeyboardInterrupt, RuntimeError):  # a chunk cut short keeps its measured cases
+                    for rate, row in rows:
+                        append(
+                            csv,
+                            rows_table(
+                                [row],
+                                round=args.round,
+                                rate=rate,
+                                delay_ms=args.delay_ms,
+                                cpus_per_rank=args.cpus_per_rank,
+                                one_host_csv=str(case_dir / "1host.csv"),
+                                fit_json=str(fits[rate]),
+                                one_host_spread=float("nan"),
+                            ),
+                        )
+                    raise
                 both = pd.concat([one_host, again], ignore_index=True)
                 both.to_csv(case_dir / "1host.csv", index=False)  # both trials, for --repredict
                 steps = measured_step_s(both)
