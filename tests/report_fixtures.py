@@ -1,7 +1,7 @@
 """Synthetic inputs for the report tests: fixtures of the data contract, NOT measurements.
 
 Every number below is made up to exercise the report (shapes, edge cases, hostile strings). The files
-follow the formats the real writers use: metrics.jsonl as sdzero.loop writes it, checkpoint manifests
+follow the formats the real writers use: metrics.jsonl as the Trainer writes it, checkpoint manifests
 through sdzero.checkpoint.Manifest, comm.csv with advisor.measure.collectives_rank' columns and comm_fit.json through
 advisor.model.alphabeta's own fit; predictions.csv, recommendation.json and validation.csv as advisor/report/build.py's
 docstring defines them for the performance model.
@@ -30,7 +30,7 @@ MIB = 2**20
 
 
 def metrics_record(step: int, ranks: int = 2, fp16: bool = True, skipped: int = 0) -> dict[str, Any]:
-    """One metrics.jsonl line with every field sdzero.loop writes (synthetic values)."""
+    """One metrics.jsonl line with every field the Trainer writes (synthetic values)."""
     phases = {"data_s": 0.01, "encode_s": 0.02, "forward_s": 0.05, "backward_s": 0.12, "optimizer_s": 0.03}
     step_time = sum(phases.values()) + 0.01 + (0.5 if step == 1 else 0.0)  # step 1: warm-up
     peak = 600 * MIB + 2 * MIB * min(step, 5)

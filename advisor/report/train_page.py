@@ -1,6 +1,6 @@
 """The training report: read a run's output folder (metrics, configs, checkpoints) and lay out its page.
 
-Input, as the trainer writes it (sdzero.loop, sdzero.metrics, sdzero.checkpoint):
+Input, as the trainer writes it (sdzero.trainer, sdzero.metrics, sdzero.checkpoint):
 
 - `metrics.jsonl`: one JSON object per optimizer step. Earlier segments of the same output folder were
   moved aside to `metrics.1.jsonl`, `metrics.2.jsonl`, ... (higher = newer); a segment that starts after

@@ -135,7 +135,7 @@ class Keys(Dataset):
 def test_resume_mid_epoch_continues_the_same_sequence():
     """loop.Batches with a bucket loader: a resume at (epoch, batches_in_epoch) yields what an
     uninterrupted run would have, across the epoch boundary too."""
-    from sdzero.loop import Batches
+    from sdzero.data_feed import Batches
 
     bucket_of = [i % 3 for i in range(50)]
 

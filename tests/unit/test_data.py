@@ -234,7 +234,7 @@ def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_p
     end the run stops in one line once they exceed --max-bad-fraction."""
     from torch.utils.data import DataLoader
 
-    from sdzero.loop import Batches
+    from sdzero.data_feed import Batches
 
     folder = make_folder(tmp_path, n=12)
     records = read_metadata(folder)
