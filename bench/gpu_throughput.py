@@ -257,7 +257,7 @@ def sdzero_rate(
     apply_backend_flags(cfg, device.type)
     comps = Components(
         family="sd",
-        unet=copy.deepcopy(base_unet),
+        network=copy.deepcopy(base_unet),
         vae=None,
         text_encoder=None,
         tokenizer=None,

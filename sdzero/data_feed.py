@@ -84,7 +84,7 @@ def build_data(
         random_flip=cfg.random_flip,
         random_crop=cfg.random_crop,
         noise_offset=cfg.noise_offset,
-        flow=cfg.flow_settings() if comps.family == "sd3" else None,
+        flow=comps.family.flow_settings(cfg),
     )
     sampler: EpochSampler | BucketBatchSampler = EpochSampler(n_good, rank, world, seed=cfg.seed)
     batching: dict[str, Any] = {"batch_size": ds.micro_batch, "sampler": sampler, "drop_last": True}

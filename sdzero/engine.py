@@ -36,15 +36,15 @@ def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components, universal: 
     import deepspeed
 
     if cfg.gradient_checkpointing:
-        comps.unet.enable_gradient_checkpointing()
-    params = [p for p in comps.unet.parameters() if p.requires_grad]
+        comps.network.enable_gradient_checkpointing()
+    params = [p for p in comps.network.parameters() if p.requires_grad]
     config = effective_ds_config(cfg, ds, universal)
     optimizer = None
     if "optimizer" not in config:
         device_type = get_accelerator_device_type()
         optimizer = torch.optim.AdamW(params, lr=cfg.effective_lr(ds), **adamw_options(device_type))
     engine, _, _, _ = deepspeed.initialize(
-        model=comps.unet,
+        model=comps.network,
         model_parameters=params,
         optimizer=optimizer,
         lr_scheduler=make_lr_scheduler(cfg, ds),

@@ -9,8 +9,8 @@ options only it accepts. `detect_family(model)` reads the pipeline folder and re
 code elsewhere asks it (`comps.family.encode_prompts(...)`, `family.subfolder`) instead of comparing names.
 
 `name` ("sd", "sdxl", "sd3") is what manifests and cache specs record. A Family compares equal to its name
-string and hashes like it: a bridge for the call sites that still compare `comps.family == "sd3"`
-(sdzero/loop.py, until the Trainer takes over) and for tables keyed by name. New code asks the object.
+string and hashes like it, so tables keyed by name (manifests, cache specs) find it. Code asks the
+object; a test (tests/unit/test_family_registry.py) refuses name comparisons outside this module.
 """
 
 from __future__ import annotations

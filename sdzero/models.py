@@ -16,11 +16,8 @@ from typing import Any
 import torch
 
 from sdzero.errors import UserError
-from sdzero.families import DEFAULT_MAX_SEQUENCE_LENGTH, FAMILIES, Family, as_family
+from sdzero.families import DEFAULT_MAX_SEQUENCE_LENGTH, Family, as_family
 from sdzero.families import detect_family as detect_family  # re-exported: its callers import it here
-
-TRAINED_SUBFOLDER = {family.name: family.subfolder for family in FAMILIES}
-"""Temporary, for advisor/model/memory.py: new code reads `detect_family(model).subfolder`."""
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -63,12 +60,6 @@ class Components:
         self.family = as_family(self.family)
 
     @property
-    def unet(self) -> torch.nn.Module:
-        """TEMPORARY alias of `network`, read-only: sdzero/loop.py, the trainer files and benches still say
-        `comps.unet`. Remove once they read `comps.network`."""
-        return self.network
-
-    @property
     def latent_channels(self) -> int:
         return int(self.network.config.in_channels)
 
@@ -91,11 +82,6 @@ def frozen_dtypes(compute: str) -> tuple[torch.dtype, torch.dtype]:
     (diffusers#4424); bf16 has fp32's range, so it is safe there."""
     dtype = DTYPES[compute]
     return dtype, (torch.float32 if compute == "fp16" else dtype)
-
-
-def trained_network_class(family: Family | str) -> Any:
-    """The diffusers class of the family's trained network (kept for advisor/model/memory.py)."""
-    return as_family(family).network_class()
 
 
 def _load_vae(model: str, dtype: torch.dtype) -> torch.nn.Module:

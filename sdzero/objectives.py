@@ -124,26 +124,3 @@ def ddpm_loss(
     pred = model(noisy.to(model_dtype), timesteps, text, return_dict=False, **(added_inputs or {}))[0]
     target = training_target(scheduler, prediction_type, latents, noise, timesteps)
     return diffusion_loss(pred, target, timesteps, scheduler, prediction_type, snr_gamma)
-
-
-def denoising_loss(
-    model: Callable[..., Any],
-    model_dtype: torch.dtype,
-    scheduler: Any,
-    latents: torch.Tensor,
-    cond: dict[str, torch.Tensor],
-    batch: dict[str, torch.Tensor],
-    prediction_type: str,
-    snr_gamma: float | None,
-    family: Any = "sd",
-    flow: FlowSettings | None = None,
-) -> torch.Tensor:
-    """One micro-batch's loss by `family` (a Family or its name): `Family.loss` with these settings.
-
-    Temporary: the form sdzero/loop.py still calls; new code calls `comps.family.loss(..., objective)`
-    with the Objective built once (Family.objective). Remove once loop.py does.
-    """
-    from sdzero.families import as_family  # families builds on this module: imported at call time
-
-    objective = Objective(prediction_type, snr_gamma=snr_gamma, flow=flow)
-    return as_family(family).loss(model, model_dtype, scheduler, latents, cond, batch, objective)

@@ -44,7 +44,7 @@ from sdzero.inputs import encode_batch
 from sdzero.metrics import MetricsWriter, peak_memory_bytes
 from sdzero.models import DTYPES, Components, detect_family, load_components, resolve_prediction_type
 from sdzero.monitoring import finish_wandb_run
-from sdzero.objectives import denoising_loss
+from sdzero.objectives import Objective
 from sdzero.preemption import PreemptionFlag
 from sdzero.profiling import start_probe
 from sdzero.run_identity import describe_run
@@ -98,7 +98,7 @@ class Trainer:
         self.skipped_images = skipped_images
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Constant for the run, so computed here and not per micro-step.
-        self.flow = cfg.flow_settings() if comps.family == "sd3" else None
+        self.objective = Objective(prediction_type, cfg.snr_gamma, comps.family.flow_settings(cfg))
         self.model_dtype = next(p for p in engine.module.parameters()).dtype
         # No CPU-GPU sync per phase unless --sync-timing: on CUDA, events timed per phase, read a step late.
         self.timer = PhaseTimer(timing_mode(device, cfg.sync_timing))
@@ -135,17 +135,14 @@ class Trainer:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             latents, cond = encode_batch(self.comps, batch)
         with timer.phase("forward_s"):
-            loss = denoising_loss(
+            loss = self.comps.family.loss(
                 self.engine,
                 self.model_dtype,
                 self.comps.noise_scheduler,
                 latents,
                 cond,
                 batch,
-                self.prediction_type,
-                self.cfg.snr_gamma,
-                family=self.comps.family,
-                flow=self.flow,
+                self.objective,
             )
         with timer.phase("backward_s"):
             self.engine.backward(loss)
@@ -285,7 +282,7 @@ class Trainer:
         prediction_type = resolve_prediction_type(comps, cfg.prediction_type)  # "flow_matching" for SD3
         dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
         dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
-        attention = check_attention(cfg, comps.unet, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
+        attention = check_attention(cfg, comps.network, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
         universal = point is not None and point.universal is not None
         engine, config = init_engine(cfg, ds, comps, universal=universal)
         speed = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)

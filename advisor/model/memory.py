@@ -153,11 +153,11 @@ def trained_numels(model: str | Path) -> tuple[int, ...]:
     built on the meta device (no weights)."""
     import torch
 
-    from sdzero.models import TRAINED_SUBFOLDER, detect_family, trained_network_class
+    from sdzero.families import detect_family
 
     family = detect_family(str(model))
-    cls = trained_network_class(family)
-    config = cls.load_config(str(model), subfolder=TRAINED_SUBFOLDER[family])
+    cls = family.network_class()
+    config = cls.load_config(str(model), subfolder=family.subfolder)
     with torch.device("meta"):
         net = cls.from_config(config)
     return tuple(int(p.numel()) for p in net.parameters() if p.requires_grad)

@@ -290,7 +290,7 @@ def test_flags_of_the_other_family_are_refused(models, tiny_model, tmp_path):
 def test_trainer_refuses_sd3_flags_on_sdxl_before_any_process_group(models, synth_data, tmp_path):
     import torch.distributed as dist
 
-    from sdzero.loop import run
+    from sdzero.trainer import run
 
     cfg = parse_train_args(
         [

@@ -16,6 +16,7 @@ from sdzero import speed
 from sdzero import trainer as trainer_module
 from sdzero.callbacks import Callback
 from sdzero.errors import UserError
+from sdzero.families import family_named
 from sdzero.timing import PhaseTimer, timing_mode
 from sdzero.trainer import Trainer
 
@@ -140,7 +141,8 @@ def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, ste
     monkeypatch.setattr(trainer_module, "PhaseTimer", functools.partial(PhaseTimer, event_factory=FakeEvent))
     monkeypatch.setattr(trainer_module, "encode_batch", lambda comps, batch: (None, None))
     hooks = Recorder([], stop_from)
-    monkeypatch.setattr(trainer_module, "denoising_loss", lambda *a, **k: torch.tensor(float(hooks.step + 1)))
+    family = family_named("sd")
+    monkeypatch.setattr(family, "loss", lambda *a, **k: torch.tensor(float(hooks.step + 1)))
     cfg = SimpleNamespace(
         max_steps=steps,
         sync_timing=mode == "sync",
@@ -149,7 +151,7 @@ def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, ste
         snr_gamma=None,
     )
     ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="bf16", micro_batch=2)
-    comps = SimpleNamespace(family="sd", noise_scheduler=None)
+    comps = SimpleNamespace(family=family, noise_scheduler=None)
     batches = SimpleNamespace(
         next=lambda: {}, epoch=0, batches_in_epoch=0, samples_in_epoch=0, check_late=lambda: 0
     )

@@ -24,6 +24,7 @@ from sdzero.callbacks import (
     overrides,
 )
 from sdzero.errors import UserError
+from sdzero.families import family_named
 from sdzero.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
 from sdzero.timing import PhaseTimer
 from sdzero.trainer import Trainer
@@ -144,11 +145,12 @@ def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: in
     engine = FakeEngine()
     losses: list = []
 
-    def loss(*args, **kwargs):
-        losses.append(kwargs)
+    def loss(model, dtype, scheduler, latents, cond, batch, objective):
+        losses.append(objective)
         return torch.tensor(float(engine.global_samples // 2 + 1))  # the step number
 
-    monkeypatch.setattr(trainer_module, "denoising_loss", loss)
+    network_family = family_named(family)
+    monkeypatch.setattr(network_family, "loss", loss)  # the registered object, restored after the test
     flow_calls: list = []
     cfg = SimpleNamespace(
         max_steps=steps,
@@ -159,7 +161,7 @@ def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: in
         flow_settings=lambda: flow_calls.append(1) or "the flow settings",
     )
     ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="fp32", micro_batch=2)
-    comps = SimpleNamespace(family=family, noise_scheduler=None)
+    comps = SimpleNamespace(family=network_family, noise_scheduler=None)
     trainer = Trainer(
         cfg,
         ds,
@@ -239,10 +241,10 @@ def test_flow_settings_are_resolved_once_not_per_micro_step(monkeypatch, tmp_pat
     trainer, seen = make_trainer(monkeypatch, tmp_path, [], steps=3, family="sd3")
     trainer.train()
     assert len(seen.flow_calls) == 1 and len(seen.losses) == 6
-    assert {k["flow"] for k in seen.losses} == {"the flow settings"}
+    assert {objective.flow for objective in seen.losses} == {"the flow settings"}
     trainer, seen = make_trainer(monkeypatch, tmp_path, [], steps=1)
     trainer.train()
-    assert seen.flow_calls == [] and seen.losses[0]["flow"] is None
+    assert seen.flow_calls == [] and seen.losses[0].flow is None
 
 
 class FakeCheckpointer:
