@@ -38,7 +38,6 @@ BACKENDS: tuple[str, ...] = ("torch", "mpi")
 # Starting ranks (imports, rendezvous) is not part of the budget; this much slack covers it before a
 # run that has not finished is declared hung and killed.
 STARTUP_SLACK_S = 180.0
-_HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
 
 
 @dataclass
@@ -85,23 +84,10 @@ class LaunchPlan:
 
 
 def read_hostfile(path: Path) -> tuple[str, ...]:
-    """Hosts of a DeepSpeed/Open MPI hostfile (`host slots=N` per line, `#` comments)."""
-    if not path.is_file():
-        raise UserError(f"--hostfile {path}: no such file; give a file with one 'host slots=N' line per node")
-    hosts: list[str] = []
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = _HOSTFILE_LINE.match(line)
-        if match is None:
-            raise UserError(f"--hostfile {path}:{number}: expected 'host slots=N', got {raw.strip()!r}")
-        if match.group(1) in hosts:
-            raise UserError(f"--hostfile {path}:{number}: host {match.group(1)} is listed twice")
-        hosts.append(match.group(1))
-    if not hosts:
-        raise UserError(f"--hostfile {path}: no hosts in it; add one 'host slots=N' line per node")
-    return tuple(hosts)
+    """Hosts of a DeepSpeed/Open MPI hostfile, checked by the project's one parser (sdzero.hosts)."""
+    from sdzero.hosts import parse_hostfile
+
+    return tuple(entry.host for entry in parse_hostfile(path))
 
 
 def check_sweep(num_ranks: int, min_bytes: int, max_bytes: int, budget_s: float, hosts: int) -> None:

@@ -250,7 +250,7 @@ def test_bad_input_names_the_flag(tmp_path: Path, kwargs: dict, message: str) ->
 def test_malformed_hostfile_names_the_line(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# nodes\nnode1 slots=2\nnode2 gpus=2\n")
-    with pytest.raises(UserError, match=r"hosts:3: expected 'host slots=N'"):
+    with pytest.raises(UserError, match=r"hosts:3: expected `node2 slots=N`"):
         run_comm(tmp_path, hostfile=hostfile)
 
 
