@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdzero.errors import UserError
+from sdzero.errors import AgreedError
 from sdzero.io import write_text_atomic
 
 TOKEN_DIR = ".sdzero-shared-check"
@@ -117,4 +117,4 @@ def check_shared_storage(output_dir: Path, data: Path, rank: int, world: int) ->
             folder.parent.rmdir()
     problem = verdict([r for r in gathered if r is not None], output_dir, data)
     if problem:
-        raise UserError(problem)
+        raise AgreedError(problem)  # the same verdict on every rank: rank 0 alone reports it

@@ -18,7 +18,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path.pop(0)
 
 from sdzero.config import parse_train_args, rank_from_env  # noqa: E402
-from sdzero.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from sdzero.errors import EXIT_USER_ERROR, AgreedError, UserError  # noqa: E402
 from sdzero.launch import decode_argv  # noqa: E402
 from sdzero.preemption import Preempted, exit_now  # noqa: E402
 
@@ -50,12 +50,27 @@ def report_user_error(exc: UserError, rank: int, grace_s: float = PEER_ERROR_GRA
     handler may already be installed). A rank that is still alive afterwards found an error rank 0 did not
     (a file missing on its node only) and reports it under its own rank.
     """
+    if isinstance(exc, AgreedError):
+        report_agreed_error(exc, rank)
+        return
     if rank == 0:
         print(f"sdzero: error: {exc}", file=sys.stderr, flush=True)
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(grace_s)
     print(f"sdzero: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+
+
+def report_agreed_error(exc: AgreedError, rank: int) -> None:
+    """Every rank raised this from one collective verdict: rank 0 prints it, then all meet at a barrier,
+    so that no rank exits (and has its launcher kill rank 0) before the line is out. No grace wait: with
+    one launcher per node (Kubernetes pods) the other nodes' ranks would otherwise each wait it out."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        print(f"sdzero: error: {exc}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> int:

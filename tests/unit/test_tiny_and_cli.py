@@ -100,6 +100,28 @@ def test_advisor_commands_report_bad_input_through_the_cli(tmp_path):
     assert result.exit_code == 2 and "sdzero: error:" in result.output
 
 
+def test_an_error_every_rank_agreed_on_is_reported_once_without_the_wait(tmp_path):
+    """AgreedError (one collective verdict, e.g. the storage check): rank 0 prints, both leave together
+    at once; rank 1 does not sit out the grace it would give an error of its own."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch.distributed as dist; from sdzero.errors import AgreedError; "
+        "from sdzero.train import report_user_error; rank = int(sys.argv[1]); "
+        "dist.init_process_group('gloo', init_method='file://' + sys.argv[2], rank=rank, world_size=2); "
+        "report_user_error(AgreedError('node n2 does not see --output-dir'), rank, grace_s=600)"
+    )
+    store = str(tmp_path / "store")
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", script, str(r), store], stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in ranks]  # a 600 s grace would overrun this
+    assert [p.returncode for p in ranks] == [0, 0]
+    assert "sdzero: error: node n2 does not see --output-dir" in errs[0] and "error" not in errs[1]
+
+
 def test_a_bad_input_on_another_rank_waits_for_rank_0_then_names_its_rank(tmp_path):
     """The launcher kills every rank once one exits non-zero: rank 1 must not beat rank 0's message."""
     import signal
