@@ -18,6 +18,8 @@ import os
 import signal
 import threading
 import types
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("sdzero.preemption")
 
@@ -39,10 +41,13 @@ class Preempted(SystemExit):
 class PreemptionFlag:
     """Set by SIGTERM/SIGUSR1 on this rank; `requested` is what this rank contributes to the agreement."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, timer: Callable[..., Any] = threading.Timer) -> None:
+        """`timer(interval, function, args=...)` starts the watchdog (threading.Timer; tests pass one they
+        fire themselves instead of sleeping)."""
         self.timeout_s = timeout_s
         self.signum: int | None = None
-        self._watchdog: threading.Timer | None = None
+        self._timer = timer
+        self._watchdog: Any = None
 
     @property
     def requested(self) -> bool:
@@ -56,7 +61,7 @@ class PreemptionFlag:
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-            self._watchdog = threading.Timer(self.timeout_s, _give_up, args=(self.timeout_s,))
+            self._watchdog = self._timer(self.timeout_s, _give_up, args=(self.timeout_s,))
             self._watchdog.daemon = True
             self._watchdog.start()
 

@@ -8,7 +8,6 @@ import random
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -464,21 +463,45 @@ def test_export_of_a_folder_without_checkpoints_is_one_line_and_exit_2(tmp_path,
 def test_sigusr1_sets_the_flag_and_the_watchdog_bounds_the_exit(monkeypatch):
     from sdzero import preemption
 
+    class ManualTimer:
+        """threading.Timer's interface; the test decides when the watchdog's time is up."""
+
+        made: list[ManualTimer] = []
+
+        def __init__(self, interval, function, args=()):
+            self.interval, self.function, self.args = interval, function, args
+            self.started = self.cancelled = False
+            ManualTimer.made.append(self)
+
+        def start(self):
+            self.started = True
+
+        def cancel(self):
+            self.cancelled = True
+
+        def expire(self):
+            if self.started and not self.cancelled:
+                self.function(*self.args)
+
     exits: list[int] = []
     monkeypatch.setattr(preemption.os, "_exit", exits.append)
     saved = {sig: signal.getsignal(sig) for sig in preemption.SIGNALS}
     try:
-        flag = preemption.PreemptionFlag(timeout_s=0.05).install()
-        assert not flag.requested
+        flag = preemption.PreemptionFlag(timeout_s=30, timer=ManualTimer).install()
+        assert not flag.requested and ManualTimer.made == []  # no watchdog before a signal
         signal.raise_signal(signal.SIGUSR1)
         assert flag.requested and flag.signum == signal.SIGUSR1
-        time.sleep(0.5)  # the save "hangs": the watchdog ends the process, and not with 143 ("saved")
+        watchdog = ManualTimer.made[-1]
+        assert watchdog.started and watchdog.interval == 30
+        watchdog.expire()  # the save "hangs" past the timeout: the process ends, and not with 143
         assert exits == [preemption.EXIT_WATCHDOG] == [75]
 
-        saved_in_time = preemption.PreemptionFlag(timeout_s=0.05).install()
+        saved_in_time = preemption.PreemptionFlag(timeout_s=30, timer=ManualTimer).install()
         signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGUSR1)  # a second signal starts no second watchdog
+        assert len(ManualTimer.made) == 2
         saved_in_time.disarm()  # what the loop does once the checkpoint is committed
-        time.sleep(0.3)
+        ManualTimer.made[-1].expire()
         assert exits == [75]
     finally:
         for sig, handler in saved.items():
