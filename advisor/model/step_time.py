@@ -16,8 +16,8 @@ Communication is the op mix each stage issues: derived from the network's parame
 volumes (comms_logger). Each op's size is its full buffer, costed at the target world size with the
 alpha-beta figures of advisor.model.network, as the library runs it (`Network.algorithm`): NCCL
 hierarchically (inside the node first, then across nodes, where the node's ranks share its NICs); gloo
-as one ring over all nodes x ranks-per-node ranks, whose bytes cross the node's link as a W-rank ring's
-do, while its latency (bursts of small ops) is charged per level as in the hierarchy. The mix says which
+as one ring over all W = nodes x ranks-per-node ranks, every step of which waits for a hop across nodes:
+its bytes and its latency are a W-rank ring's on the link across nodes. The mix says which
 ops repeat per accumulation micro-step (ZeRO-2's reductions, ZeRO-3's gathers and reduce-scatters) and
 which run once per step (ZeRO-0/1's boundary reduction, the gathers after the optimizer step).
 
@@ -224,21 +224,17 @@ def op_seconds(op: CommOp, ranks_per_node: int, nodes: int, net: Network) -> tup
     Hierarchical (NCCL): over the node's g ranks first, then across nodes on 1/g of the buffer per rank,
     the g ranks of a node sharing its link (so the node moves the whole buffer's share).
     Flat (gloo, g > 1 across nodes): one ring over all W = nodes x g ranks in rank order; every ring step
-    waits for its slowest hop, one across nodes, and the node's link carries the W-rank ring's volume,
-    2(W-1)/W of the buffer for an all-reduce, not the hierarchy's 2(N-1)/N: the bytes are charged to the
-    link across nodes as a W-rank ring. Its latency stays per level, as in the hierarchy: bursts of small
-    ops wait on the ranks' wake-ups more than on ring hops (2 hosts x 2 ranks, ZeRO-3: the hierarchy's
-    latency was within 9% where a W-rank ring's was 20-25% slow, docs/multinode.md)."""
+    waits for its slowest hop, one across nodes, so the whole op is a W-rank ring on the link across
+    nodes: its W-rank ring's steps at that link's latency, and 2(W-1)/W of the buffer for an all-reduce
+    through each node's link, not the hierarchy's 2(N-1)/N. Nothing of it runs at the within-node speed.
+    (An earlier account kept the latency per level, from 2x2 ZeRO-3 runs whose two ranks shared one CPU
+    quota; with a CPU group per rank the W-rank ring's latency matched, docs/multinode.md round 3.)"""
     kind, size, count = op.collective, op.full_bytes, op.count
     tree = net.algorithm.tree_latency
     if net.algorithm.hierarchical or nodes <= 1 or ranks_per_node <= 1:
         intra = _phase_s(kind, size, ranks_per_node, net.intra, count, tree)
         return intra, _phase_s(kind, size, nodes, net.inter, count, tree)
-    inter_lat = _latency_s(kind, nodes, net.inter, count, tree)
-    flat = _bytes_s(kind, size, nodes * ranks_per_node, net.inter)
-    return _latency_s(kind, ranks_per_node, net.intra, count, tree), _level_s(
-        inter_lat, flat, count, net.inter, kind
-    )
+    return 0.0, _phase_s(kind, size, nodes * ranks_per_node, net.inter, count, tree)
 
 
 @dataclass
