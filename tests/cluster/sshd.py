@@ -41,6 +41,10 @@ def start(cluster: Cluster) -> None:
     # DNS answers at once.
     resolv = d / "resolv.conf"
     resolv.write_text("nameserver 127.0.0.1\n")
+    # Node names resolve on every host, as a cluster's DNS or /etc/hosts makes them: Slurm hands out names
+    # (`scontrol show hostnames`), and the batch script's ranks look the master up by name. The machine's
+    # own /etc/hosts is left alone; the srun stand-in maps names to addresses from this file itself.
+    hosts = hosts_file(cluster)
     for h in cluster.members:
         config = d / f"sshd_config.{h.index}"
         config.write_text(
@@ -67,7 +71,8 @@ def start(cluster: Cluster) -> None:
                 "slave",
                 "sh",
                 "-c",
-                f'mount --bind {resolv} /etc/resolv.conf && hostname "$0" && exec {sshd} -D -e -f {config}',
+                f"mount --bind {resolv} /etc/resolv.conf && mount --bind {hosts} /etc/hosts && "
+                f'hostname "$0" && exec {sshd} -D -e -f {config}',
                 h.hostname,
             ],
             stdout=log,
@@ -114,3 +119,12 @@ def drop_known_hosts(mark: str) -> None:
         tmp = KNOWN_HOSTS.with_suffix(".sdzero-tmp")
         tmp.write_text("".join(kept))
         tmp.replace(KNOWN_HOSTS)
+
+
+def hosts_file(cluster: Cluster) -> Path:
+    """<state>/hosts: the machine's /etc/hosts plus one `address hostname` line per host."""
+    path = cluster.state_dir / "hosts"
+    own = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
+    names = "".join(f"{h.address} {h.hostname}\n" for h in cluster.members)
+    path.write_text(own.rstrip("\n") + "\n# the sdzero namespace cluster\n" + names)
+    return path

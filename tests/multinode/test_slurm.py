@@ -90,12 +90,15 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path)
     assert rendered.exit_code == 0, rendered.output
     script = tmp_path / "job.sbatch"
     script.write_text(rendered.output)
-    nodes = ",".join(h.address for h in cluster.members)
+    # Node names, as Slurm gives them: the ranks resolve the master's name on their hosts (/etc/hosts of
+    # each host's mount namespace); the srun stand-in reaches each node through the same table.
+    nodes = ",".join(h.hostname for h in cluster.members)
     env = {
         "PATH": f"{SHIMS}:{os.environ['PATH']}",
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": nodes,
         "SHIM_LOG": str(tmp_path / "shim.log"),
+        "SHIM_HOSTS_FILE": str(cluster.state_dir / "hosts"),
     }
     out = tmp_path / "run"
 
@@ -113,7 +116,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, args, tmp_path)
     assert "preempted: checkpoint of step" in output  # the ranks saved before stopping
     saved = [m.step for _, m in ck.complete_checkpoints(ck.checkpoint_root(out))]
     assert len(saved) == 1 and 2 <= saved[0] < STEPS
-    assert (out / "hostfile.4242").read_text() == "".join(f"{h.address} slots=1\n" for h in cluster.members)
+    assert (out / "hostfile.4242").read_text() == "".join(f"{h.hostname} slots=1\n" for h in cluster.members)
+    assert f"master {cluster.members[0].hostname}:29741" in output
 
     second = start(
         ["bash", str(script)], tmp_path / "second.log", tmp_path, {**env, "SLURM_RESTART_COUNT": "1"}
