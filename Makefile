@@ -42,8 +42,9 @@ demo: venv
 test: venv
 	$(BIN)/pytest -q --durations=25 $(PYTEST_ARGS) tests
 
+# The unit tier on both cores (pytest-xdist): single-process tests, so two workers cannot collide.
 test-unit: venv
-	$(BIN)/pytest -q tests/unit
+	$(BIN)/pytest -q -n 2 tests/unit
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
