@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from trainer_fakes import FakeEngine, FakeEvent
 
 from sdzero import speed
 from sdzero import trainer as trainer_module
@@ -19,23 +20,6 @@ from sdzero.errors import UserError
 from sdzero.families import family_named
 from sdzero.timing import PhaseTimer, timing_mode
 from sdzero.trainer import Trainer
-
-
-class FakeEvent:
-    """A CUDA event stand-in: a recorded event is one 'GPU millisecond' after the previous one."""
-
-    clock_ms = 0.0
-    waits = 0
-
-    def record(self) -> None:
-        FakeEvent.clock_ms += 1.0
-        self.at_ms = FakeEvent.clock_ms
-
-    def synchronize(self) -> None:
-        FakeEvent.waits += 1
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        return end.at_ms - self.at_ms
 
 
 @pytest.fixture
@@ -91,26 +75,6 @@ def test_sync_timer_synchronizes_after_every_phase(syncs):
 
 # --------------------------------------------------------------------------------------------------
 # The real Trainer, with a stand-in engine and model (one gloo rank)
-
-
-class FakeEngine:
-    def __init__(self) -> None:
-        self.module = torch.nn.Linear(2, 2)
-        self.monitor = SimpleNamespace(enabled=False)
-        self.global_samples = 0
-        self.skipped_steps = 0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        pass
-
-    def step(self) -> None:
-        self.global_samples += 1
-
-    def get_lr(self) -> list[float]:
-        return [1e-4]
-
-    def fp16_enabled(self) -> bool:
-        return False
 
 
 class Recorder(Callback):

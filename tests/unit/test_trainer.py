@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from trainer_fakes import FakeEngine, FakeEvent
 
 from sdzero import trainer as trainer_module
 from sdzero.callbacks import (
@@ -28,42 +29,6 @@ from sdzero.families import family_named
 from sdzero.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
 from sdzero.timing import PhaseTimer
 from sdzero.trainer import Trainer
-
-
-class FakeEvent:
-    """A CUDA event stand-in (no GPU needed to run the lagged, event-timed loop)."""
-
-    clock_ms = 0.0
-
-    def record(self) -> None:
-        FakeEvent.clock_ms += 1.0
-        self.at_ms = FakeEvent.clock_ms
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        return end.at_ms - self.at_ms
-
-
-class FakeEngine:
-    def __init__(self) -> None:
-        self.module = torch.nn.Linear(2, 2)
-        self.monitor = SimpleNamespace(enabled=False)
-        self.global_samples = 0
-        self.skipped_steps = 0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        pass
-
-    def step(self) -> None:
-        self.global_samples += 1
-
-    def get_lr(self) -> list[float]:
-        return [1e-4]
-
-    def fp16_enabled(self) -> bool:
-        return False
 
 
 class Feed:
