@@ -21,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from sdzero.config import FlowSettings
-from sdzero.errors import UserError
+from sdzero.errors import AgreedError, UserError
 
 log = logging.getLogger("sdzero.data")
 
@@ -331,8 +331,8 @@ class LateFailures:
             log.warning("%d images failed after the start-up check so far (all ranks)", len(self.all))
         n_total = self.n_readable + self.n_bad_at_start
         n_bad = self.n_bad_at_start + len(self.all)
-        if n_bad / n_total > self.max_bad_fraction:
-            raise UserError(
+        if n_bad / n_total > self.max_bad_fraction:  # the same gathered figures on every rank
+            raise AgreedError(
                 f"--data {self.folder}: {n_bad} of {n_total} images are unreadable ({len(self.all)} of them "
                 f"failed during training, after the start-up check; more than {self.max_bad_fraction:.0%}); "
                 "check the folder (or raise --max-bad-fraction)"
