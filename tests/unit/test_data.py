@@ -214,21 +214,7 @@ def test_records_keep_paths_relative_to_the_folder(tmp_path):
     assert np.asarray(Image.open(read_metadata(folder)[0].path)).shape == (32, 40, 3)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path_factory):
-    """A one-rank gloo group, for LateFailures' collective."""
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
-def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_path, one_rank_group):
+def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_path, process_group):
     """Images that break after the start-up check, met by two DataLoader workers (each keeps its own
     count, which never reaches the rank): the rank counts each once, from the batches, and at the epoch's
     end the run stops in one line once they exceed --max-bad-fraction."""

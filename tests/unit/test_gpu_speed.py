@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from trainer_fakes import FakeEngine, FakeEvent
 
 from sdzero import speed
@@ -29,18 +28,6 @@ def syncs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))
     FakeEvent.clock_ms, FakeEvent.waits = 0.0, 0
     return calls
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    """A one-rank gloo group, for the loop's collectives."""
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_timing_mode_events_on_cuda_sync_only_when_asked_host_on_cpu():

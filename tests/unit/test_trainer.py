@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from trainer_fakes import FakeEngine, FakeEvent
 
 from sdzero import trainer as trainer_module
@@ -89,17 +88,6 @@ class Recorder(Callback):
 
     def on_finish(self, trainer) -> None:
         self._add("finish", trainer.state.step)
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: int = 2, family: str = "sd"):

@@ -1,0 +1,18 @@
+"""Fixtures the unit tests share."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A one-rank gloo group, for the collectives of code under test (the loop's stats, LateFailures)."""
+    created = not dist.is_initialized()
+    if created:
+        store = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
