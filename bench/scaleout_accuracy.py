@@ -56,6 +56,7 @@ from advisor.model.scaleout import (  # noqa: E402
     flat_ring_step_s,
     merge_fits,
     predict_from_one_host,
+    predict_step,
     probe_link,
     rows_table,
     trial_table,
@@ -291,12 +292,14 @@ def predicted_again(
 ) -> ScaleoutRow:
     """The case's prediction from every 1-host trial given (the one before and the one after its hosts'
     runs); the measured columns stay."""
-    step, comm, _ = predict_from_one_host(one_host, fit, hosts, slots)
+    prediction, _ = predict_step(one_host, fit, hosts, slots)
+    step, comm = prediction.step_time_s, prediction.exposed_comm_s
     return replace(
         row,
         predicted_step_s=step,
         predicted_comm_s=comm,
         predicted_compute_s=step - comm,
+        predicted_wait_s=prediction.wait_s,
         one_host_step_s=float(measured_step_s(one_host).mean()),
         one_host_comm_s=float(pd.to_numeric(one_host["comm_s"], errors="coerce").mean()),
         flat_ring_step_s=flat_ring_step_s(one_host, fit, hosts, slots) if slots > 1 else float("nan"),
@@ -315,11 +318,13 @@ def repredict(table: pd.DataFrame) -> pd.DataFrame:
             continue
         one_host = pd.read_csv(r["one_host_csv"])
         hosts, slots, fit = int(r["hosts"]), int(r["slots"]), Path(r["fit_json"])
-        step, comm, net = predict_from_one_host(one_host, fit, hosts, slots)
-        table.loc[i, ["predicted_step_s", "predicted_comm_s", "predicted_compute_s"]] = [
+        prediction, net = predict_step(one_host, fit, hosts, slots)
+        step, comm = prediction.step_time_s, prediction.exposed_comm_s
+        table.loc[i, ["predicted_step_s", "predicted_comm_s", "predicted_compute_s", "predicted_wait_s"]] = [
             step,
             comm,
             step - comm,
+            prediction.wait_s,
         ]
         table.loc[i, "inter_busbw_gbit_s"] = net.inter.busbw_bytes_s * 8 / 1e9
         if slots > 1:
@@ -362,6 +367,7 @@ def print_table(table: pd.DataFrame) -> None:
             f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%} "
             f"| {from_compute:+.1%}, {from_comm:+.1%} | {'-' if pd.isna(spread) else f'{spread:+.1%}'} |"
         )
+    print_transport(table)
     flat = table[table["slots"] > 1] if "flat_ring_step_s" in table else table.iloc[:0]
     if len(flat):
         print(
@@ -383,6 +389,28 @@ def print_table(table: pd.DataFrame) -> None:
         size = rows["error"].abs()
         print(f"| {round_} | {len(rows)} | {(size <= 0.10).sum()} | {size.median():.1%} | {size.max():.1%} |")
     print_overlap(table)
+
+
+def print_transport(table: pd.DataFrame) -> None:
+    """Cases that recorded every rank's time in collectives: the rank that spent least (its time is the
+    closest to the transport alone: it waited least for the others) against the predicted link time, and
+    the wait on top of it (rank 0's and the most any rank spent)."""
+    if "measured_comm_min_s" not in table:
+        return
+    rows = table[table["measured_comm_min_s"].notna()]
+    if not len(rows):
+        return
+    print(
+        "\n| round | hosts x ranks | link | config | predicted link + wait | transport (least rank) "
+        "| wait: rank 0, most rank |\n|---|---|---|---|---|---|---|"
+    )
+    for _, r in rows.iterrows():
+        least, wait = r["measured_comm_min_s"], r.get("predicted_wait_s", float("nan"))
+        print(
+            f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']} | {r['config']} "
+            f"| {r['predicted_comm_s'] - wait:.3f} + {wait:.3f} s | {least:.3f} s "
+            f"| {r['measured_comm_s'] - least:.3f} s, {r['measured_comm_max_s'] - least:.3f} s |"
+        )
 
 
 def print_overlap(table: pd.DataFrame) -> None:

@@ -320,8 +320,17 @@ class Probe(Callback):
         frozen = module_bytes(*self.frozen)
         cuda_peak = cuda_peak_bytes()
         on_device = sum(states.get(k, 0) for k in (*STATE_KINDS, "buckets")) - states.get("offloaded", 0)
+        # This rank's own time in collectives per step (logged plus waited; the profile's `comm` is rank
+        # 0's alone). A collective ends for every rank when the last one arrives, so a rank's time is the
+        # transfer plus its wait for the slowest: the rank that spent least is the one that waited least,
+        # its time the closest measure of the transport itself, and the spread over ranks is waiting.
+        comm = self.comm.totals(len(self.records)) if self.records else None
         return {
             "rank": dist.get_rank(),
+            "comm_s": comm["seconds_per_step"] if comm else None,
+            "comm_waited_s": sum(o["waited_seconds_per_step"] for o in comm["ops"].values())
+            if comm
+            else None,
             "model_state_bytes": {k: states.get(k, 0) for k in STATE_KINDS},
             "model_state_total_bytes": sum(states.get(k, 0) for k in STATE_KINDS),
             "bucket_bytes": states.get("buckets", 0),

@@ -77,6 +77,8 @@ TRIAL_COLUMNS: tuple[str, ...] = (
     "comm_s",
     "comm_bytes",
     "comm_ops",
+    "comm_min_s",
+    "comm_max_s",
     "trained_params",
     "params_bytes",
     "grads_bytes",

@@ -315,6 +315,9 @@ def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
         "comm_s": comm.get("seconds_per_step"),
         "comm_bytes": comm.get("bytes_per_step"),
         "comm_ops": json.dumps(comm.get("ops")) if comm else None,
+        # Every rank's own time in collectives (sdzero.profiling): the least is the closest to the transport
+        # alone, the most adds the longest wait for a slower rank.
+        **rank_comm_columns(ranks),
         "trained_params": profile["trained_params"],
         **{f"{k}_bytes": max(s[k] for s in states) for k in ("params", "grads", "master", "optimizer")},
         "model_state_bytes": max(r["model_state_total_bytes"] for r in ranks),
@@ -329,3 +332,10 @@ def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
         "measured_steps": profile["measured_steps"],
     }
     return row
+
+
+def rank_comm_columns(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
+    """comm_min_s / comm_max_s: the least and the most time any rank spent in collectives per step (None
+    for a profile written before ranks recorded it)."""
+    seconds = [r["comm_s"] for r in ranks if r.get("comm_s") is not None]
+    return {"comm_min_s": min(seconds, default=None), "comm_max_s": max(seconds, default=None)}

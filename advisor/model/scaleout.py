@@ -26,7 +26,7 @@ from advisor.measure.grid import TrialSpec, write_trial_config
 from advisor.measure.trials import TrialSettings, run_trial
 from advisor.model.alphabeta import FIT_SCHEMA
 from advisor.model.network import NCCL, CollectiveAlgorithm, Network, build_network
-from advisor.model.step_time import fit_time_model, measured_step_s
+from advisor.model.step_time import StepPrediction, fit_time_model, measured_step_s
 from sdzero.constants import MIB
 from sdzero.io import write_json_atomic
 
@@ -85,8 +85,15 @@ class ScaleoutRow:
     grad_accum: int = 1
     predicted_compute_s: float = float("nan")
     """Compute per step the model took from the 1-host trial; predicted_comm_s is the exposed rest."""
+    predicted_wait_s: float = float("nan")
+    """The part of predicted_comm_s that is the wait for the slowest rank (the rest is the links')."""
     measured_comm_s: float = float("nan")
-    """Time the multi-host run's ranks spent in collectives (logged plus waited), per step."""
+    """Time the multi-host run's ranks spent in collectives (logged plus waited), per step (rank 0's)."""
+    measured_comm_min_s: float = float("nan")
+    """The least time any rank of the multi-host run spent in collectives per step: the rank that waited
+    least for the others, the closest measure of what the transport alone costs."""
+    measured_comm_max_s: float = float("nan")
+    """The most time any rank spent in collectives: the transport plus the longest wait for a slower rank."""
     one_host_comm_s: float = float("nan")
     flat_ring_step_s: float = float("nan")
     """With several ranks per host: the step costed as one flat ring over all ranks, latency included
@@ -124,6 +131,18 @@ def predict_from_one_host(
 ) -> tuple[float, float, Network]:
     """(predicted step s, predicted exposed comm s, target network) for `hosts` x `slots` from 1-host trials;
     `algorithm` overrides the one the measured library implies."""
+    step, net = predict_step(one_host, fit_path, hosts, slots, algorithm)
+    return step.step_time_s, step.exposed_comm_s, net
+
+
+def predict_step(
+    one_host: pd.DataFrame,
+    fit_path: Path,
+    hosts: int,
+    slots: int,
+    algorithm: CollectiveAlgorithm | None = None,
+) -> tuple[StepPrediction, Network]:
+    """The whole prediction (compute, link and wait parts) for `hosts` x `slots`, and the target network."""
     local_ranks = int(one_host["ranks_per_node"].iloc[0])
     measured_net, _ = build_network(fit_path, local_ranks)
     target_net, _ = build_network(fit_path, slots)
@@ -140,7 +159,7 @@ def predict_from_one_host(
         target_net,
         str(row["offload"]),
     )
-    return step.step_time_s, step.exposed_comm_s, target_net
+    return step, target_net
 
 
 def check_config(
@@ -163,7 +182,8 @@ def check_config(
             work_dir / f"{spec.trial_id}-1host",
             nodes=1,
         )
-    predicted, comm, net = predict_from_one_host(one_host, fit_path, hosts, slots)
+    prediction, net = predict_step(one_host, fit_path, hosts, slots)
+    predicted, comm = prediction.step_time_s, prediction.exposed_comm_s
     remote_spec = replace(spec, ranks_per_node=slots)
     measured = trial_table(
         remote_spec, remote, base, work_dir / f"{remote_spec.trial_id}-{hosts}hosts", nodes=hosts
@@ -186,7 +206,10 @@ def check_config(
             inter_busbw_gbit_s=net.inter.busbw_bytes_s * 8 / 1e9,
             grad_accum=accum,
             predicted_compute_s=predicted - comm,
+            predicted_wait_s=prediction.wait_s,
             measured_comm_s=_comm_s(measured),
+            measured_comm_min_s=_comm_s(measured, "comm_min_s"),
+            measured_comm_max_s=_comm_s(measured, "comm_max_s"),
             one_host_comm_s=_comm_s(one_host),
             flat_ring_step_s=flat,
             hierarchy_step_s=hierarchy,
@@ -204,8 +227,11 @@ def flat_ring_step_s(one_host: pd.DataFrame, fit_path: Path, hosts: int, slots: 
     return predict_from_one_host(one_host, fit_path, hosts * slots, 1)[0]
 
 
-def _comm_s(trial: pd.DataFrame) -> float:
-    return float(pd.to_numeric(trial["comm_s"], errors="coerce").fillna(float("nan")).iloc[0])
+def _comm_s(trial: pd.DataFrame, column: str = "comm_s") -> float:
+    """A trial's seconds per step in collectives (`column`); NaN where it was not recorded."""
+    if column not in trial:
+        return float("nan")
+    return float(pd.to_numeric(trial[column], errors="coerce").iloc[0])
 
 
 def rows_table(rows: list[ScaleoutRow], **extra: Any) -> pd.DataFrame:
