@@ -158,6 +158,15 @@ class CommMeter:
     def close(self) -> None:
         self.waits.uninstall()
 
+    def elapsed_s(self) -> float | None:
+        """Seconds this rank has spent in collectives since the window started (logged plus waited), read
+        between steps to split the window per step; None without the logger."""
+        if not self.enabled:
+            return None
+        timers = self._comm.comm.timers.get_timers()
+        names = [n for n in self._comm.comms_logger.get_raw_data() if n in timers]
+        return sum(timers[n].elapsed(reset=False) for n in names) / 1e3 + sum(self.waits.seconds.values())
+
     def totals(self, steps: int) -> dict[str, Any] | None:
         if not self.enabled:
             return None
@@ -216,6 +225,8 @@ class Probe(Callback):
         self._wrapped: list[tuple[Any, str]] = []
         self._first_step: int | None = None
         self.comm = CommMeter()
+        self.comm_marks: list[float] = []
+        """This rank's time in collectives since the window started, at the end of each measured step."""
 
     def on_step_begin(self, trainer: Any, step: int) -> None:
         if self._first_step is None:
@@ -231,6 +242,10 @@ class Probe(Callback):
         n = self._nth(step)
         if n == self.instrument_step:
             self._disarm_instruments()
+        if n > self.warmup_steps:
+            mark = self.comm.elapsed_s()
+            if mark is not None:
+                self.comm_marks.append(mark)
         if n > self.warmup_steps and self.engine.wall_clock_breakdown():
             # refreshed by engine.step() before DeepSpeed logs and resets its timers (in ms)
             cache = self.engine.get_wall_clock_timers()
@@ -325,12 +340,16 @@ class Probe(Callback):
         # transfer plus its wait for the slowest: the rank that spent least is the one that waited least,
         # its time the closest measure of the transport itself, and the spread over ranks is waiting.
         comm = self.comm.totals(len(self.records)) if self.records else None
+        marks = [0.0, *self.comm_marks]
         return {
             "rank": dist.get_rank(),
             "comm_s": comm["seconds_per_step"] if comm else None,
             "comm_waited_s": sum(o["waited_seconds_per_step"] for o in comm["ops"].values())
             if comm
             else None,
+            # per measured step: which rank arrives last changes from step to step, so the least waiting
+            # is told per step (advisor.measure.trials.rank_comm_columns), not from each rank's mean
+            "comm_step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)],
             "model_state_bytes": {k: states.get(k, 0) for k in STATE_KINDS},
             "model_state_total_bytes": sum(states.get(k, 0) for k in STATE_KINDS),
             "bucket_bytes": states.get("buckets", 0),

@@ -335,7 +335,19 @@ def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def rank_comm_columns(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
-    """comm_min_s / comm_max_s: the least and the most time any rank spent in collectives per step (None
-    for a profile written before ranks recorded it)."""
+    """comm_min_s / comm_max_s: the least and the most time a rank spent in collectives, per step (None
+    for a profile written before ranks recorded it).
+
+    Which rank arrives last at a collective, and so waits least, changes from step to step; a rank's mean
+    over the steps holds its share of waiting in the others. Where every rank split its time per step
+    (`comm_step_s`), the least and most are taken in each step and then averaged; else from each rank's
+    mean (an upper bound on the transport)."""
+    steps = [r.get("comm_step_s") or [] for r in ranks]
+    if len(ranks) > 1 and steps[0] and all(len(s) == len(steps[0]) for s in steps):
+        per_step = list(zip(*steps, strict=True))
+        return {
+            "comm_min_s": sum(map(min, per_step)) / len(per_step),
+            "comm_max_s": sum(map(max, per_step)) / len(per_step),
+        }
     seconds = [r["comm_s"] for r in ranks if r.get("comm_s") is not None]
     return {"comm_min_s": min(seconds, default=None), "comm_max_s": max(seconds, default=None)}

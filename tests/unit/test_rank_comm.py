@@ -34,12 +34,16 @@ def _probe(records: int, comm: _Comm) -> Probe:
     probe.states, probe.activations, probe.frozen = None, None, ()
     probe.records = [{"step_time_s": 1.0}] * records
     probe.comm = comm
+    probe.comm_marks = [0.1 * (i + 1) for i in range(records)]  # 0.1 s in collectives each step
     return probe
 
 
 def test_each_rank_records_its_own_time_in_collectives_per_step(process_group):
     figures = _probe(4, _Comm(seconds=0.8, waited=0.4))._rank_figures()
     assert math.isclose(figures["comm_s"], 0.3) and math.isclose(figures["comm_waited_s"], 0.1)
+    assert [round(s, 9) for s in figures["comm_step_s"]] == [
+        0.1
+    ] * 4  # each step's own, not the running total
     # no measured step (a run stopped in its warm-up): nothing to divide by, nothing recorded
     empty = _probe(0, _Comm(seconds=0.8, waited=0.4))._rank_figures()
     assert empty["comm_s"] is None and empty["comm_waited_s"] is None
@@ -51,6 +55,21 @@ def test_the_least_and_the_most_rank_time_in_collectives():
     # a profile written before ranks recorded it, and one without the comms logger
     assert rank_comm_columns([{"rank": 0}]) == {"comm_min_s": None, "comm_max_s": None}
     assert rank_comm_columns([{"comm_s": None}, {"comm_s": None}]) == {"comm_min_s": None, "comm_max_s": None}
+
+
+def test_the_least_waiting_rank_is_told_per_step():
+    """Which rank arrives last changes from step to step: each rank's mean then holds the others' steps'
+    waiting (here every mean is 0.20 s) while in every step one rank spent only 0.10 s, the transport."""
+    ranks = [
+        {"comm_s": 0.20, "comm_step_s": [0.10, 0.25, 0.25]},
+        {"comm_s": 0.20, "comm_step_s": [0.25, 0.10, 0.25]},
+        {"comm_s": 0.20, "comm_step_s": [0.25, 0.25, 0.10]},
+    ]
+    columns = rank_comm_columns(ranks)
+    assert math.isclose(columns["comm_min_s"], 0.10) and math.isclose(columns["comm_max_s"], 0.25)
+    # ranks that split different numbers of steps (cannot be matched) fall back to the means
+    ranks[2]["comm_step_s"] = [0.10]
+    assert rank_comm_columns(ranks) == {"comm_min_s": 0.20, "comm_max_s": 0.20}
 
 
 def test_a_trial_row_carries_the_least_and_most_rank_time():
@@ -82,3 +101,24 @@ def test_a_trial_row_carries_the_least_and_most_rank_time():
     table = pd.DataFrame([row])
     assert _comm_s(table, "comm_min_s") == 0.1 and _comm_s(table, "comm_max_s") == 0.3
     assert math.isnan(_comm_s(table.drop(columns=["comm_min_s"]), "comm_min_s"))
+
+
+def test_the_probe_marks_each_measured_steps_time_in_collectives():
+    """The running total read at the end of every measured step (not the warm-up's): the per-step split."""
+
+    class _Meter:
+        def __init__(self) -> None:
+            self.total = 0.0
+
+        def elapsed_s(self) -> float:
+            self.total += 0.05
+            return self.total
+
+    probe = Probe.__new__(Probe)
+    probe.warmup_steps, probe.instrument_step, probe._first_step = 1, 1, 1
+    probe.comm, probe.comm_marks = _Meter(), []
+    probe._handles, probe._wrapped = [], []
+    probe.engine = type("_Engine", (), {"wall_clock_breakdown": lambda self: False})()
+    for step in (1, 2, 3):
+        probe.on_step_queued(None, step)
+    assert [round(m, 9) for m in probe.comm_marks] == [0.05, 0.10]  # steps 2 and 3
