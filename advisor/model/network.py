@@ -108,6 +108,8 @@ class CollectiveFigures:
     emulated: bool = False
     """The library runs it as another collective (gloo's reduce-scatter is a whole all-reduce): it is
     costed as that one (ring steps and bus volume), see `costed_as`."""
+    probe_ranks: int = 0
+    """The ranks the probe ran it over (0: not measured)."""
 
     @property
     def costed_as(self) -> str:
@@ -133,6 +135,27 @@ class Link:
             if own.collective == collective:
                 return own
         return CollectiveFigures(collective, self.busbw_bytes_s, self.hop_latency_s)
+
+    def ring_busbw_bytes_s(self, collective: str, ranks: int) -> float:
+        """The bus bandwidth `collective` gets in a ring of `ranks` ranks on this link: its own fit's, except
+        gloo's all-gather probed at 2 ranks and costed in a ring of 3 or more, which gets the link's rate.
+
+        At 2 ranks gloo's all-gather (gloo/allgather.cc: both halves of the one chunk posted at once, to
+        and from the same peer) reads 62-65% of the rate the all-reduce, gloo's pipelined ring, reads on the
+        same link (128 and 608 Mbit/s against 168-197 and 880-953 through 200 Mbit/s and 1 Gbit/s links,
+        docs/multinode.md round 3), while at 4 ranks all three collectives read the link's rate (193-200
+        and 941-1043 Mbit/s), and a 4-rank ring over 2 hosts x 2 ranks moved ZeRO-2's 2 MB all-gather at it
+        (63-65 ms a step at 200 Mbit/s, 20-22 at 1 Gbit/s, where the 2-rank fit costs 101 and 27; round 4).
+        The slower reading is the 2-rank exchange's, not the link's: it holds at its own group size only."""
+        own = self.figures(collective)
+        if (
+            self.library.startswith("gloo")
+            and own.collective == "all_gather"
+            and own.probe_ranks == 2
+            and ranks > 2
+        ):
+            return max(own.busbw_bytes_s, self.figures("all_reduce").busbw_bytes_s)
+        return own.busbw_bytes_s
 
 
 @dataclass(frozen=True)
@@ -190,6 +213,7 @@ def link_from_fits(fits: list[AlphaBetaFit], level: str, library: str | None = N
             f.hop_latency_us * 1e-6,
             f.burst_hop_latency_s,
             f.emulated,
+            f.ranks,
         )
         for f in chosen
     )

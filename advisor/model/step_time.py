@@ -200,7 +200,7 @@ def _bytes_s(kind: str, size: float, ranks: int, link: Link) -> float:
         return 0.0
     figures = link.figures(kind)
     share = 2 * (ranks - 1) / ranks if figures.costed_as == "all_reduce" else (ranks - 1) / ranks
-    return share * size / figures.busbw_bytes_s
+    return share * size / link.ring_busbw_bytes_s(kind, ranks)
 
 
 def _level_s(latency_s: float, bytes_s: float, count: float, link: Link, kind: str) -> float:
@@ -234,7 +234,31 @@ def op_seconds(op: CommOp, ranks_per_node: int, nodes: int, net: Network) -> tup
     if net.algorithm.hierarchical or nodes <= 1 or ranks_per_node <= 1:
         intra = _phase_s(kind, size, ranks_per_node, net.intra, count, tree)
         return intra, _phase_s(kind, size, nodes, net.inter, count, tree)
-    return 0.0, _phase_s(kind, size, nodes * ranks_per_node, net.inter, count, tree)
+    ranks = nodes * ranks_per_node
+    latency = _flat_ring_latency_s(kind, ranks, nodes, net, count)
+    return 0.0, _level_s(latency, _bytes_s(kind, size, ranks, net.inter), count, net.inter, kind)
+
+
+def _flat_ring_latency_s(kind: str, ranks: int, nodes: int, net: Network, count: float) -> float:
+    """Latency of `count` calls of one ring over `ranks` ranks in rank order, `nodes` hosts of equal size
+    (gloo): of its sequential hops, those that cross hosts at the link across nodes, the rest at the
+    within-node link.
+
+    In gloo's ring (gloo/allreduce.cc `ring`, gloo/allgather.cc) each rank sends to one neighbour and
+    receives from the other, and what it sends in one step is what it received in the step before, so an
+    op's critical path is a chain of consecutive hops around the ring: 2(W-1) for an all-reduce (its
+    reduce-scatter then its all-gather) and W-1 for an all-gather. With g = W / N ranks per host in rank
+    order, N of every W consecutive hops cross hosts, so the longest such chain crosses ceil(steps N / W)
+    times (at 2 hosts x 2: 3 of an all-reduce's 6 hops, 2 of an all-gather's 3). The bytes are another
+    matter: a pipelined ring moves at its slowest hop's rate, so they are all costed on the link across
+    nodes (`_bytes_s`). (Round 3 costed every hop at the cross-host latency; round 4's 2x2 runs, where
+    every rank now records its own time in collectives, measured 2x2 ZeRO-2's four ops at 218 ms a step
+    at 200 Mbit/s and 83 ms at 1 Gbit/s where that costed 269 and 100: docs/multinode.md "Round 4".)"""
+    steps = 2 * (ranks - 1) if net.inter.figures(kind).costed_as == "all_reduce" else ranks - 1
+    crossing = min(math.ceil(steps * nodes / ranks), steps)
+    across = _latency_s(kind, ranks, net.inter, count, tree=False)
+    within = _latency_s(kind, ranks, net.intra, count, tree=False)
+    return (crossing * across + (steps - crossing) * within) / steps
 
 
 @dataclass
@@ -602,10 +626,29 @@ def _calibrate(model: TimeModel, stage: int, rows: pd.DataFrame, measured_net: N
         intra, _ = model.comm_seconds(stage, int(r["grad_accum"]), int(r["ranks_per_node"]), 1, measured_net)
         comm = float(r["comm_s"]) if pd.notna(r["comm_s"]) else 0.0
         if intra > 0:
-            intra_ratios.append(min(comm / intra, 1.0))
+            ratio, wait = _transport_and_wait(comm, r.get("comm_min_s"), intra)
+            intra_ratios.append(ratio)
             accum = int(r["grad_accum"])
-            sigma = sigma_s(wait_s(comm, intra), int(r["world_size"]), model.syncs(stage, accum))
+            sigma = sigma_s(wait, int(r["world_size"]), model.syncs(stage, accum))
             if sigma is not None:
                 sigmas.append(sigma)
     model.comm_factor[stage] = float(np.median(intra_ratios)) if intra_ratios else 1.0
     model.wait_sigma_s[stage] = float(np.median(sigmas)) if sigmas else 0.0
+
+
+def _transport_and_wait(comm: float, least: object, costed: float) -> tuple[float, float]:
+    """(transport ratio, wait) of one 1-node trial from rank 0's time in collectives (`comm`), the least
+    any rank spent there (`least`, comm_min_s; NaN or None for a trial that did not record it) and the
+    ops' alpha-beta cost on the measured link (`costed`, > 0).
+
+    A collective ends for all ranks when the last arrives, so the rank that spent least in collectives
+    waited least: its time is the transport as the trial ran it, and rank 0's excess over it is rank 0's
+    wait. Measured so, the ratio is the transport's alone, above 1 where the trial's collectives ran slower
+    than the probe's (a 2x2 trial's four ranks: 45-74 ms a step against 37 ms costed, docs/multinode.md
+    round 4), and the wait is the ranks' spread only (0-13 ms there, where the rule below read 29 ms).
+    Without per-rank figures the two cannot be told apart: below the cost the ratio is the transport (at
+    most 1) and above it the excess is taken as the wait (advisor.model.sync_wait)."""
+    least_s = pd.to_numeric(pd.Series([least]), errors="coerce").iloc[0]
+    if pd.notna(least_s) and 0 < float(least_s) <= comm:
+        return float(least_s) / costed, comm - float(least_s)
+    return min(comm / costed, 1.0), wait_s(comm, costed)

@@ -137,6 +137,7 @@ def test_two_by_two_as_a_flat_ring_crosses_hosts_more(fit_file):
     hierarchy = predict_from_one_host(trial, path, hosts=2, slots=2, algorithm=NCCL)[0]
     flat = flat_ring_step_s(trial, path, hosts=2, slots=2)
     assert flat > hierarchy
+    # the probes' latencies are alike within and across hosts here, so only the bytes tell them apart
     assert model == pytest.approx(flat, rel=1e-9)
     assert flat == pytest.approx(predict_from_one_host(trial, path, hosts=4, slots=1)[0], rel=1e-9)
 
@@ -149,33 +150,68 @@ def _nets(g: int):
 
 
 def test_gloo_moves_a_large_op_as_one_ring_over_all_ranks_nccl_by_the_hierarchy():
-    """gloo knows no hosts: at 2 hosts x 2 ranks a 100 MB all-reduce is one 4-rank ring whose every step
-    waits for a hop across hosts: 2(W-1) steps at that link's latency and 2(W-1)/W of the buffer through
-    each host's link. NCCL's hierarchy runs the within-host step, then a 2-host ring with 2(H-1)/H. On one
-    host the two agree."""
+    """gloo knows no hosts: at 2 hosts x 2 ranks a 100 MB all-reduce is one 4-rank ring, paced by its
+    slowest hop: 2(W-1)/W of the buffer through each host's link. Its 2(W-1) sequential hops alternate
+    within and across hosts (ranks in rank order), so 3 of the 6 pay the cross-host latency. NCCL's
+    hierarchy runs the within-host step, then a 2-host ring with 2(H-1)/H. On one host the two agree."""
     from advisor.model.step_time import CommOp, op_seconds
 
     gloo, nccl = _nets(2)
     op = CommOp("all_reduce", 1, 100e6, per_micro_step=False)
     g_intra, g_inter = op_seconds(op, 2, 2, gloo)
     n_intra, n_inter = op_seconds(op, 2, 2, nccl)
-    assert g_inter == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4 * 100e6 / 1e8)
+    assert g_inter == pytest.approx(3 * 1e-3 + 3 * 1e-5 + 2 * 3 / 4 * 100e6 / 1e8)
     assert n_inter == pytest.approx(2 * 1e-3 + 2 * 1 / 2 * 100e6 / 1e8)
-    assert g_intra == 0.0  # no step of a ring that crosses hosts runs at the within-host speed
+    assert g_intra == 0.0  # the bytes move at the slowest hop's rate, so all of it is costed across hosts
     assert n_intra == pytest.approx(2 * 1e-5 + 100e6 / 1e10)
     assert op_seconds(op, 2, 1, gloo) == pytest.approx(op_seconds(op, 2, 1, nccl))
 
 
+def test_a_gloo_rings_latency_crosses_hosts_on_the_hops_that_do():
+    """The longest chain of consecutive hops in a ring of W ranks in rank order over N hosts crosses
+    ceil(steps N / W) times: an all-reduce's 6 hops at 2x2 cross 3 times, an all-gather's 3 hops twice;
+    at 4 hosts x 1 rank every hop crosses (as before), at 4 hosts x 2 an all-reduce's 14 hops 7 times."""
+    from advisor.model.step_time import CommOp, op_seconds
+
+    gloo, _ = _nets(2)
+    tiny = CommOp("all_reduce", 1, 4.0, per_micro_step=False)
+    assert op_seconds(tiny, 2, 2, gloo)[1] == pytest.approx(3 * 1e-3 + 3 * 1e-5, rel=1e-4)
+    gather = CommOp("all_gather", 1, 4.0, per_micro_step=False)
+    assert op_seconds(gather, 2, 2, gloo)[1] == pytest.approx(2 * 1e-3 + 1e-5, rel=1e-4)
+    assert op_seconds(tiny, 1, 4, _nets(1)[0])[1] == pytest.approx(6 * 1e-3, rel=1e-4)
+    assert op_seconds(tiny, 2, 4, gloo)[1] == pytest.approx(7 * 1e-3 + 7 * 1e-5, rel=1e-4)
+
+
 def test_gloo_pays_a_burst_of_small_ops_as_a_ring_over_all_ranks():
     """ZeRO-3's 208 small gathers a step over 2 hosts x 2 ranks: latency-bound, each a 4-rank ring's
-    3 hops at the cross-host latency, as 4 hosts x 1 rank would pay (round 3's 2x2 runs, each rank in a
-    CPU group of its own); NCCL's hierarchy pays one cross-host hop per gather."""
+    3 sequential hops, 2 of them across hosts: more than NCCL's hierarchy (one cross-host hop per gather),
+    less than 4 hosts x 1 rank (3 cross-host hops)."""
     from advisor.model.step_time import CommOp, op_seconds
 
     gloo, nccl = _nets(2)
     burst = CommOp("all_gather", 208, 208 * 512, per_micro_step=True)
-    assert sum(op_seconds(burst, 2, 2, gloo)) == pytest.approx(op_seconds(burst, 1, 4, gloo)[1])
-    assert sum(op_seconds(burst, 2, 2, gloo)) > 2.5 * sum(op_seconds(burst, 2, 2, nccl))
+    flat = sum(op_seconds(burst, 2, 2, gloo))
+    assert flat == pytest.approx(208 * (2 * 1e-3 + 1e-5) + 3 / 4 * 208 * 512 / 1e8)
+    assert sum(op_seconds(burst, 2, 2, nccl)) < flat < op_seconds(burst, 1, 4, gloo)[1]
+
+
+def test_gloos_two_rank_all_gather_rate_holds_at_two_ranks_only():
+    """gloo's all-gather probed at 2 ranks reads about two thirds of the link's rate (the all-reduce's);
+    in a ring of 3+ ranks it moves at the link's rate (docs/multinode.md round 4), at 2 ranks at its own.
+    Another library's figures are its own at every size."""
+    from advisor.model.network import CollectiveFigures, Link
+
+    own = (
+        CollectiveFigures("all_gather", 6e7, 1e-3, probe_ranks=2),
+        CollectiveFigures("all_reduce", 1e8, 1e-3, probe_ranks=2),
+    )
+    gloo = Link(1e8, 1e-3, "inter", own, "gloo")
+    assert gloo.ring_busbw_bytes_s("all_gather", 2) == 6e7
+    assert gloo.ring_busbw_bytes_s("all_gather", 4) == 1e8
+    assert gloo.ring_busbw_bytes_s("all_reduce", 4) == 1e8
+    assert replace(gloo, library="nccl").ring_busbw_bytes_s("all_gather", 4) == 6e7
+    probed_at_4 = (replace(own[0], probe_ranks=4), own[1])
+    assert replace(gloo, per_collective=probed_at_4).ring_busbw_bytes_s("all_gather", 8) == 6e7
 
 
 def test_the_measured_library_sets_the_algorithm(fit_file):
@@ -244,3 +280,22 @@ def test_a_trial_at_its_links_cost_waits_for_nothing(fit_file):
     net, _ = build_network(path, 2)
     model = fit_time_model(one_host_trial(comm_s=costed_intra_s(path) / 2), net)
     assert model.wait_sigma_s[2] == 0.0 and model.comm_factor[2] == pytest.approx(0.5)
+
+
+def test_the_least_waiting_rank_splits_transport_from_wait(fit_file):
+    """A trial that recorded every rank's time in collectives: the rank that spent least waited least, so
+    its time is the transport (here twice the probe's cost: a ratio above 1 is kept, it is measured) and
+    rank 0's excess over it is the wait, the ranks' spread, not all of rank 0's excess over the cost."""
+    path = fit_file(1.0)
+    net, _ = build_network(path, 2)
+    costed = costed_intra_s(path)
+    trial = one_host_trial(comm_s=2 * costed + 0.01).assign(comm_min_s=2 * costed)
+    model = fit_time_model(trial, net)
+    assert model.comm_factor[2] == pytest.approx(2.0, rel=1e-6)
+    assert model.predict(2, "bf16", 4, 1, 1, net).wait_s == pytest.approx(0.01, rel=1e-6)
+    # one node, as measured: the trial's own step, its transport and its wait
+    assert model.predict(2, "bf16", 4, 1, 1, net).step_time_s == pytest.approx(0.30, rel=1e-6)
+    # a trial without the per-rank figures keeps the older rule (excess over the cost = wait)
+    old = fit_time_model(trial.drop(columns=["comm_min_s"]), net)
+    assert old.comm_factor[2] == 1.0
+    assert old.predict(2, "bf16", 4, 1, 1, net).wait_s == pytest.approx(costed + 0.01, rel=1e-6)
