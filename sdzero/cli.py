@@ -412,6 +412,8 @@ _register_advisor_commands()
 
 
 def main() -> None:
+    from sdzero.process_exit import freeze_heap_for_exit
+
     try:
         from sdzero.launch import decode_argv
 
@@ -419,6 +421,8 @@ def main() -> None:
     except UserError as exc:
         print(f"sdzero: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    finally:  # typer leaves through SystemExit, also on success
+        freeze_heap_for_exit()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The one builder of `deepspeed` launcher commands (the trainer, `sdzero cache`, the hosts launch, the
-advisor's trials and collectives benchmark, the benches and the tests all use `deepspeed_command`)."""
+advisor's trials and collectives benchmark, the benches and the tests all use `deepspeed_command`), and of
+the one-host launch that skips the runner (`one_host_command`)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,37 @@ def deepspeed_command(
     if shell_proof if shell_proof is not None else hostfile is not None:
         args = shell_proof_args(args)
     return [*cmd, *(entry or [str(TRAIN_SCRIPT)]), *args]
+
+
+def one_host_command(
+    train_args: Sequence[str],
+    ranks: int,
+    entry: Sequence[str] | None = None,
+    master_port: int | None = None,
+) -> list[str]:
+    """`ranks` ranks on this host through DeepSpeed's per-node launcher, `deepspeed.launcher.launch`:
+    exactly the command `deepspeed --num_gpus RANKS` runs once it has worked out the world.
+
+    On one host the `deepspeed` runner does nothing else (no hostfile, no ssh, no exports), yet it is a
+    whole interpreter importing torch and DeepSpeed before the launcher starts: 2-3 s of every launch,
+    paid dozens of times by the test suite (and per trial by anything that launches many). Everything a
+    rank sees (its environment, `--local_rank`, its siblings killed when it fails, the exit code) comes
+    from the launcher itself, as it does under the runner. ENTRY is as for `deepspeed_command`.
+    """
+    if ranks < 1:
+        raise UserError(f"--num-gpus must be at least 1, got {ranks}")
+    world = json.dumps({"localhost": list(range(ranks))})  # what the runner encodes for one host
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "deepspeed.launcher.launch",
+        f"--world_info={base64.urlsafe_b64encode(world.encode()).decode()}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={master_port or free_port()}",
+        *(entry or [str(TRAIN_SCRIPT)]),
+        *train_args,
+    ]
 
 
 def shipped_config(name: str) -> Path:

@@ -21,6 +21,7 @@ from sdzero.config import parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, AgreedError, UserError  # noqa: E402
 from sdzero.launch import decode_argv  # noqa: E402
 from sdzero.preemption import Preempted, exit_now  # noqa: E402
+from sdzero.process_exit import freeze_heap_for_exit  # noqa: E402
 
 
 def crash_exit() -> NoReturn:
@@ -95,4 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    freeze_heap_for_exit()
+    sys.exit(code)

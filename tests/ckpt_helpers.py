@@ -12,7 +12,7 @@ import psutil
 import torch
 from launch import fp32_config, metrics, trainer_args
 
-from sdzero.launch import deepspeed_command
+from sdzero.launch import one_host_command
 
 TORCH_ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}
 """torch's AdamW, not DeepSpeed's CPU "FusedAdam": that C++ op (like DeepSpeedCPUAdam) updates beta**t
@@ -43,7 +43,7 @@ def start_trainer(
         n += 1
     log = open(f"{out}.{n}.log", "w")  # noqa: SIM115 (handed to the child, closed by `finish`)
     proc = subprocess.Popen(
-        deepspeed_command(args, num_gpus=ranks),
+        one_host_command(args, ranks),
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},

@@ -341,6 +341,24 @@ def test_the_one_builder_places_every_launcher_option(tmp_path):
     assert "--master_port" not in printed and str(tmp_path / "absent") in printed
 
 
+def test_one_host_command_is_what_the_runner_starts_on_one_host():
+    from deepspeed.launcher.runner import encode_world_info
+
+    from sdzero.launch import TRAIN_SCRIPT, one_host_command
+
+    cmd = one_host_command(["--x", "1"], 2, master_port=1234)
+    assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
+    assert cmd[4] == f"--world_info={encode_world_info({'localhost': [0, 1]})}"  # the runner's own encoding
+    assert cmd[5:] == ["--master_addr=127.0.0.1", "--master_port=1234", str(TRAIN_SCRIPT), "--x", "1"]
+    assert one_host_command([], 1, entry=["--module", "sdzero.cli", "cache"])[-3:] == [
+        "--module",
+        "sdzero.cli",
+        "cache",
+    ]
+    with pytest.raises(UserError, match="at least 1"):
+        one_host_command([], 0)
+
+
 def test_recommended_and_benchmark_commands_come_from_the_builder(tmp_path, monkeypatch):
     from advisor.measure import collectives_launch
     from advisor.model.recommend import launch_command
