@@ -27,7 +27,7 @@ from typing import Any
 from advisor.measure.grid import TrialSpec
 from sdzero.checkpoint import CHECKPOINTS
 from sdzero.constants import GIB
-from sdzero.launch import deepspeed_command
+from sdzero.launch import deepspeed_command, one_host_command
 
 POLL_S = 0.5
 # A rank that died is followed by the launcher's own clean-up; past this grace the whole session is
@@ -102,11 +102,10 @@ def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> l
 
 
 def trial_command(spec: TrialSpec, settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
-    return deepspeed_command(
-        trainer_args(settings, ds_config, trial_dir),
-        num_gpus=spec.ranks_per_node,
-        hostfile=settings.hostfile,
-    )
+    args = trainer_args(settings, ds_config, trial_dir)
+    if settings.hostfile is None:  # this host's ranks: DeepSpeed's per-node launcher, 2-3 s sooner
+        return one_host_command(args, spec.ranks_per_node)
+    return deepspeed_command(args, num_gpus=spec.ranks_per_node, hostfile=settings.hostfile)
 
 
 # --------------------------------------------------------------------------------------------------

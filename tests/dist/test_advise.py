@@ -47,7 +47,7 @@ def cli() -> typer.Typer:
 def advised(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("advise") / "out"
     result = CliRunner().invoke(
-        cli(), ["advise", "--max-nodes", "32", "--out", str(out), "--budget-minutes", "2.5"]
+        cli(), ["advise", "--max-nodes", "32", "--out", str(out), "--budget-minutes", "1"]
     )
     return {"out": out, "result": result}
 
