@@ -39,12 +39,13 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 demo: venv
 	$(BIN)/sdzero demo --out demo
 
-test: venv
-	$(BIN)/pytest -q --durations=25 $(PYTEST_ARGS) tests
+# The unit tier on both cores (pytest-xdist: single-process tests, so two workers cannot collide), then
+# every multi-rank tier one test at a time (two launches at once would share 2 cores and time out).
+test: test-unit
+	$(BIN)/pytest -q --durations=25 $(PYTEST_ARGS) tests --ignore=tests/unit
 
-# The unit tier on both cores (pytest-xdist): single-process tests, so two workers cannot collide.
 test-unit: venv
-	$(BIN)/pytest -q -n 2 tests/unit
+	$(BIN)/pytest -q -n 2 $(PYTEST_ARGS) tests/unit
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
