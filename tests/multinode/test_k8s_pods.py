@@ -26,7 +26,10 @@ JOB = "sdz"
 
 @pytest.fixture
 def pod_dns(cluster):
-    """Each host's /etc/hosts as kubelet and the headless Service make it (`ip netns exec` mounts it)."""
+    """Each host's /etc/hosts as kubelet and the headless Service make it (`ip netns exec` mounts it), and a
+    resolv.conf naming 127.0.0.1 as the hosts' sshd get (tests/cluster/sshd.py): with the machine's own, which
+    names a server no namespace reaches, every lookup outside the hosts file (c10d's reverse lookup of each
+    store connection) waited 10 s for the resolver's timeout, 20 s of every pod's start."""
     lines = "".join(
         f"{h.address} {JOB}-{i}.{JOB}.default.svc.cluster.local {JOB}-{i}.{JOB} {JOB}-{i}\n"
         for i, h in enumerate(cluster.members)
@@ -39,6 +42,7 @@ def pod_dns(cluster):
         folder.mkdir(parents=True)
         made.append(folder)
         (folder / "hosts").write_text("127.0.0.1 localhost\n" + lines)
+        (folder / "resolv.conf").write_text("nameserver 127.0.0.1\n")
     yield
     for folder in made:
         shutil.rmtree(folder)
