@@ -85,7 +85,12 @@ def exit_seconds(mode: str) -> float:
         [sys.executable, "-c", EXIT_PROBE, mode], stdout=subprocess.PIPE, text=True, cwd=REPO
     )
     assert proc.stdout is not None
-    last_line = float(proc.stdout.readline())
+    for line in proc.stdout:  # DeepSpeed's start-up warning comes first, on stdout
+        if line.strip().replace(".", "", 1).isdigit():
+            last_line = float(line)
+            break
+    else:
+        raise SystemExit(f"exit probe ({mode}) printed no time")
     proc.wait(timeout=120)
     return time.time() - last_line
 
