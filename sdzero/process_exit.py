@@ -9,9 +9,11 @@ def freeze_heap_for_exit() -> None:
     """Call as the last thing before the entry point returns.
 
     With torch, DeepSpeed, diffusers and transformers loaded, the interpreter's final garbage collections
-    walk millions of objects: 1.5 s of every exit, measured on these hosts, which the test suite and the
-    advisor's trials pay for every rank they start. Freezing moves those objects out of the collector's
-    reach; reference counting still frees them and closes what they hold. Only reference cycles are left to
-    the operating system, as exit leaves them anyway, and everything sdzero writes is closed before this.
+    walk millions of objects: 1.0-1.5 s of every exit on these hosts (bench/launch_overhead.py), which the
+    test suite and the advisor's trials pay for every rank they start. Freezing moves those objects out of
+    the collector's reach; reference counting still frees them and closes what they hold, and atexit
+    handlers (wandb's, the data loader's) still run. What it gives up is collecting reference cycles, whose
+    memory goes back with the process: a file held only by a cycle would not be flushed, which is why
+    everything sdzero writes is closed before its entry point returns.
     """
     gc.freeze()
