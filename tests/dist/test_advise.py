@@ -1,8 +1,10 @@
 """`sdzero advise --max-nodes 32` for real on the tiny default: 2 ranks through the deepspeed launcher.
 
-One advise run (module fixture, ~2.5 min on 2 idle cores: the collectives benchmark and 4-5 trials) serves
-every test here: its files, the memory model against the bytes its trials measured, and the recommended
-JSON trained for 2 steps by the trainer.
+One advise run (module fixture, ~80 s on 2 idle cores: the collectives benchmark and the 3 seed trials,
+which run whatever the budget; a 1-minute budget leaves none for model-chosen or check trials, whose choice
+and held-out error tests/unit/test_advice.py and test_advisor_comm_costing.py replay) serves every test
+here: its files, the memory model against the bytes its trials measured, and the recommended JSON trained
+for 2 steps by the trainer.
 """
 
 from __future__ import annotations
