@@ -14,6 +14,25 @@ from advisor.measure.grid import GridRequest, plan_grid
 from advisor.model.error import fit_models, mape, trial_predictions, validation_table
 
 
+def zero3_trial(comm_s: float, ops: dict) -> dict:
+    """A 1-host, 2-rank ZeRO-3 bf16 trial of 0.3 s a step that logged `ops` (comm_ops) and `comm_s`."""
+    return {
+        "status": "ok",
+        "zero_stage": 3,
+        "precision": "bf16",
+        "offload": "none",
+        "micro_batch": 4,
+        "grad_accum": 1,
+        "ranks_per_node": 2,
+        "nodes": 1,
+        "world_size": 2,
+        "step_time_s": 0.3,
+        "step_time_median_s": 0.3,
+        "comm_s": comm_s,
+        "comm_ops": json.dumps(ops),
+    }
+
+
 def test_each_collective_is_costed_with_its_own_measured_fit():
     """gloo's all-gather is slower than its all-reduce: a link measured per collective costs each op with
     its own figures, and falls back to the link's for one it did not measure."""
@@ -76,21 +95,7 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
     inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
     one_host, two_hosts = Network(2, intra, inter), Network(1, intra, inter)
     ops = {"all_gather_into_tensor": {"count_per_step": 208, "bytes_per_step": 1e6, "seconds_per_step": 5e-3}}
-    trial = {
-        "status": "ok",
-        "zero_stage": 3,
-        "precision": "bf16",
-        "offload": "none",
-        "micro_batch": 4,
-        "grad_accum": 1,
-        "ranks_per_node": 2,
-        "nodes": 1,
-        "world_size": 2,
-        "step_time_s": 0.3,
-        "step_time_median_s": 0.3,
-        "comm_s": 5e-3,
-        "comm_ops": json.dumps(ops),
-    }
+    trial = zero3_trial(5e-3, ops)
     model = fit_time_model(pd.DataFrame([trial]), one_host)
     gathers_intra = 208 * 2e-4
     assert model.compute_per_micro_s(3, "bf16", 4) == pytest.approx(0.3 - gathers_intra)
@@ -114,21 +119,7 @@ def test_waits_the_trial_timed_replace_the_benchmark_figure():
         "seconds_per_step": 0.12,
         "waited_seconds_per_step": 0.115,
     }
-    trial = {
-        "status": "ok",
-        "zero_stage": 3,
-        "precision": "bf16",
-        "offload": "none",
-        "micro_batch": 4,
-        "grad_accum": 1,
-        "ranks_per_node": 2,
-        "nodes": 1,
-        "world_size": 2,
-        "step_time_s": 0.3,
-        "step_time_median_s": 0.3,
-        "comm_s": 0.12,
-        "comm_ops": json.dumps({"all_gather_into_tensor": gathers}),
-    }
+    trial = zero3_trial(0.12, {"all_gather_into_tensor": gathers})
     (op,) = ops_from_trial(trial["comm_ops"], 3, 2)
     assert op.waits_measured and op.logged_s == pytest.approx(0.12)
     model = fit_time_model(pd.DataFrame([trial]), one_host)
