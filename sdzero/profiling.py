@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -349,7 +350,7 @@ class Probe(Callback):
             else None,
             # per measured step: which rank arrives last changes from step to step, so the least waiting
             # is told per step (advisor.measure.trials.rank_comm_columns), not from each rank's mean
-            "comm_step_s": [b - a for a, b in zip(marks, marks[1:], strict=False)],
+            "comm_step_s": [b - a for a, b in pairwise(marks)],
             "model_state_bytes": {k: states.get(k, 0) for k in STATE_KINDS},
             "model_state_total_bytes": sum(states.get(k, 0) for k in STATE_KINDS),
             "bucket_bytes": states.get("buckets", 0),
