@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sdzero.environment import environment_snapshot  # noqa: E402
+from sdzero.environment import cpu_kind  # noqa: E402
 from sdzero.launch import deepspeed_command, one_host_command  # noqa: E402
 
 EXIT_PROBE = """
@@ -62,12 +62,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     return p.parse_args()
-
-
-def cpu_kind() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    avx512 = "with AVX-512" if " avx512f" in flags else "without AVX-512 (bf16 emulated)"
-    return f"{environment_snapshot()['cpu']}, {avx512}"
 
 
 def timed(cmd: list[str]) -> float:

@@ -388,11 +388,28 @@ def print_table(table: pd.DataFrame) -> None:
                 + " | ".join(cells)
                 + f" | {r['measured_step_s']:.3f} s |"
             )
-    print("\n| round | cases | within 10% | median |error| | largest |error| |\n|---|---|---|---|---|")
+    print(
+        "\n| round | cases | within 10% | median |error| | largest |error| "
+        "| 1-host trial again: median |spread|, largest |\n|---|---|---|---|---|---|"
+    )
     for round_, rows in table.groupby("round"):
         size = rows["error"].abs()
-        print(f"| {round_} | {len(rows)} | {(size <= 0.10).sum()} | {size.median():.1%} | {size.max():.1%} |")
+        print(
+            f"| {round_} | {len(rows)} | {(size <= 0.10).sum()} | {size.median():.1%} | {size.max():.1%} "
+            f"| {repeat_spread(rows)} |"
+        )
     print_overlap(table)
+
+
+def repeat_spread(rows: pd.DataFrame) -> str:
+    """How far a case's 1-host trial moved when run again after the hosts' runs, over a round's cases:
+    the same config on the same machine minutes apart, so the error floor of any prediction from one
+    trial here (bench/testbed_noise.py measures the machine's own drift)."""
+    if "one_host_spread" not in rows:
+        return "-"
+    # both rates of a case share its pair of 1-host trials: count each pair once
+    spread = rows.drop_duplicates(["hosts", "slots", "config"])["one_host_spread"].abs().dropna()
+    return f"{spread.median():.1%}, {spread.max():.1%}" if len(spread) else "-"
 
 
 def print_transport(table: pd.DataFrame) -> None:

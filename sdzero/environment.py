@@ -34,6 +34,17 @@ def environment_snapshot() -> dict[str, Any]:
     }
 
 
+def cpu_kind() -> str:
+    """The CPU model and whether it has AVX-512, for benchmark output: without it bf16 is emulated and
+    several times slower than fp32, so a figure means little without saying which kind produced it."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    avx512 = "with AVX-512" if " avx512f" in flags else "without AVX-512 (bf16 emulated)"
+    return f"{_cpu_model()}, {avx512}"
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
