@@ -72,6 +72,24 @@ def workload(seconds: float) -> list[tuple[float, float]]:
     return blocks
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time counters (/proc/stat's `cpu` line: user, nice, system, idle, iowait, irq,
+    softirq, steal, ...); empty where there is none."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Of the machine's CPU time between two readings, the share the hypervisor gave to others (steal):
+    the part of a slowdown it would account for."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    return spent[7] / sum(spent[:8]) if sum(spent[:8]) else None
+
+
 def steps(blocks: np.ndarray, step_s: float) -> np.ndarray:
     """(start, seconds) of steps of equal work: runs of n consecutive blocks, n making ~step_s at the
     blocks' median speed."""
@@ -107,6 +125,7 @@ def main() -> int:
     if a.from_json:
         series = [np.array(s) for s in json.loads(a.from_json.read_text())]
     else:
+        ticks = cpu_ticks()
         workers = [
             subprocess.Popen(
                 [sys.executable, __file__, "--worker", str(a.seconds)], stdout=subprocess.PIPE, text=True
@@ -117,6 +136,8 @@ def main() -> int:
         if any(w.returncode for w in workers):
             print("a workload failed (see above)", file=sys.stderr)
             return 1
+        steal = steal_share(ticks, cpu_ticks())
+        print(f"steal: {'unknown' if steal is None else f'{steal:.2%} of the CPU time'} over the run")
     if a.json:
         a.json.write_text(json.dumps([s.tolist() for s in series]))
     series = [steps(s, a.step_s) for s in series]

@@ -54,5 +54,13 @@ def test_a_steady_machine_has_no_drift(bench):
     assert bench.pair_errors(starts, medians, 30.0, 90.0).max() == pytest.approx(0.0, abs=1e-12)
 
 
+def test_steal_is_the_share_of_cpu_time_the_hypervisor_kept(bench):
+    before = [100, 0, 50, 800, 0, 0, 0, 50, 0, 0]
+    after = [300, 0, 100, 900, 0, 0, 0, 100, 0, 0]  # 400 ticks spent, 50 of them stolen
+    assert bench.steal_share(before, after) == pytest.approx(50 / 400)
+    assert bench.steal_share([], after) is None
+    assert bench.cpu_ticks() == [] or len(bench.cpu_ticks()) >= 8
+
+
 def test_cpu_kind_says_whether_bf16_is_in_hardware():
     assert ("with AVX-512" in cpu_kind()) != ("without AVX-512" in cpu_kind())
