@@ -117,42 +117,37 @@ def pair_errors(starts: np.ndarray, values: np.ndarray, gap_min: float, gap_max:
     return np.array(errors)
 
 
-def main() -> int:
-    a = parse()
-    if a.worker is not None:
-        print(json.dumps(workload(a.worker)))
-        return 0
-    if a.from_json:
-        series = [np.array(s) for s in json.loads(a.from_json.read_text())]
-    else:
-        ticks = cpu_ticks()
-        workers = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(a.seconds)], stdout=subprocess.PIPE, text=True
-            )
-            for _ in range(a.procs)
-        ]
-        series = [np.array(json.loads(w.communicate()[0])) for w in workers]
-        if any(w.returncode for w in workers):
-            print("a workload failed (see above)", file=sys.stderr)
-            return 1
-        steal = steal_share(ticks, cpu_ticks())
-        print(f"steal: {'unknown' if steal is None else f'{steal:.2%} of the CPU time'} over the run")
-    if a.json:
-        a.json.write_text(json.dumps([s.tolist() for s in series]))
-    series = [steps(s, a.step_s) for s in series]
+def run_workloads(procs: int, seconds: float) -> list[np.ndarray] | None:
+    """`procs` workloads at once, each in its own process; their blocks (None if one failed)."""
+    ticks = cpu_ticks()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(seconds)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(procs)
+    ]
+    outputs = [w.communicate()[0] for w in workers]
+    if any(w.returncode for w in workers):
+        return None
+    steal = steal_share(ticks, cpu_ticks())
+    print(f"steal: {'unknown' if steal is None else f'{steal:.2%} of the CPU time'} over the run")
+    return [np.array(json.loads(out)) for out in outputs]
+
+
+def report(series: list[np.ndarray], gap_min: float, gap_max: float) -> None:
+    """The steps' spread and, per trial length, how far trials gap_min..gap_max seconds apart differ."""
     times = np.concatenate([s[:, 1] for s in series])
     seconds = max(s[-1, 0] - s[0, 0] for s in series)
     print(f"{cpu_kind()}; {len(series)} workload(s) x {seconds:.0f} s, {len(times)} steps")
     print(f"step: median {np.median(times):.3f} s, cv {times.std() / times.mean():.1%}")
     print(
-        f"\n| steps per trial | trials | cv of median steps | slowest / fastest | pairs {a.gap_min:g}-{a.gap_max:g} s "
+        f"\n| steps per trial | trials | cv of median steps | slowest / fastest | pairs {gap_min:g}-{gap_max:g} s "
         "apart | median | 90th pct | largest |\n|---|---|---|---|---|---|---|---|"
     )
     for n in TRIAL_STEPS:
         cut = [trials(s, n) for s in series]
         medians = np.concatenate([m for _, m in cut])
-        errors = np.concatenate([pair_errors(st, m, a.gap_min, a.gap_max) for st, m in cut])
+        errors = np.concatenate([pair_errors(start, m, gap_min, gap_max) for start, m in cut])
         if len(medians) < 2:
             continue
         quantiles = (
@@ -164,6 +159,23 @@ def main() -> int:
             f"| {n} | {len(medians)} | {medians.std() / medians.mean():.1%} | {medians.max() / medians.min():.2f} "
             f"| {len(errors)} | {quantiles} |"
         )
+
+
+def main() -> int:
+    a = parse()
+    if a.worker is not None:
+        print(json.dumps(workload(a.worker)))
+        return 0
+    if a.from_json:
+        series = [np.array(s) for s in json.loads(a.from_json.read_text())]
+    else:
+        series = run_workloads(a.procs, a.seconds)
+        if series is None:
+            print("a workload failed (its error is above)", file=sys.stderr)
+            return 1
+    if a.json:
+        a.json.write_text(json.dumps([s.tolist() for s in series]))
+    report([steps(s, a.step_s) for s in series], a.gap_min, a.gap_max)
     return 0
 
 
