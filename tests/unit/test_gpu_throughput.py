@@ -1,12 +1,12 @@
 """bench/gpu_throughput.py refuses clearly without CUDA, and reads the device's peak from its name."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_throughput.py"
@@ -29,9 +29,7 @@ def test_gpu_throughput_refuses_without_cuda(tmp_path):
 
 
 def test_peak_is_looked_up_by_device_name_most_specific_first():
-    spec = importlib.util.spec_from_file_location("gpu_throughput", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("gpu_throughput")
     assert bench.peak_flops("NVIDIA H200", None) == pytest.approx(989.4e12)
     assert bench.peak_flops("NVIDIA H100 PCIe", None) == pytest.approx(756e12)
     assert bench.peak_flops("NVIDIA H100 80GB HBM3", None) == pytest.approx(989.4e12)

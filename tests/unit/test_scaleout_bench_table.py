@@ -1,20 +1,13 @@
 """bench/scaleout_accuracy.py's round summary: errors, their communication part and the 1-host repeat."""
 
-import importlib.util
-from pathlib import Path
-
 import pandas as pd
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "scaleout_accuracy.py"
+from bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("scaleout_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("scaleout_accuracy")
 
 
 def case(rate: str, predicted: float, measured: float, comm: tuple[float, float], spread: float) -> dict:

@@ -1,22 +1,16 @@
-"""bench/testbed_noise.py's arithmetic: windows of block times and the drift between windows apart."""
-
-import importlib.util
-from pathlib import Path
+"""bench/testbed_noise.py's arithmetic: steps of equal work, trials judged by their median step, the drift
+between trials apart, and the steal share."""
 
 import numpy as np
 import pytest
+from bench_scripts import load_bench
 
 from sdzero.environment import cpu_kind
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "testbed_noise.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("testbed_noise", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("testbed_noise")
 
 
 def blocks(times: list[float]) -> np.ndarray:
