@@ -66,6 +66,7 @@ from advisor.model.scaleout import (  # noqa: E402
     trial_table,
 )
 from advisor.model.step_time import measured_step_s  # noqa: E402
+from sdzero.environment import cpu_kind  # noqa: E402
 from sdzero.hosts import prepare_hosts  # noqa: E402
 from sdzero.io import write_text_atomic  # noqa: E402
 from sdzero.launch import shipped_config  # noqa: E402
@@ -156,7 +157,7 @@ def main() -> int:
     for hosts, slots in args.layouts:
         run_layout(args, work, model, data, base, hosts, slots, csv)
     print_table(pd.read_csv(csv))
-    print(f"\nthis chunk: {time.monotonic() - started:.0f} s; every case so far in {csv}")
+    print(f"\nthis chunk: {time.monotonic() - started:.0f} s on {cpu_kind()}; every case so far in {csv}")
     return 0
 
 
