@@ -24,7 +24,6 @@ reads them again.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import subprocess
 import sys
@@ -109,12 +108,10 @@ def trials(series: np.ndarray, steps_per_trial: int) -> tuple[np.ndarray, np.nda
 
 def pair_errors(starts: np.ndarray, values: np.ndarray, gap_min: float, gap_max: float) -> np.ndarray:
     """|later / earlier - 1| for every pair of trials whose starts are gap_min..gap_max seconds apart."""
-    errors = [
-        abs(values[j] / values[i] - 1)
-        for i, j in itertools.combinations(range(len(values)), 2)
-        if gap_min <= starts[j] - starts[i] <= gap_max
-    ]
-    return np.array(errors)
+    later, earlier = np.triu_indices(len(values), k=1)[::-1]  # every pair once, in time order
+    gap = starts[later] - starts[earlier]
+    apart = (gap >= gap_min) & (gap <= gap_max)
+    return np.abs(values[later[apart]] / values[earlier[apart]] - 1)
 
 
 def run_workloads(procs: int, seconds: float) -> list[np.ndarray] | None:
