@@ -31,20 +31,26 @@ from advisor.measure.grid import (
     setup_id,
     write_trial_config,
 )
-from advisor.model.error import ERROR_EXPLAINED, check_rows, error_summary, fit_models, validation_table
+from advisor.measure.scaleout_check import prepare_hostfile, scaleout_check
 from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget, Candidate, check_reachable, grad_accum_for, predict_table
+from advisor.model.prediction_error import (
+    ERROR_EXPLAINED,
+    check_rows,
+    error_summary,
+    fit_models,
+    validation_table,
+)
 from advisor.model.recommend import launch_command, recommend, what_would_fit
-from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY
+from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY
 from advisor.model.search import check_specs, run_search
-from advisor.scaleout_check import prepare_hostfile, scaleout_check
 from advisor.target import check_options, device_memory_bytes, target_differs, target_memory
+from sdzero.atomic import write_csv_atomic, write_json_atomic
+from sdzero.config.lr_rule import DEFAULT_LR_SCALING
+from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.constants import GIB
 from sdzero.errors import UserError
-from sdzero.io import write_csv_atomic, write_json_atomic
-from sdzero.lr import DEFAULT_LR_SCALING
-from sdzero.lr import reference_batch as lr_reference_batch_of
 
 CPU_GRID = GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
 """On a CPU: 12 grid points, of which the search measures about 5 (a few minutes on 2 cores)."""
@@ -134,7 +140,7 @@ def run_advise(
     from advisor.measure.collectives_launch import CommRunError, run_comm
     from advisor.measure.profile import default_ranks, device_support, plan_for_device, trial_settings
     from advisor.outcome import Outcome, build_recommendation
-    from sdzero.launch import shipped_config
+    from sdzero.cluster.launch_command import shipped_config
 
     say = log or (lambda message: None)
     node_list = check_options(
@@ -368,7 +374,7 @@ def _environment(
 ) -> dict[str, Any]:
     env: dict[str, Any] = {}
     try:
-        from sdzero.environment import environment_snapshot  # type: ignore[import-not-found,unused-ignore]
+        from sdzero.telemetry.environment import environment_snapshot  # type: ignore[import-not-found,unused-ignore]
 
         env.update(environment_snapshot())
     except ImportError:

@@ -1,4 +1,6 @@
-"""`sdzero advise`'s command line: options declared here, the pipeline in advisor.advise.run_advise."""
+"""The `sdzero` command, composed on the top floor: the trainer's commands (sdzero.cli) and the advisor's
+(advise, profile, comm, report). The console script points here; `sdzero advise`'s options are declared
+here, its pipeline is advisor.advise.run_advise."""
 
 from __future__ import annotations
 
@@ -10,9 +12,20 @@ import typer
 from advisor.advise import run_advise
 from advisor.inputs import check_train_args
 from advisor.model.network import PRESETS
-from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY
+from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY
 from advisor.target import TARGET_GPUS
-from sdzero.options import DEFAULTS, cli_option, input_option
+from sdzero import cli as trainer_cli
+from sdzero.config.options import DEFAULTS, cli_option, input_option
+from sdzero.process.children import ending_children_on_signals as ends_children  # their ranks: on signals too
+
+app = typer.Typer(
+    name="sdzero",
+    help="Fine-tune Stable Diffusion with DeepSpeed ZeRO, and find the config that scales.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.registered_commands.extend(trainer_cli.app.registered_commands)
 
 
 def advise_command(
@@ -137,3 +150,25 @@ def advise_command(
         lr_reference_batch=lr_reference_batch,
     )
     print_advice(result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report)
+
+
+def _register_advisor_commands() -> None:
+    from advisor.measure.collectives_launch import comm_command
+    from advisor.measure.profile import profile_command
+    from advisor.report.build import report_command
+
+    trainer_cli.command("advise", app)(ends_children(advise_command))
+    trainer_cli.command("comm", app)(ends_children(comm_command))
+    trainer_cli.command("profile", app)(ends_children(profile_command))
+    trainer_cli.command("report", app)(report_command)
+
+
+_register_advisor_commands()
+
+
+def main() -> None:
+    trainer_cli.run_app(app)
+
+
+if __name__ == "__main__":
+    main()

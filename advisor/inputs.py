@@ -26,7 +26,7 @@ def check_train_args(train_args: Sequence[str] | str) -> tuple[str, ...]:
     """The user's extra trainer options (--resolution, --cache-dir, --gradient-checkpointing, ...), which
     change what a step costs and so must be measured; checked by the trainer's own parser, and refused if
     they take over what the trials set."""
-    from sdzero.config import build_parser, given_train_options
+    from sdzero.config.train_config import build_parser, given_train_options
 
     args = tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args)
     given = given_train_options(args, "--train-args")
@@ -41,7 +41,7 @@ def check_train_args(train_args: Sequence[str] | str) -> tuple[str, ...]:
 
 
 def default_inputs(out_dir: Path, model: str | None, data: Path | None) -> tuple[str, Path]:
-    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+    from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
     if model is None:
         model_dir = out_dir / "model"

@@ -16,7 +16,7 @@ import pandas as pd
 
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate
-from advisor.model.scaling import (
+from advisor.model.scaling_table import (
     MEASURED,
     MODELLED,
     choose_node_count,
@@ -26,8 +26,8 @@ from advisor.model.scaling import (
     table_records,
 )
 from advisor.model.search import CHECK_TRIALS, SearchResult
+from sdzero.config.lr_rule import LrChoice
 from sdzero.constants import GIB
-from sdzero.lr import LrChoice
 
 
 @dataclass

@@ -13,9 +13,9 @@ import sys
 from typing import Any
 
 from advisor.model.predict import node_counts
-from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY
+from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY
+from sdzero.config.lr_rule import check_rule
 from sdzero.errors import UserError
-from sdzero.lr import check_rule
 
 TARGET_GPUS = {
     "a100-40gb": 40.0,

@@ -43,14 +43,14 @@ def main() -> None:
     from advisor.measure.collectives_launch import run_comm
     from advisor.measure.grid import load_base_config, plan_grid
     from advisor.measure.profile import run_profile
-    from advisor.model.error import fit_models, trial_predictions
     from advisor.model.memory import ZeroSettings, trained_numels
     from advisor.model.network import build_network
     from advisor.model.predict import Candidate, predict_table
+    from advisor.model.prediction_error import fit_models, trial_predictions
     from advisor.model.recommend import recommend
     from advisor.model.search import run_search
     from advisor.model.step_time import measured_step_s
-    from sdzero.launch import shipped_config
+    from sdzero.cluster.launch_command import shipped_config
 
     model, data = default_inputs(work, None, None)
     base_path = shipped_config("zero2_bf16.json")

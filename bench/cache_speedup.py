@@ -54,8 +54,8 @@ def dtype_of(config: Path) -> str:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from sdzero.launch import deepspeed_command
-    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+    from sdzero.cluster.launch_command import deepspeed_command
+    from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
     work = args.work or Path(tempfile.mkdtemp(prefix="sdzero-cache-bench-"))
     model, data, cache = work / f"model-{args.family}", work / "data", work / f"cache-{args.family}"
@@ -116,10 +116,10 @@ def timed(fn) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from sdzero.cache import open_cache
-    from sdzero.config import TrainConfig
-    from sdzero.data_feed import Batches, build_data
-    from sdzero.trainer import Trainer
+    from sdzero.config.train_config import TrainConfig
+    from sdzero.data.cache import open_cache
+    from sdzero.data.feed import Batches, build_data
+    from sdzero.training.trainer import Trainer
 
     model, data, cache_dir = (
         args.work / f"model-{args.family}",

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the namespace cluster lives with the 
 from cluster import Cluster  # noqa: E402
 
 from advisor.measure.collectives_launch import run_comm  # noqa: E402
-from sdzero.hosts import prepare_hosts  # noqa: E402
+from sdzero.cluster.hostfile import prepare_hosts  # noqa: E402
 
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 

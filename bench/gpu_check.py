@@ -88,7 +88,7 @@ def parse() -> argparse.Namespace:
 
 
 def tiny_phase(a: argparse.Namespace, clock: Clock, results: dict[str, Any], logs: list[Path]) -> None:
-    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+    from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
     work = a.work / "tiny"
     model, data = work / "model", work / "data"
@@ -181,8 +181,8 @@ def write_sd15_sized_model(out: Path, small: bool) -> Path:
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from sdzero.io import new_dir
-    from sdzero.tiny import _ddpm_settings, build_tokenizer
+    from sdzero.atomic import new_dir
+    from sdzero.models.tiny import _ddpm_settings, build_tokenizer
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(max_length=77)
@@ -250,7 +250,7 @@ def memory_phase(
     from advisor.measure.grid import GridRequest
     from advisor.measure.profile import run_profile
     from advisor.model.memory import ZeroSettings, fit_memory_model, trained_numels
-    from sdzero.tiny import write_synthetic_dataset
+    from sdzero.models.tiny import write_synthetic_dataset
 
     work = a.work / "sd15"
     model, data = work / "model", work / "data"

@@ -36,7 +36,7 @@ def say(message: str) -> None:
 def environment(rehearsal: bool) -> dict[str, Any]:
     import torch
 
-    from sdzero.environment import environment_snapshot
+    from sdzero.telemetry.environment import environment_snapshot
 
     info: dict[str, Any] = {
         "rehearsal_on_cpu": rehearsal,
@@ -83,7 +83,7 @@ def write_config(name: str, dest: Path, fused_adam: bool) -> Path:
 
 def launch(args: list[str], log: Path, env: dict[str, str], timeout_s: float) -> tuple[int, float]:
     """One trainer run under `deepspeed --num_gpus 1`; (exit code, wall seconds). 124: killed at timeout."""
-    from sdzero.launch import deepspeed_command
+    from sdzero.cluster.launch_command import deepspeed_command
 
     cmd = deepspeed_command(args, num_gpus=1)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ def log_tail(log: Path, lines: int = 25) -> str:
 
 
 def summarize_metrics(path: Path) -> dict[str, Any]:
-    from sdzero.metrics import read_metrics
+    from sdzero.telemetry.metrics import read_metrics
 
     if not path.exists():
         return {"steps": 0}

@@ -121,7 +121,7 @@ def peak_flops(name: str, override_tflops: float | None) -> float | None:
 
 
 def premade_batches(n: int, batch: int, side: int, text_width: int, device: Any) -> list[dict[str, Any]]:
-    """Cached-input micro-batches (sdzero.cache's keys): posterior mean/std, its eps, text states, noise, t."""
+    """Cached-input micro-batches (sdzero.data.cache's keys): posterior mean/std, its eps, text states, noise, t."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -147,7 +147,7 @@ class Premade:
 
     def __init__(self, batches: list[dict[str, Any]]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
-        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data_feed.Batches)
+        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data.feed.Batches)
 
     def next(self) -> dict[str, Any]:
         self.i += 1
@@ -184,7 +184,7 @@ def example_rate(a: argparse.Namespace, base_unet: Any, batches: list, scheduler
     import torch
     import torch.nn.functional as F
 
-    from sdzero.speed import apply_backend_flags
+    from sdzero.training.fast_paths import apply_backend_flags
 
     # TF32 on, as sdzero's default, for a like-for-like row
     apply_backend_flags(SimpleNamespace(tf32=True), device.type)
@@ -234,12 +234,13 @@ def sdzero_rate(
     """samples/s of sdzero's own Trainer with these run options, and what it really used."""
     import torch
 
-    from sdzero.config import TrainConfig, load_ds_config
-    from sdzero.engine import init_engine
-    from sdzero.models import DTYPES, Components
-    from sdzero.speed import apply_backend_flags, check_attention, speed_report
-    from sdzero.timing import timing_mode
-    from sdzero.trainer import Trainer
+    from sdzero.config.train_config import TrainConfig, load_ds_config
+    from sdzero.models.families import Components
+    from sdzero.models.loading import DTYPES
+    from sdzero.telemetry.phase_timers import timing_mode
+    from sdzero.training.engine import init_engine
+    from sdzero.training.fast_paths import apply_backend_flags, check_attention, speed_report
+    from sdzero.training.trainer import Trainer
 
     work = a.out / "work"
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -290,8 +291,8 @@ def sdzero_rate(
 
 def start_one_rank(device_type: str) -> None:
     """A one-rank process group in this process (NCCL on CUDA, gloo on the CPU), as DeepSpeed expects."""
-    from sdzero.distributed import start_distributed
-    from sdzero.launch import free_port
+    from sdzero.cluster.launch_command import free_port
+    from sdzero.process.distributed import start_distributed
 
     for key, value in (
         ("RANK", "0"),

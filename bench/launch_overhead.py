@@ -5,12 +5,12 @@ the test suite pays that ~90 times and `sdzero advise` once per trial. Three sav
 side with what it replaces, alternated round by round so that a change in machine load hits both:
 
 1. **launcher**: the whole run through `deepspeed --num_gpus 2` (runner + per-node launcher) against
-   `sdzero.launch.one_host_command` (the per-node launcher alone, which is all the runner starts on one
+   `sdzero.cluster.launch_command.one_host_command` (the per-node launcher alone, which is all the runner starts on one
    host); both runs are the same trainer, steps and data, so the difference is the runner;
 2. **cpu info**: py-cpuinfo's `get_cpu_info`, which DeepSpeed's CPU op builder calls twice per JIT-loaded
-   op, asked twice as it is, and twice behind `sdzero.distributed.ask_cpu_info_once`;
+   op, asked twice as it is, and twice behind `sdzero.process.distributed.ask_cpu_info_once`;
 3. **exit**: a process that imports what a rank imports (torch, DeepSpeed, a diffusers UNet) and returns,
-   with and without `sdzero.process_exit.freeze_heap_for_exit`: seconds from its last line to its end.
+   with and without `sdzero.process.exit.freeze_heap_for_exit`: seconds from its last line to its end.
 
     python bench/launch_overhead.py [--rounds 3]
 
@@ -31,15 +31,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sdzero.environment import cpu_kind  # noqa: E402
-from sdzero.launch import deepspeed_command, one_host_command  # noqa: E402
+from sdzero.cluster.launch_command import deepspeed_command, one_host_command  # noqa: E402
+from sdzero.telemetry.environment import cpu_kind  # noqa: E402
 
 EXIT_PROBE = """
 import sys, time
 import torch, deepspeed
 from diffusers import UNet2DConditionModel
 if sys.argv[1] == "freeze":
-    from sdzero.process_exit import freeze_heap_for_exit
+    from sdzero.process.exit import freeze_heap_for_exit
     freeze_heap_for_exit()
 print(repr(time.time()), flush=True)
 """
@@ -47,7 +47,7 @@ print(repr(time.time()), flush=True)
 CPUINFO_PROBE = """
 import sys, time
 if sys.argv[1] == "once":
-    from sdzero.distributed import ask_cpu_info_once
+    from sdzero.process.distributed import ask_cpu_info_once
     ask_cpu_info_once()
 import cpuinfo
 start = time.perf_counter()

@@ -5,14 +5,14 @@ AdamW lr 1e-4, clipping 1.0) is trained for --steps optimizer steps by the train
 launcher, real DeepSpeed engine) under each LR:
 
 - advise, default: the global batch the advisor keeps (the base config's on one node: 4 x 1 x 2 ranks =
-  8), with the LR sdzero.lr gives there (the base LR: the batch did not change);
-- advise, --global-batch B: the LR sdzero.lr gives at B from that reference (sqrt rule, capped);
+  8), with the LR sdzero.config.lr_rule gives there (the base LR: the batch did not change);
+- advise, --global-batch B: the LR sdzero.config.lr_rule gives at B from that reference (sqrt rule, capped);
 - the same rule uncapped (what the cap takes away);
 - the old advisor's rule at B: linear from the same reference, uncapped (the issue's 64x at B = 512).
 
 For each: the mean loss over the first and the last 10 steps, the largest loss, and whether it is
 finite. "Falls" means last-10 mean < first-10 mean. Warm-up is off in every run: the peak LR from step
-1 is the harder test (sdzero.lr recommends a warm-up on top).
+1 is the harder test (sdzero.config.lr_rule recommends a warm-up on top).
 
     flock /tmp/sdzero-heavy.lock python bench/lr_safety.py [--batch 512] [--steps 60] [--only advise,old]
 
@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sdzero.launch import deepspeed_command  # noqa: E402
-from sdzero.lr import DEFAULT_LR_SCALING, base_lr_of, choose_lr, reference_batch  # noqa: E402
+from sdzero.cluster.launch_command import deepspeed_command  # noqa: E402
+from sdzero.config.lr_rule import DEFAULT_LR_SCALING, base_lr_of, choose_lr, reference_batch  # noqa: E402
 
 ADVISOR_RANKS_PER_NODE = 2
 """`sdzero advise` on a CPU runs its trials with 2 ranks: its target node, and so its reference batch."""
@@ -120,7 +120,7 @@ def run(
 def main() -> None:
     args = parse()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
-    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+    from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
     base = json.loads(args.config.read_text())
     reference = reference_batch(base, ADVISOR_RANKS_PER_NODE)

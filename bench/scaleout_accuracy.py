@@ -18,7 +18,7 @@ ZeRO stage and gradient accumulation (bf16, the shipped base config):
    the next by more than the model's error (docs/multinode.md), so a drift between the trial and the
    hosts' runs is halved, and the two trials' difference (`one_host_spread`) says how large it was.
 
-Every rank records its own time in collectives per step (sdzero/profiling.py), so each case also gives
+Every rank records its own time in collectives per step (sdzero/training/probe.py), so each case also gives
 the transport (the least any rank spent, per step: the rank that waited least) and the wait on top of it
 (rank 0's and the most any rank spent) beside the predicted link and wait terms (the second table).
 
@@ -53,8 +53,7 @@ from cluster import Cluster  # noqa: E402
 
 from advisor.measure.grid import TrialSpec, load_base_config  # noqa: E402
 from advisor.measure.profile import trial_settings  # noqa: E402
-from advisor.model.network import NCCL  # noqa: E402
-from advisor.model.scaleout import (  # noqa: E402
+from advisor.measure.scaleout_check import (  # noqa: E402
     ScaleoutRow,
     check_config,
     flat_ring_step_s,
@@ -65,12 +64,13 @@ from advisor.model.scaleout import (  # noqa: E402
     rows_table,
     trial_table,
 )
+from advisor.model.network import NCCL  # noqa: E402
 from advisor.model.step_time import measured_step_s  # noqa: E402
-from sdzero.environment import cpu_kind  # noqa: E402
-from sdzero.hosts import prepare_hosts  # noqa: E402
-from sdzero.io import write_text_atomic  # noqa: E402
-from sdzero.launch import shipped_config  # noqa: E402
-from sdzero.tiny import write_synthetic_dataset, write_tiny_model  # noqa: E402
+from sdzero.atomic import write_text_atomic  # noqa: E402
+from sdzero.cluster.hostfile import prepare_hosts  # noqa: E402
+from sdzero.cluster.launch_command import shipped_config  # noqa: E402
+from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model  # noqa: E402
+from sdzero.telemetry.environment import cpu_kind  # noqa: E402
 
 
 def layout(text: str) -> tuple[int, int]:

@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sdzero.environment import cpu_kind  # noqa: E402
+from sdzero.telemetry.environment import cpu_kind  # noqa: E402
 
 TRIAL_STEPS = (5, 10, 20)
 """Measured steps per trial compared (the scale-out bench measures 10)."""

@@ -45,8 +45,8 @@ def parse() -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from sdzero.launch import deepspeed_command
-    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+    from sdzero.cluster.launch_command import deepspeed_command
+    from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
     work = args.work or Path(tempfile.mkdtemp(prefix="sdzero-bench-"))
     if not (work / "model" / "model_index.json").exists():
@@ -73,7 +73,7 @@ class Premade:
 
     def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
-        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data_feed.Batches)
+        self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data.feed.Batches)
 
     def next(self) -> dict[str, torch.Tensor]:
         batch = self.batches[self.i % len(self.batches)]
@@ -86,7 +86,7 @@ class Premade:
 
 def bare_block(engine, comps, batches: Premade, steps: int, accum: int, device) -> None:
     """The loop every DeepSpeed tutorial writes: encode, noise, forward, MSE, backward, step."""
-    from sdzero.models import encode_latents, encode_text
+    from sdzero.models.loading import encode_latents, encode_text
 
     for _ in range(steps):
         for _ in range(accum):
@@ -128,9 +128,9 @@ def loader_rate(loader, sampler, n_batches: int) -> float:
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from sdzero.config import TrainConfig
-    from sdzero.metrics import MetricsWriter
-    from sdzero.trainer import Trainer
+    from sdzero.config.train_config import TrainConfig
+    from sdzero.telemetry.metrics import MetricsWriter
+    from sdzero.training.trainer import Trainer
 
     out = args.work / "bench_run"
     cfg = TrainConfig(

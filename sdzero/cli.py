@@ -1,4 +1,10 @@
-"""The `sdzero` command. Each command parses its options and calls a plain function."""
+"""The trainer's commands of `sdzero` (train, cache, launch, slurm, k8s, doctor, demo, export, ...).
+
+Each command parses its options and calls a plain function. The `sdzero` command users run is composed
+one floor up, in advisor.cli, which adds the advisor's commands (advise, profile, comm, report) to these:
+this package never imports the advisor. `python -m sdzero.cli` runs these commands alone, as the ranks of
+`sdzero cache` do.
+"""
 
 from __future__ import annotations
 
@@ -11,22 +17,25 @@ from typing import Annotated, Any
 
 import typer
 
+from sdzero.config.options import DEFAULTS, cli_option, input_option
 from sdzero.errors import EXIT_USER_ERROR, UserError
-from sdzero.options import DEFAULTS, cli_option, input_option
 
 LAUNCH_PANEL = "Launch"
 
 app = typer.Typer(
     name="sdzero",
-    help="Fine-tune Stable Diffusion with DeepSpeed ZeRO, and find the config that scales.",
+    help="Fine-tune Stable Diffusion with DeepSpeed ZeRO (the trainer's commands).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
 
-def command(name: str, **settings: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register a command whose bad input (UserError) becomes one line on stderr and exit code 2."""
+def command(
+    name: str, target: typer.Typer | None = None, **settings: Any
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a command on `target` (default: this module's app) whose bad input (UserError) becomes one
+    line on stderr and exit code 2."""
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -37,7 +46,7 @@ def command(name: str, **settings: Any) -> Callable[[Callable[..., Any]], Callab
                 typer.echo(f"sdzero: error: {exc}", err=True)
                 raise typer.Exit(EXIT_USER_ERROR) from None
 
-        app.command(name, **settings)(wrapper)
+        (app if target is None else target).command(name, **settings)(wrapper)
         return fn
 
     return register
@@ -50,7 +59,7 @@ def tiny_model(
     seed: Annotated[int, typer.Option(help="seed of the random weights")] = 0,
 ) -> None:
     """Write a tiny random-weight pipeline in diffusers format (the embedded default model)."""
-    from sdzero.tiny import write_tiny_model
+    from sdzero.models.tiny import write_tiny_model
 
     write_tiny_model(out, family=family, seed=seed)
     typer.echo(f"wrote tiny {family} pipeline to {out}")
@@ -66,7 +75,7 @@ def synth_data(
     seed: Annotated[int, typer.Option(help="seed of shapes, colours and captions")] = 0,
 ) -> None:
     """Write coloured shapes on backgrounds, each with the caption that describes it."""
-    from sdzero.tiny import write_synthetic_dataset
+    from sdzero.models.tiny import write_synthetic_dataset
 
     write_synthetic_dataset(out, images=images, size=size, seed=seed)
     typer.echo(f"wrote {images} captioned images to {out}")
@@ -96,9 +105,9 @@ def cache(
     ] = DEFAULTS.hostfile,
 ) -> None:
     """Encode latents and text embeddings once, into sharded safetensors files (see docs/caching.md)."""
-    from sdzero.cache_build import build_cache, launcher_command
-    from sdzero.config import rank_from_env
-    from sdzero.data import set_max_image_pixels
+    from sdzero.config.train_config import rank_from_env
+    from sdzero.data.cache_build import build_cache, launcher_command
+    from sdzero.data.images import set_max_image_pixels
 
     if num_gpus is not None or hostfile is not None:
         args = [
@@ -166,7 +175,7 @@ def train(
 ) -> None:
     """Launch sdzero/train.py through the deepspeed launcher; other options go to the trainer
     (`python sdzero/train.py --help` lists them)."""
-    from sdzero.launch import deepspeed_command
+    from sdzero.cluster.launch_command import deepspeed_command
 
     cmd = deepspeed_command(list(ctx.args), num_gpus=num_gpus, hostfile=hostfile, master_port=master_port)
     typer.echo("+ " + " ".join(cmd), err=True)
@@ -190,7 +199,7 @@ def launch(
     """Check a hostfile, write the .deepspeed_env remote ranks need, then run sdzero/train.py on its hosts."""
     import os
 
-    from sdzero.hosts import describe, plan_launch
+    from sdzero.cluster.hostfile import describe, plan_launch
 
     plan = plan_launch(
         hostfile, list(ctx.args), launcher=launcher, master_addr=master_addr, master_port=master_port
@@ -224,7 +233,7 @@ def slurm(
     gpus: Annotated[bool, cli_option("gpus")] = DEFAULTS.gpus,
 ) -> None:
     """Print a Slurm batch script that trains across the allocation, checkpoints on preemption, requeues."""
-    from sdzero.slurm import SlurmJob, render
+    from sdzero.cluster.slurm import SlurmJob, render
 
     job = SlurmJob(
         nodes=nodes,
@@ -277,7 +286,7 @@ def k8s(
     out: Annotated[Path | None, typer.Option(help="write the manifests here instead of stdout")] = None,
 ) -> None:
     """Print Kubernetes manifests (Indexed Job + headless Service, or a Kubeflow PyTorchJob) for N pods."""
-    from sdzero.k8s import K8sJob, render
+    from sdzero.cluster.k8s import K8sJob, render
 
     job = K8sJob(
         nodes=nodes,
@@ -302,7 +311,7 @@ def k8s(
     if out is None:
         typer.echo(text, nl=False)
         return
-    from sdzero.io import write_text_atomic
+    from sdzero.atomic import write_text_atomic
 
     write_text_atomic(out, text)
     typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
@@ -320,7 +329,7 @@ def doctor(
     probe_mib: Annotated[float, typer.Option(help="all-reduce size of the pair bandwidth probe")] = 16,
 ) -> None:
     """Pre-flight check of the nodes: hardware, versions, shared storage, links; exit 1 on a blocker."""
-    from sdzero.doctor import diagnose, render_report
+    from sdzero.cluster.doctor import diagnose, render_report
 
     facts, _, pairs, found = diagnose(hostfile, output_dir, data, size_mib=probe_mib)
     raise typer.Exit(render_report(facts, pairs, found))
@@ -336,8 +345,8 @@ def demo(
     ] = None,
 ) -> None:
     """Train the tiny default model on synthetic data with 2 ranks under ZeRO-2 bf16."""
-    from sdzero.launch import deepspeed_command, shipped_config
-    from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+    from sdzero.cluster.launch_command import deepspeed_command, shipped_config
+    from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
     model, data, run_dir = out / "model", out / "data", out / "run"
     if not (model / "model_index.json").exists():
@@ -388,41 +397,30 @@ def export(
     overwrite: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
 ) -> None:
     """Write a checkpoint as a diffusers pipeline (safetensors), with the EMA as unet_ema when present."""
-    from sdzero.export import export_checkpoint
+    from sdzero.checkpoint.export import export_checkpoint
 
     result = export_checkpoint(checkpoint, out, model=model, dtype=dtype, overwrite=overwrite)
     ema = " and unet_ema" if result.with_ema else ""
     typer.echo(f"exported step {result.step} of {result.checkpoint} to {result.out} (unet{ema})")
 
 
-def _register_advisor_commands() -> None:
-    from advisor.cli import advise_command
-    from advisor.measure.collectives_launch import comm_command
-    from advisor.measure.profile import profile_command
-    from advisor.report.build import report_command
-    from sdzero.processes import ending_children_on_signals as ends_children  # their ranks: on signals too
-
-    command("advise")(ends_children(advise_command))
-    command("comm")(ends_children(comm_command))
-    command("profile")(ends_children(profile_command))
-    command("report")(report_command)
-
-
-_register_advisor_commands()
-
-
-def main() -> None:
-    from sdzero.process_exit import freeze_heap_for_exit
+def run_app(target: typer.Typer) -> None:
+    """Run a typer app as a console entry point: one line and exit 2 for bad input, a fast exit."""
+    from sdzero.process.exit import freeze_heap_for_exit
 
     try:
-        from sdzero.launch import decode_argv
+        from sdzero.cluster.launch_command import decode_argv
 
-        app(args=decode_argv(sys.argv[1:]))  # `sdzero cache` ranks through pdsh get one base64 word
+        target(args=decode_argv(sys.argv[1:]))  # `sdzero cache` ranks through pdsh get one base64 word
     except UserError as exc:
         print(f"sdzero: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     finally:  # typer leaves through SystemExit, also on success
         freeze_heap_for_exit()
+
+
+def main() -> None:
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """DeepSpeed entrypoint: `deepspeed [--num_gpus N | --hostfile H] sdzero/train.py --deepspeed_config ...`.
 
-Parses the run options and hands them to `sdzero.trainer.run`; everything else lives in the package.
+Parses the run options and hands them to `sdzero.training.trainer.run`; everything else lives in the package.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import NoReturn
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
-from sdzero.config import parse_train_args, rank_from_env  # noqa: E402
+from sdzero.cluster.launch_command import decode_argv  # noqa: E402
+from sdzero.config.train_config import parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, AgreedError, UserError  # noqa: E402
-from sdzero.launch import decode_argv  # noqa: E402
-from sdzero.preemption import Preempted, exit_now  # noqa: E402
-from sdzero.process_exit import freeze_heap_for_exit  # noqa: E402
+from sdzero.process.exit import freeze_heap_for_exit  # noqa: E402
+from sdzero.process.preemption import Preempted, exit_now  # noqa: E402
 
 
 def crash_exit() -> NoReturn:
@@ -77,7 +77,7 @@ def report_agreed_error(exc: AgreedError, rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
-        from sdzero import trainer
+        from sdzero.training import trainer
 
         summary = trainer.run(cfg)
     except Preempted as stop:

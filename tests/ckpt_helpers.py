@@ -12,7 +12,7 @@ import psutil
 import torch
 from launch import fp32_config, metrics, trainer_args
 
-from sdzero.launch import one_host_command
+from sdzero.cluster.launch_command import one_host_command
 
 TORCH_ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}
 """torch's AdamW, not DeepSpeed's CPU "FusedAdam": that C++ op (like DeepSpeedCPUAdam) updates beta**t

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sdzero.tiny import write_synthetic_dataset, write_tiny_model
+from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
 # The ranks the tests launch use the venv's own JIT-op folder: importing sdzero (above) set it for this
 # process and so for every process it starts (sdzero.use_venv_build_tools).

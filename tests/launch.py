@@ -1,6 +1,6 @@
 """Helpers for tests that launch the trainer through DeepSpeed's launcher.
 
-`run_trainer` starts one host's ranks with `sdzero.launch.one_host_command` (DeepSpeed's per-node
+`run_trainer` starts one host's ranks with `sdzero.cluster.launch_command.one_host_command` (DeepSpeed's per-node
 launcher, without the runner process in front of it: 2-3 s less per launch); the tests of `sdzero train`,
 the hosts launch, Slurm and MPI go through the `deepspeed` runner as users do."""
 
@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from sdzero.launch import REPO_ROOT, one_host_command
-from sdzero.metrics import read_metrics
+from sdzero.cluster.launch_command import REPO_ROOT, one_host_command
+from sdzero.telemetry.metrics import read_metrics
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 CONFIGS = REPO_ROOT / "ds_configs"

@@ -2,7 +2,7 @@
 
 Every number below is made up to exercise the report (shapes, edge cases, hostile strings). The files
 follow the formats the real writers use: metrics.jsonl as the Trainer writes it, checkpoint manifests
-through sdzero.checkpoint.Manifest, comm.csv with advisor.measure.collectives_rank' columns and comm_fit.json through
+through sdzero.checkpoint.checkpointer.Manifest, comm.csv with advisor.measure.collectives_rank' columns and comm_fit.json through
 advisor.model.alphabeta's own fit; predictions.csv, recommendation.json and validation.csv as advisor/report/build.py's
 docstring defines them for the performance model.
 """
@@ -69,7 +69,7 @@ def write_training_run(
 ) -> Path:
     """A run folder: metrics (with an earlier segment when `resumed_at`), configs, checkpoint manifests,
     and validation images at `validation_steps` (see write_validation)."""
-    from sdzero.checkpoint import Manifest, step_tag
+    from sdzero.checkpoint.checkpointer import Manifest, step_tag
 
     folder.mkdir(parents=True, exist_ok=True)
     skipped = lambda s: min(s - 1, 2) if fp16 else 0  # noqa: E731 (two overflows at the start, as fp16 does)
@@ -138,12 +138,12 @@ def validation_colour(step: int, prompt_index: int) -> tuple[int, int, int]:
 
 
 def write_validation(folder: Path, step: int, prompts: list[str]) -> list[Path]:
-    """What sdzero.validation.Validator writes for one step: a PNG per prompt (a flat colour under light
+    """What sdzero.training.validation.Validator writes for one step: a PNG per prompt (a flat colour under light
     noise, so it weighs as much as a real sample of VALIDATION_PX) and prompts.json."""
     import numpy as np
     from PIL import Image
 
-    from sdzero.validation import PROMPTS_FILE, image_name, step_folder
+    from sdzero.training.validation import PROMPTS_FILE, image_name, step_folder
 
     out = step_folder(folder / "validation", step)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,7 @@ def write_comm(folder: Path) -> None:
     """comm.csv in advisor.measure.collectives_rank' columns and comm_fit.json fitted by advisor.model.alphabeta itself."""
     from advisor.measure.collectives_rank import CSV_COLUMNS
     from advisor.model.alphabeta import busbw_gbps, fit_table, fits_payload
-    from sdzero.io import write_json_atomic
+    from sdzero.atomic import write_json_atomic
 
     links = {"torch": ("gloo", 40e-6, 1 / 3e9), "mpi": ("Open MPI 4.1.4", 15e-6, 1 / 4e9)}
     rows = []

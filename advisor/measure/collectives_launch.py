@@ -29,10 +29,10 @@ import typer
 
 import advisor
 from advisor.model.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload
+from sdzero.atomic import write_csv_atomic, write_json_atomic
+from sdzero.config.options import cli_option
 from sdzero.constants import MIB
 from sdzero.errors import UserError
-from sdzero.io import write_csv_atomic, write_json_atomic
-from sdzero.options import cli_option
 
 BACKENDS: tuple[str, ...] = ("torch", "mpi")
 # Starting ranks (imports, rendezvous) is not part of the budget; this much slack covers it before a
@@ -84,8 +84,8 @@ class LaunchPlan:
 
 
 def read_hostfile(path: Path) -> tuple[str, ...]:
-    """Hosts of a DeepSpeed/Open MPI hostfile, checked by the project's one parser (sdzero.hosts)."""
-    from sdzero.hosts import parse_hostfile
+    """Hosts of a DeepSpeed/Open MPI hostfile, checked by the project's one parser (sdzero.cluster.hostfile)."""
+    from sdzero.cluster.hostfile import parse_hostfile
 
     return tuple(entry.host for entry in parse_hostfile(path))
 
@@ -113,7 +113,7 @@ def check_backends(backends: Sequence[str]) -> tuple[str, ...]:
 
 def deepspeed_launcher() -> str:
     """The `deepspeed` script of this interpreter's environment, else the one on PATH."""
-    from sdzero.launch import deepspeed_executable
+    from sdzero.cluster.launch_command import deepspeed_executable
 
     try:
         return deepspeed_executable()
@@ -181,7 +181,7 @@ def rank_args(backend: str, csv_path: Path, min_bytes: int, max_bytes: int, budg
 def torch_command(plan: LaunchPlan, args: list[str], torch_backend: str, no_hostfile: Path) -> list[str]:
     # DeepSpeed reads /job/hostfile when no --hostfile is given; a path that does not exist keeps a local
     # run local, as mpirun's is.
-    from sdzero.launch import deepspeed_command
+    from sdzero.cluster.launch_command import deepspeed_command
 
     return deepspeed_command(
         [*args, "--torch-backend", torch_backend],
@@ -237,7 +237,7 @@ def launch(command: list[str], log_path: Path, timeout_s: float) -> None:
             _kill_session(process)
             raise CommRunError(f"{command[0]} did not finish in {timeout_s:.0f} s; see {log_path}") from None
         finally:
-            if process.poll() is None:  # interrupted (Ctrl-C, SIGTERM, SIGHUP: sdzero.processes)
+            if process.poll() is None:  # interrupted (Ctrl-C, SIGTERM, SIGHUP: sdzero.process.children)
                 _kill_session(process)
     if returncode != 0:
         raise CommRunError(

@@ -51,7 +51,7 @@ from advisor.measure.communicators import (
     make_buffers,
 )
 from advisor.model.alphabeta import COLLECTIVES, algbw_gbps, busbw_gbps
-from sdzero.io import write_csv_atomic
+from sdzero.atomic import write_csv_atomic
 
 
 @dataclass
@@ -360,7 +360,7 @@ def run_torch(settings: SweepSettings, csv_path: Path, backend: str) -> None:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    from sdzero.environment import share_cpu_threads
+    from sdzero.telemetry.environment import share_cpu_threads
 
     share_cpu_threads()  # as the trainer does: gloo's reductions run on these threads
     dist.init_process_group(backend=backend)

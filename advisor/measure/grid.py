@@ -204,7 +204,7 @@ def _comm_knobs(request: GridRequest) -> Iterator[tuple[bool | None, int | None,
 
 def load_base_config(path: Path) -> dict[str, Any]:
     """The base DeepSpeed JSON, checked with the trainer's own reader (no "auto", one precision, ...)."""
-    from sdzero.config import load_ds_config
+    from sdzero.config.train_config import load_ds_config
 
     raw = load_ds_config(Path(path), world_size=1).raw  # batch sizes are rewritten per trial anyway
     if "optimizer" not in raw:
@@ -242,7 +242,7 @@ def trial_ds_config(base: dict[str, Any], spec: TrialSpec) -> dict[str, Any]:
         zero["reduce_bucket_size"] = spec.reduce_bucket_size
     if spec.allgather_bucket_size is not None:
         zero["allgather_bucket_size"] = spec.allgather_bucket_size
-    # DeepSpeed's per-step forward/backward/step timers and its per-collective log (sdzero.profiling reads
+    # DeepSpeed's per-step forward/backward/step timers and its per-collective log (sdzero.training.probe reads
     # both). Both add synchronisations on GPUs, so a trial's samples/s is slightly below an unmeasured run's.
     config["wall_clock_breakdown"] = True
     config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
@@ -262,7 +262,7 @@ def _set_precision(config: dict[str, Any], precision: str) -> None:
 
 def write_trial_config(base: dict[str, Any], spec: TrialSpec, trial_dir: Path, world_size: int) -> Path:
     """Write the trial's JSON into its folder and read it back with the trainer's checks."""
-    from sdzero.config import load_ds_config
+    from sdzero.config.train_config import load_ds_config
 
     trial_dir.mkdir(parents=True, exist_ok=True)
     path = trial_dir / "ds_config.json"

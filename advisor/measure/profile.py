@@ -40,9 +40,9 @@ from advisor.measure.grid import (
     write_trial_config,
 )
 from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
+from sdzero.cluster.launch_command import shipped_config
+from sdzero.config.options import DEFAULTS, cli_option, input_option
 from sdzero.errors import UserError
-from sdzero.launch import shipped_config
-from sdzero.options import DEFAULTS, cli_option, input_option
 
 TRIAL_COLUMNS: tuple[str, ...] = (
     "trial_id",
@@ -159,7 +159,7 @@ def _check_inputs(
     stall_timeout_s: float | None,
     mem_cap_gib: float | None,
 ) -> None:
-    from sdzero.models import detect_family
+    from sdzero.models.loading import detect_family
 
     if not Path(data).is_dir():
         raise UserError(f"--data {data}: no such folder; point it at an image folder with metadata.jsonl")

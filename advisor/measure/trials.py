@@ -1,6 +1,6 @@
 """One trial: the trainer under the `deepspeed` launcher, watched, killed if stuck, and classified.
 
-A trial runs `sdzero/train.py --profile-out` (see sdzero.profiling) in its own session, with its output in
+A trial runs `sdzero/train.py --profile-out` (see sdzero.training.probe) in its own session, with its output in
 `<trial>/log.txt`. Every way it can end becomes data rather than an exception:
 
 - ok: the trainer wrote its profile (a launcher that then hangs in teardown is killed, the result kept);
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from advisor.measure.grid import TrialSpec
-from sdzero.checkpoint import CHECKPOINTS
+from sdzero.checkpoint.checkpointer import CHECKPOINTS
+from sdzero.cluster.launch_command import deepspeed_command, one_host_command
 from sdzero.constants import GIB
-from sdzero.launch import deepspeed_command, one_host_command
 
 POLL_S = 0.5
 # A rank that died is followed by the launcher's own clean-up; past this grace the whole session is
@@ -314,7 +314,7 @@ def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
         "comm_s": comm.get("seconds_per_step"),
         "comm_bytes": comm.get("bytes_per_step"),
         "comm_ops": json.dumps(comm.get("ops")) if comm else None,
-        # Every rank's own time in collectives (sdzero.profiling): the least is the closest to the transport
+        # Every rank's own time in collectives (sdzero.training.probe): the least is the closest to the transport
         # alone, the most adds the longest wait for a slower rank.
         **rank_comm_columns(ranks),
         "trained_params": profile["trained_params"],

@@ -1,9 +1,9 @@
-"""The recommendation: the node count chosen by efficiency (advisor.model.scaling), the fastest config that
+"""The recommendation: the node count chosen by efficiency (advisor.model.scaling_table), the fastest config that
 fits there, its DeepSpeed JSON, launch command and runners-up.
 
 The JSON is the user's base JSON with the winner's knobs written in by the same code that writes each
 trial's JSON (advisor.measure.grid.trial_ds_config), minus the trial-only instruments, with the accumulation for the
-global batch and the learning rate from the one rule (sdzero.lr): the trainer runs it unchanged (its own
+global batch and the learning rate from the one rule (sdzero.config.lr_rule): the trainer runs it unchanged (its own
 default reference is the JSON's batch, so it does not scale that LR again). Its global batch is not
 written (train_batch_size): DeepSpeed derives it from micro-batch x accumulation x world size, so the same
 file also runs on fewer ranks for a smoke test.
@@ -22,10 +22,10 @@ import pandas as pd
 from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
 from advisor.model.predict import Candidate
-from advisor.model.scaling import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
+from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
+from sdzero.config.lr_rule import LrChoice, base_lr_of, check_rule, choose_lr
 from sdzero.constants import GIB
 from sdzero.errors import UserError
-from sdzero.lr import LrChoice, base_lr_of, check_rule, choose_lr
 
 COMM_BOUND_SHARE = 0.3
 """A config whose exposed communication is above this share of its step is called communication-bound."""
@@ -60,7 +60,7 @@ def launch_command(
 ) -> str:
     """The deepspeed command; with `lr`, its warm-up flag and a trailing shell comment stating the LR, the
     rule and the factor (the LR itself is in the JSON)."""
-    from sdzero.launch import deepspeed_command
+    from sdzero.cluster.launch_command import deepspeed_command
 
     args = [
         "--deepspeed_config",

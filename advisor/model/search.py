@@ -22,10 +22,10 @@ from dataclasses import dataclass, field, replace
 import pandas as pd
 
 from advisor.measure.grid import GridPlan, TrialSpec
-from advisor.model.error import Models, fit_models
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate, grad_accum_for
+from advisor.model.prediction_error import Models, fit_models
 
 DOMINATED_MARGIN = 0.0
 """A config is measured only if the model predicts it beats every measured one by more than this fraction

@@ -5,7 +5,7 @@ precision and offload (the stage changes hooks, gathers and the optimizer's shar
 optimizer to the CPU) and a slope per precision (the
 network's work per sample does not depend on the stage). A trial's compute is its step time minus the
 time its ranks spent inside collectives (DeepSpeed's comms_logger, plus the time they then waited for
-async calls, which the trial times itself: sdzero.profiling.WaitMeter).
+async calls, which the trial times itself: sdzero.training.probe.WaitMeter).
 
 Once-per-step compute (the optimizer step, less the collectives inside it) is measured per group from
 the trials' optimizer phase and charged once per step; the rest of a micro-step's compute is charged per

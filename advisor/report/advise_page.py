@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from advisor.model.alphabeta import AlphaBetaFit, bus_factor, load_fits
-from advisor.model.error import ERROR_EXPLAINED, is_check
+from advisor.model.prediction_error import ERROR_EXPLAINED, is_check
 from advisor.report import figures
 from advisor.report.answer import (
     held_out_sentence,

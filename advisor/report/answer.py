@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.model.scaling import short_provenance
+from advisor.model.scaling_table import short_provenance
 from advisor.report.page import Item, NoteItem, Section, frame_table, mapping_table
 
 SCALING_CAPTION = (

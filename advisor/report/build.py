@@ -64,8 +64,8 @@ from typing import Annotated
 import typer
 
 from advisor.report.page import Report, render_html
+from sdzero.atomic import write_text_atomic
 from sdzero.errors import UserError
-from sdzero.io import write_text_atomic
 
 REPORTS_DIR = Path("reports")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")

@@ -24,8 +24,8 @@ import jinja2
 import pandas as pd
 
 from sdzero.constants import BINARY_UNITS
-from sdzero.environment import environment_snapshot
 from sdzero.errors import UserError
+from sdzero.telemetry.environment import environment_snapshot
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from advisor.model.scaling import short_provenance
+from advisor.model.scaling_table import short_provenance
 from sdzero.constants import GIB
 
 

@@ -1,6 +1,6 @@
 """The training report: read a run's output folder (metrics, configs, checkpoints) and lay out its page.
 
-Input, as the trainer writes it (sdzero.trainer, sdzero.metrics, sdzero.checkpoint):
+Input, as the trainer writes it (sdzero.training.trainer, sdzero.telemetry.metrics, sdzero.checkpoint.checkpointer):
 
 - `metrics.jsonl`: one JSON object per optimizer step. Earlier segments of the same output folder were
   moved aside to `metrics.1.jsonl`, `metrics.2.jsonl`, ... (higher = newer); a segment that starts after
@@ -10,7 +10,7 @@ Input, as the trainer writes it (sdzero.trainer, sdzero.metrics, sdzero.checkpoi
 - `checkpoints/<tag>/manifest.json` for each committed checkpoint still on disk (retention deletes
   older ones), `checkpoints/.incoming-*` for saves that never committed.
 - `environment.json` (versions and devices), optional; without it the report shows this machine's.
-- `validation/step_N/` (sdzero.validation): an image per validation prompt, shown as thumbnails.
+- `validation/step_N/` (sdzero.training.validation): an image per validation prompt, shown as thumbnails.
 
 A damaged metrics file stops the report with one line naming the file and line, except a last line cut
 short without its newline, the trace a killed run leaves: that one is left out and the page says so.
@@ -50,7 +50,7 @@ from advisor.report.page import (
 )
 from sdzero.constants import STEP_PHASES as PHASES
 from sdzero.errors import UserError
-from sdzero.validation import ValidationStep, read_validation
+from sdzero.training.validation import ValidationStep, read_validation
 
 METRICS = "metrics.jsonl"
 REQUIRED = ("step", "loss", "samples_per_s", "step_time_s")
@@ -164,7 +164,7 @@ def metrics_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
 
 def read_checkpoints(folder: Path) -> pd.DataFrame:
     """Committed checkpoints still on disk, oldest first, and saves that never committed."""
-    from sdzero.checkpoint import LATEST, STAGING_PREFIX, checkpoint_root, complete_checkpoints
+    from sdzero.checkpoint.checkpointer import LATEST, STAGING_PREFIX, checkpoint_root, complete_checkpoints
 
     root = checkpoint_root(folder)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None

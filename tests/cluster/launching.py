@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from sdzero.metrics import read_metrics
+from sdzero.telemetry.metrics import read_metrics
 
 SDZERO = str(Path(sys.executable).with_name("sdzero"))
 REFERENCE_STEPS = 6

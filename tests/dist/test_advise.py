@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from advisor.cli import advise_command
 from advisor.model.memory import ZeroSettings, trained_numels
+from sdzero.cluster.launch_command import shipped_config
+from sdzero.config.lr_rule import DEFAULT_LR_SCALING
 from sdzero.errors import EXIT_USER_ERROR, UserError
-from sdzero.launch import shipped_config
-from sdzero.lr import DEFAULT_LR_SCALING
 
 pytestmark = pytest.mark.dist
 

@@ -13,8 +13,8 @@ from ckpt_helpers import TORCH_ADAMW
 from launch import check_ok, fp32_config, metrics, run_trainer, write_config
 from PIL import Image
 
-from sdzero import checkpoint as ck
-from sdzero.buckets import assign_buckets, bucket_sizes, dropped_per_epoch, image_sizes
+from sdzero.checkpoint import checkpointer as ck
+from sdzero.data.buckets import assign_buckets, bucket_sizes, dropped_per_epoch, image_sizes
 
 pytestmark = pytest.mark.dist
 

@@ -38,9 +38,9 @@ from PIL import Image
 from safetensors.torch import load_file
 from support.fault_callbacks import KILL_BEFORE_COMMIT, fault_env
 
-from sdzero import checkpoint as ck
-from sdzero.ema import assemble
-from sdzero.export import consolidated_weights
+from sdzero.checkpoint import checkpointer as ck
+from sdzero.checkpoint.export import consolidated_weights
+from sdzero.models.ema import assemble
 
 pytestmark = pytest.mark.dist
 
@@ -264,7 +264,7 @@ def test_export_equals_the_engines_gathered_weights_and_generates(runs, stage, t
     from diffusers import StableDiffusionPipeline
     from typer.testing import CliRunner
 
-    from sdzero.cli import app
+    from advisor.cli import app
 
     ref = runs.reference(stage)
     result = CliRunner().invoke(app, ["export", str(ref), str(tmp_path / "pipe")])  # the run's newest
@@ -328,7 +328,7 @@ def test_zero3_bf16_export_loads_as_is_and_resume_refuses_what_it_cannot_continu
     from diffusers import DiffusionPipeline
     from typer.testing import CliRunner
 
-    from sdzero.cli import app
+    from advisor.cli import app
 
     life = runs.life()
     out = life["out"]

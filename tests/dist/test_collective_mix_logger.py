@@ -17,7 +17,7 @@ from advisor.measure.grid import GridRequest
 from advisor.measure.profile import run_profile
 from advisor.model.collective_mix import collective_mix, logger_view
 from advisor.model.memory import DEFAULT_BYTES_PER_ELEMENT, ZeroSettings, state_elements, trained_numels
-from sdzero.launch import REPO_ROOT
+from sdzero.cluster.launch_command import REPO_ROOT
 
 pytestmark = pytest.mark.dist
 

@@ -21,7 +21,7 @@ from launch import CONFIGS, metrics, write_config
 from support.fault_callbacks import SAMPLE_LOG, fault_env
 from torch.utils.data import DistributedSampler
 
-from sdzero import checkpoint as ck
+from sdzero.checkpoint import checkpointer as ck
 
 pytestmark = pytest.mark.dist
 

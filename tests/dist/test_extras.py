@@ -11,7 +11,7 @@ import struct
 import pytest
 from launch import CONFIGS, check_ok, metrics, run_trainer, write_config
 
-from sdzero.data import read_metadata
+from sdzero.data.images import read_metadata
 
 pytestmark = pytest.mark.dist
 

@@ -34,7 +34,7 @@ OPTIONS = {
 @pytest.fixture(scope="module")
 def family_runs(synth_data, tmp_path_factory):
     """family -> (model folder, run folder, launch output), launched once per family on first use."""
-    from sdzero.tiny import write_tiny_model
+    from sdzero.models.tiny import write_tiny_model
 
     runs: dict[str, tuple[Path, Path, str]] = {}
 
@@ -93,8 +93,8 @@ def test_export_loads_in_the_family_pipeline(family, family_runs, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from sdzero.export import export_checkpoint
-    from sdzero.families import detect_family
+    from sdzero.checkpoint.export import export_checkpoint
+    from sdzero.models.families import detect_family
 
     model, run, _ = family_runs(family)
     sub = detect_family(str(model)).subfolder
@@ -129,8 +129,8 @@ def test_export_loads_in_the_family_pipeline(family, family_runs, tmp_path):
 def test_profile_counts_the_family_network_and_every_frozen_part(family, family_runs):
     """`sdzero profile` measures what the trainer trains: the UNet or the SD3 transformer, and all of the
     family's frozen modules (two or three text encoders and the VAE)."""
-    from sdzero.models import load_components
-    from sdzero.profiling import module_bytes
+    from sdzero.models.loading import load_components
+    from sdzero.training.probe import module_bytes
 
     model, run, _ = family_runs(family)
     profile = json.loads((run.parent / "profile.json").read_text())

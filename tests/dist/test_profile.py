@@ -24,7 +24,7 @@ from support.fault_callbacks import CRASH_AT, HANG_AT, fault_env
 
 from advisor.measure.grid import GridRequest, TrialSpec
 from advisor.measure.profile import TRIAL_COLUMNS, ProfileResult, run_profile
-from sdzero.launch import REPO_ROOT
+from sdzero.cluster.launch_command import REPO_ROOT
 
 pytestmark = pytest.mark.dist
 

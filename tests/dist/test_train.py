@@ -65,7 +65,7 @@ def test_shipped_config_trains(name, shipped_run):
         else:
             assert r["loss_scale"] is None
     assert f"sdzero: trained {steps} steps" in proc.stdout
-    # what the fast paths really were, read from torch, the engine and an SDPA probe (sdzero.speed)
+    # what the fast paths really were, read from torch, the engine and an SDPA probe (sdzero.training.fast_paths)
     used = json.loads((out / "environment.json").read_text())["speed"]
     assert used["optimizer"].startswith(("torch.", "deepspeed."))
     assert used["timing"] == "host"  # on a CPU phases are timed on the host, --sync-timing or not

@@ -69,7 +69,7 @@ def test_inconsistent_batch_stops_before_any_process_group(tiny_model, synth_dat
 
 
 def test_data_smaller_than_one_global_batch(tiny_model, tmp_path):
-    from sdzero.tiny import write_synthetic_dataset
+    from sdzero.models.tiny import write_synthetic_dataset
 
     data = write_synthetic_dataset(tmp_path / "few", images=5)
     proc = run_trainer(CONFIGS / "zero2_bf16.json", tiny_model, data, tmp_path / "run")

@@ -17,7 +17,7 @@ import pytest
 from cluster import Cluster, ClusterUnavailable, cpushare, unavailable_reason
 from cluster.launching import launch, ok
 
-from sdzero.metrics import read_metrics
+from sdzero.telemetry.metrics import read_metrics
 
 pytestmark = pytest.mark.multinode
 

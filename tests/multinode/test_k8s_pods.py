@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from cluster.launching import LOSS_RTOL, REFERENCE_STEPS, assert_same_losses, finish, start, wait_for_step
 
-from sdzero import checkpoint as ck
-from sdzero.k8s import K8sJob, pod_command
-from sdzero.metrics import read_metrics
+from sdzero.checkpoint import checkpointer as ck
+from sdzero.cluster.k8s import K8sJob, pod_command
+from sdzero.telemetry.metrics import read_metrics
 
 pytestmark = pytest.mark.multinode
 

@@ -27,8 +27,8 @@ from cluster.launching import (
     wait_for_step,
 )
 
-from sdzero import checkpoint as ck
-from sdzero.metrics import read_metrics
+from sdzero.checkpoint import checkpointer as ck
+from sdzero.telemetry.metrics import read_metrics
 
 pytestmark = pytest.mark.multinode
 
@@ -148,7 +148,7 @@ HOSTILE = [
 ]
 ECHO_RANK = """import json, os, sys
 from pathlib import Path
-from sdzero.launch import decode_argv
+from sdzero.cluster.launch_command import decode_argv
 Path({out!r}, "argv." + os.environ["RANK"] + ".json").write_text(json.dumps(decode_argv(sys.argv[1:])))
 """
 
@@ -157,7 +157,7 @@ def test_every_option_reaches_each_remote_rank_byte_for_byte(cluster, tmp_path):
     """pdsh joins DeepSpeed's command into one line for each node's shell: a rank echoes what it got."""
     import subprocess
 
-    from sdzero.hosts import plan_launch
+    from sdzero.cluster.hostfile import plan_launch
 
     script = tmp_path / "echo_rank.py"
     script.write_text(ECHO_RANK.format(out=str(tmp_path)))

@@ -9,8 +9,8 @@ import sys
 import pytest
 from cluster.launching import LOSS_RTOL, assert_same_losses, finish, losses, ok, start
 
-from sdzero.launch import TRAIN_SCRIPT, free_port
-from sdzero.metrics import read_metrics
+from sdzero.cluster.launch_command import TRAIN_SCRIPT, free_port
+from sdzero.telemetry.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -13,9 +13,9 @@ import pytest
 from cluster.launching import finish, start, wait_for_step
 from typer.testing import CliRunner
 
-from sdzero import checkpoint as ck
-from sdzero.cli import app
-from sdzero.metrics import read_metrics
+from advisor.cli import app
+from sdzero.checkpoint import checkpointer as ck
+from sdzero.telemetry.metrics import read_metrics
 
 SHIMS = Path(__file__).resolve().parents[1] / "cluster" / "slurm_shims"
 STEPS = 12

@@ -1,4 +1,4 @@
-"""Test-only faults, injected into the trainer's ranks as a Trainer callback (sdzero.callbacks).
+"""Test-only faults, injected into the trainer's ranks as a Trainer callback (sdzero.training.callbacks).
 
 The ranks load it through SDZERO_CALLBACKS=fault_callbacks:from_env with this folder on their PYTHONPATH
 (`fault_env` sets both); each fault is armed by its own variable:
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sdzero.callbacks import CALLBACKS_ENV, Callback
+from sdzero.training.callbacks import CALLBACKS_ENV, Callback
 
 SUPPORT = Path(__file__).resolve().parent
 CRASH_AT = "SDZERO_TEST_CRASH_AT_STEP"

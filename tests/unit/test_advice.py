@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 
 from advisor.model import recommend as recommend_module
 from advisor.model.recommend import recommend
-from advisor.model.scaling import choose_node_count, link_provenance, options_beside, scaling_table
-from sdzero import config as config_module
-from sdzero.config import TrainConfig, load_ds_config
+from advisor.model.scaling_table import choose_node_count, link_provenance, options_beside, scaling_table
+from sdzero.config import train_config as config_module
+from sdzero.config.lr_rule import DEFAULT_LR_SCALING, MAX_LR_FACTOR, WARMUP_STEPS, choose_lr
+from sdzero.config.train_config import TrainConfig, load_ds_config
 from sdzero.errors import UserError
-from sdzero.lr import DEFAULT_LR_SCALING, MAX_LR_FACTOR, WARMUP_STEPS, choose_lr
 
 # ------------------------------------------------------------------------------------------ learning rate
 
@@ -160,7 +160,7 @@ def test_global_batch_is_held_fixed_unless_asked(monkeypatch, tmp_path, tiny_mod
 
 
 def test_provenance_at_the_top_and_errors_that_agree(monkeypatch, tmp_path, tiny_model, synth_data):
-    from advisor.model.error import error_summary
+    from advisor.model.prediction_error import error_summary
     from advisor.report.advise_page import build_advise_report
     from advisor.report.terminal import error_line
 
@@ -182,7 +182,7 @@ def test_provenance_at_the_top_and_errors_that_agree(monkeypatch, tmp_path, tiny
 
 
 def test_a_different_target_needs_its_device_memory(monkeypatch, tmp_path, tiny_model, synth_data):
-    from sdzero.cli import app
+    from advisor.cli import app
 
     with pytest.raises(UserError, match="--device-memory-gib"):
         advise_on_synthetic_trials(

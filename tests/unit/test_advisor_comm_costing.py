@@ -11,7 +11,7 @@ import pytest
 from test_advisor_model import NUMELS, ZERO, grid_trials, nets
 
 from advisor.measure.grid import GridRequest, plan_grid
-from advisor.model.error import fit_models, mape, trial_predictions, validation_table
+from advisor.model.prediction_error import fit_models, mape, trial_predictions, validation_table
 
 
 def zero3_trial(comm_s: float, ops: dict) -> dict:
@@ -105,7 +105,7 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
 
 
 def test_waits_the_trial_timed_replace_the_benchmark_figure():
-    """A trial that timed its waits (sdzero.profiling.WaitMeter) already counts its bursts whole: the fit
+    """A trial that timed its waits (sdzero.training.probe.WaitMeter) already counts its bursts whole: the fit
     takes its communication as measured and costs nothing more, however the link benchmark came out."""
     from advisor.model.network import CollectiveFigures, Link, Network
     from advisor.model.step_time import fit_time_model, ops_from_trial
@@ -163,7 +163,7 @@ def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
 
 
 def test_check_trials_are_unmeasured_predicted_before_they_run_and_set_the_error():
-    from advisor.model.error import check_rows
+    from advisor.model.prediction_error import check_rows
     from advisor.model.search import check_specs
 
     full = grid_trials(noise=False).set_index("trial_id")

@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 
 from advisor.measure.grid import GridRequest, plan_grid
-from advisor.model.error import fit_models, mape, trial_predictions, validation_table
 from advisor.model.memory import ZeroSettings, fit_memory_model, state_elements
 from advisor.model.network import PRESETS, build_network
 from advisor.model.predict import (
@@ -23,6 +22,7 @@ from advisor.model.predict import (
     node_counts,
     predict_table,
 )
+from advisor.model.prediction_error import fit_models, mape, trial_predictions, validation_table
 from advisor.model.recommend import recommend, what_would_fit
 from advisor.model.search import run_search
 from sdzero.errors import UserError
@@ -230,7 +230,7 @@ def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
     from typer.testing import CliRunner
 
     from advisor.advise import check_train_args
-    from sdzero.cli import app
+    from advisor.cli import app
 
     with pytest.raises(UserError, match="--train-args"):
         check_train_args(args)

@@ -20,7 +20,7 @@ from advisor.model.alphabeta import (
     load_fits,
     ring_latency_steps,
 )
-from sdzero.io import write_json_atomic
+from sdzero.atomic import write_json_atomic
 
 SIZES = np.array([4096 * 2**k for k in range(17)], dtype=float)  # 4 KiB .. 256 MiB
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from sdzero.buckets import (
+from sdzero.data.buckets import (
     BucketBatchSampler,
     assign_buckets,
     bucket_sizes,
@@ -18,7 +18,7 @@ from sdzero.buckets import (
     nearest_bucket,
     samples_dropped,
 )
-from sdzero.data import EpochSampler
+from sdzero.data.images import EpochSampler
 from sdzero.errors import UserError
 
 
@@ -135,7 +135,7 @@ class Keys(Dataset):
 def test_resume_mid_epoch_continues_the_same_sequence():
     """loop.Batches with a bucket loader: a resume at (epoch, batches_in_epoch) yields what an
     uninterrupted run would have, across the epoch boundary too."""
-    from sdzero.data_feed import Batches
+    from sdzero.data.feed import Batches
 
     bucket_of = [i % 3 for i in range(50)]
 

@@ -11,16 +11,16 @@ import torch
 from torch.utils.data import default_collate
 from typer.testing import CliRunner
 
-from sdzero.buckets import assign_buckets, bucket_sizes, image_sizes
-from sdzero.cache import INDEX_NAME, CachedSamples, net_geometry, open_cache, shard_name
-from sdzero.cache_build import BuildInterrupted, build_cache
-from sdzero.cli import app
-from sdzero.data import CaptionedImages, SampleSpec, read_metadata
+from advisor.cli import app
+from sdzero.data.buckets import assign_buckets, bucket_sizes, image_sizes
+from sdzero.data.cache import INDEX_NAME, CachedSamples, net_geometry, open_cache, shard_name
+from sdzero.data.cache_build import BuildInterrupted, build_cache
+from sdzero.data.images import CaptionedImages, SampleSpec, read_metadata
 from sdzero.errors import UserError
-from sdzero.families import Family
-from sdzero.inputs import encode_batch
-from sdzero.models import load_components, tokenize
-from sdzero.objectives import Objective
+from sdzero.models.families import Family
+from sdzero.models.loading import load_components, tokenize
+from sdzero.models.objectives import Objective
+from sdzero.models.step_input import encode_batch
 
 # Where build_cache encodes: the GPU when there is one. Online encoding in these tests runs there too, so
 # cached and online latents come from the same kernels (a GPU-built cache against CPU encoding differed
@@ -103,7 +103,7 @@ def test_cached_items_equal_online_encoding(comps, tiny_model, synth_data, flip_
         cond_b["encoder_hidden_states"], cond_a["encoder_hidden_states"], rtol=1e-5, atol=1e-6
     )
     # Both orientations are served: the sample's own first draw decides, as it does online.
-    from sdzero.data import sample_generator
+    from sdzero.data.images import sample_generator
 
     flips = [bool(sample_generator(5, e, i).random() < 0.5) for i, e in keys]
     assert set(flips) == {True, False}
@@ -140,7 +140,7 @@ def test_mismatched_cache_is_refused_with_what_differs(tiny_model, synth_data, f
 
 
 def test_flip_and_crop_policies(tiny_model, synth_data, tmp_path):
-    from sdzero.config import TrainConfig
+    from sdzero.config.train_config import TrainConfig
 
     out = tmp_path / "noflip"
     build_cache(str(tiny_model), synth_data, out, dtype="fp32", shard_size=64)
@@ -210,7 +210,7 @@ def test_bucketed_cache_follows_each_images_bucket(tiny_model, tmp_path):
 
 
 def test_cached_training_path_needs_no_frozen_parts(tiny_model, synth_data, flip_cache, monkeypatch):
-    import sdzero.models as models
+    import sdzero.models.loading as models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cached run loaded a frozen part")
@@ -249,7 +249,7 @@ def test_resume_with_another_shard_size_rebuilds_what_no_longer_fits(tiny_model,
     ],
 )
 def test_a_corrupt_index_is_one_clear_error(tmp_path, text, expected):
-    from sdzero.cache import CACHE_FORMAT, INDEX_NAME
+    from sdzero.data.cache import CACHE_FORMAT, INDEX_NAME
 
     (tmp_path / INDEX_NAME).write_bytes((text % CACHE_FORMAT if "%d" in text else text).encode("latin-1"))
     with pytest.raises(UserError) as err:

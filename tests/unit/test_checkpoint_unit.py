@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from sdzero import checkpoint as ck
-from sdzero.config import parse_train_args
+from sdzero.atomic import write_text_atomic
+from sdzero.checkpoint import checkpointer as ck
+from sdzero.config.train_config import parse_train_args
 from sdzero.errors import UserError
-from sdzero.io import write_text_atomic
 
 
 def fake_checkpoint(root: Path, step: int, serial: int | None = None, commit: bool = True) -> Path:
@@ -261,8 +261,8 @@ def test_another_world_size_is_refused_naming_resume_elastic_and_allowed_with_it
 def run_identity(model: Path, data: Path, tmp_path: Path, *extra: str, micro: int = 4, accum: int = 1):
     from launch import fp32_config, write_config
 
-    from sdzero.config import load_ds_config, parse_train_args
-    from sdzero.run_identity import describe_run
+    from sdzero.checkpoint.identity import describe_run
+    from sdzero.config.train_config import load_ds_config, parse_train_args
 
     config = write_config(tmp_path / f"ds_{micro}_{accum}.json", fp32_config(2, micro=micro, accum=accum))
     cfg = parse_train_args(
@@ -394,7 +394,7 @@ def test_export_of_a_folder_without_checkpoints_is_one_line_and_exit_2(tmp_path,
 
 
 def test_sigusr1_sets_the_flag_and_the_watchdog_bounds_the_exit(monkeypatch):
-    from sdzero import preemption
+    from sdzero.process import preemption
 
     class ManualTimer:
         """threading.Timer's interface; the test decides when the watchdog's time is up."""
@@ -442,7 +442,7 @@ def test_sigusr1_sets_the_flag_and_the_watchdog_bounds_the_exit(monkeypatch):
 
 
 def test_preempted_exits_the_interpreter_with_143():
-    from sdzero.preemption import Preempted
+    from sdzero.process.preemption import Preempted
 
     with pytest.raises(SystemExit) as exit_info:
         raise Preempted()
@@ -484,7 +484,7 @@ def test_a_kill_between_the_renames_of_a_resaved_step_leaves_it_listed(tmp_path,
 def test_elastic_allows_the_batch_shape_only_with_a_new_world_size():
     from dataclasses import replace
 
-    from sdzero.run_identity import differences
+    from sdzero.checkpoint.identity import differences
 
     saved = ck.RunIdentity(
         zero_stage=2,
@@ -516,7 +516,7 @@ def test_elastic_allows_the_batch_shape_only_with_a_new_world_size():
 def test_universal_support_follows_deepspeeds_loaders():
     from dataclasses import replace
 
-    from sdzero.universal import unsupported
+    from sdzero.checkpoint.universal import unsupported
 
     manifest = ck.load_manifest(fake_checkpoint(Path(tempfile.mkdtemp()), 2))
     for stage in (1, 2, 3):

@@ -158,7 +158,7 @@ def test_what_exceeds_the_window_stays_exposed_and_a_cpu_hides_nothing():
 
 
 def test_the_error_is_given_by_micro_batch_accumulation_and_node_count():
-    from advisor.model.error import error_by
+    from advisor.model.prediction_error import error_by
 
     validation = pd.DataFrame(
         {

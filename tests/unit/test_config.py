@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from launch import CONFIGS
 
-from sdzero.config import TrainConfig, load_ds_config, parse_train_args
+from sdzero.config.lr_rule import choose_lr
+from sdzero.config.train_config import TrainConfig, load_ds_config, parse_train_args
 from sdzero.errors import UserError
-from sdzero.lr import choose_lr
 
 
 def write(tmp_path: Path, config: dict) -> Path:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sdzero.data import (
+from sdzero.data.images import (
     CaptionedImages,
     EpochSampler,
     LateFailures,
@@ -149,7 +149,7 @@ def test_file_names_must_stay_inside_the_data_folder(tmp_path):
 
 
 def test_pixel_limit_is_its_own_setting(tmp_path, monkeypatch):
-    import sdzero.data as data
+    import sdzero.data.images as data
 
     folder = make_folder(tmp_path, n=2)
     Image.new("RGB", (200, 100)).save(folder / "1.png")
@@ -220,7 +220,7 @@ def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_p
     end the run stops in one line once they exceed --max-bad-fraction."""
     from torch.utils.data import DataLoader
 
-    from sdzero.data_feed import Batches
+    from sdzero.data.feed import Batches
 
     folder = make_folder(tmp_path, n=12)
     records = read_metadata(folder)
@@ -253,7 +253,7 @@ def test_bucket_sampler_resumed_on_another_world_size_with_the_same_global_batch
     """--buckets: 2 ranks x micro 2 x accumulation 1, stopped after 3 steps, continued on 1 rank x micro 2
     x accumulation 2 (the same global batch of 4): every step trains on the samples the uninterrupted
     2-rank run would have, none repeated or skipped."""
-    from sdzero.buckets import BucketBatchSampler
+    from sdzero.data.buckets import BucketBatchSampler
 
     bucket_of = [i % 3 for i in range(40)]
 

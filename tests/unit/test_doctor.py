@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from sdzero.doctor import MIN_FREE_DISK_BYTES, assess, render_report
+from sdzero.cluster.doctor import MIN_FREE_DISK_BYTES, assess, render_report
 
 NODE = {
     "host": "n0",

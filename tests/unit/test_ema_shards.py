@@ -1,4 +1,4 @@
-"""Sharded EMA (sdzero.ema): each rank averages its own slice of the fp32 masters; joined, the slices equal
+"""Sharded EMA (sdzero.models.ema): each rank averages its own slice of the fp32 masters; joined, the slices equal
 diffusers' EMAModel of the whole model, and a resume on another layout re-slices them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdzero import ema as ema_mod
+from sdzero.models import ema as ema_mod
 
 PARAMS = {"down.weight": (3, 4), "up.bias": (5,)}
 # Two "ranks" that split the flat parameters the way ZeRO-1/2 does: one parameter spans both.

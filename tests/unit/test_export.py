@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sdzero.export import write_pipeline
-from sdzero.models import load_components
-from sdzero.tiny import TINY_FAMILIES, write_tiny_model
+from sdzero.checkpoint.export import write_pipeline
+from sdzero.models.loading import load_components
+from sdzero.models.tiny import TINY_FAMILIES, write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,14 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 from launch import CONFIGS
 from typer.testing import CliRunner
 
-from sdzero.cli import app
-from sdzero.config import WEIGHTING_SCHEMES, FlowSettings, TrainConfig, parse_train_args
-from sdzero.data import CaptionedImages, SampleSpec, flow_u, read_metadata
+from advisor.cli import app
+from sdzero.config.train_config import WEIGHTING_SCHEMES, TrainConfig, parse_train_args
+from sdzero.data.images import CaptionedImages, SampleSpec, flow_u, read_metadata
 from sdzero.errors import UserError
-from sdzero.families import family_named
-from sdzero.models import detect_family, encode_prompts, ensure_frozen, load_components, tokenize
-from sdzero.objectives import Objective, flow_matching_loss, flow_timesteps
-from sdzero.tiny import write_tiny_model
+from sdzero.models.families import as_family, family_named
+from sdzero.models.loading import detect_family, encode_prompts, ensure_frozen, load_components, tokenize
+from sdzero.models.objectives import FlowSettings, Objective, flow_matching_loss, flow_timesteps
+from sdzero.models.tiny import write_tiny_model
 
 PROMPT = "a small red circle on a blue background"
 
@@ -68,7 +68,7 @@ def test_frozen_false_skips_encoders_but_keeps_the_geometry(family, models, comp
     batch = {k: v[None] for k, v in tokenize(bare, PROMPT).items()}
     with pytest.raises(RuntimeError, match="frozen=False"):
         encode_prompts(bare, batch)
-    from sdzero.export import build_pipeline
+    from sdzero.checkpoint.export import build_pipeline
 
     pipe = build_pipeline(bare, bare.network)  # validation and export in a cache run load them when due
     assert bare.frozen_loaded and pipe.vae is bare.vae and pipe.text_encoder_2 is bare.text_encoder_2
@@ -81,7 +81,7 @@ def test_frozen_false_skips_encoders_but_keeps_the_geometry(family, models, comp
 @pytest.mark.parametrize("family", ["sdxl", "sd3"])
 def test_training_conditioning_equals_the_pipelines(family, comps):
     """What the trainer conditions on is exactly what the diffusers pipeline computes at inference."""
-    from sdzero.export import build_pipeline
+    from sdzero.checkpoint.export import build_pipeline
 
     c = comps[family]
     pipe = build_pipeline(c, c.network)
@@ -275,22 +275,22 @@ def test_flags_of_the_other_family_are_refused(models, tiny_model, tmp_path):
     with pytest.raises(
         UserError, match="--weighting-scheme, --precondition-outputs: SD3 .* is a sdxl pipeline"
     ):
-        cfg.check_family("sdxl")
+        as_family("sdxl").check_options(cfg)
     with pytest.raises(UserError, match="--max-sequence-length: SD3"):
-        _cfg(tmp_path, tiny_model, "--max-sequence-length", "64").check_family("sd")
+        as_family("sd").check_options(_cfg(tmp_path, tiny_model, "--max-sequence-length", "64"))
     cfg = _cfg(tmp_path, models["sd3"], "--snr-gamma", "5", "--prediction-type", "v_prediction")
     with pytest.raises(UserError, match="--prediction-type, --snr-gamma: DDPM options, but .* is SD3"):
-        cfg.check_family("sd3")
+        as_family("sd3").check_options(cfg)
     ok = _cfg(tmp_path, models["sd3"], "--weighting-scheme", "mode", "--mode-scale", "0.5")
-    ok.check_family("sd3")
-    assert ok.flow_settings() == FlowSettings(weighting_scheme="mode", mode_scale=0.5)
-    assert _cfg(tmp_path, models["sd3"]).flow_settings() == FlowSettings()
+    as_family("sd3").check_options(ok)
+    assert FlowSettings.from_config(ok) == FlowSettings(weighting_scheme="mode", mode_scale=0.5)
+    assert FlowSettings.from_config(_cfg(tmp_path, models["sd3"])) == FlowSettings()
 
 
 def test_trainer_refuses_sd3_flags_on_sdxl_before_any_process_group(models, synth_data, tmp_path):
     import torch.distributed as dist
 
-    from sdzero.trainer import run
+    from sdzero.training.trainer import run
 
     cfg = parse_train_args(
         [

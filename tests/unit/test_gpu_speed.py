@@ -1,5 +1,5 @@
 """GPU speed without a GPU: no per-phase sync unless --sync-timing, stats read a step late on CUDA, and the
-fast-path options reaching the network (sdzero.timing, sdzero.step_log, sdzero.speed, the Trainer)."""
+fast-path options reaching the network (sdzero.telemetry.phase_timers, sdzero.telemetry.step_stats, sdzero.training.fast_paths, the Trainer)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 from trainer_fakes import FakeEngine, FakeEvent
 
-from sdzero import speed
-from sdzero import trainer as trainer_module
-from sdzero.callbacks import Callback
 from sdzero.errors import UserError
-from sdzero.families import family_named
-from sdzero.timing import PhaseTimer, timing_mode
-from sdzero.trainer import Trainer
+from sdzero.models.families import family_named
+from sdzero.telemetry.phase_timers import PhaseTimer, timing_mode
+from sdzero.training import fast_paths as speed
+from sdzero.training import trainer as trainer_module
+from sdzero.training.callbacks import Callback
+from sdzero.training.trainer import Trainer
 
 
 @pytest.fixture
@@ -283,7 +283,7 @@ def test_optimizer_implementation_is_read_from_the_innermost_optimizer():
 
 
 def test_speed_options_parse_from_the_command_line(tmp_path):
-    from sdzero.config import parse_train_args
+    from sdzero.config.train_config import parse_train_args
 
     base = [
         "--deepspeed_config",

@@ -20,9 +20,9 @@ from advisor.measure.grid import (
     trial_ds_config,
     write_trial_config,
 )
-from sdzero.config import load_ds_config
+from sdzero.cluster.launch_command import REPO_ROOT
+from sdzero.config.train_config import load_ds_config
 from sdzero.errors import UserError
-from sdzero.launch import REPO_ROOT
 
 CONFIGS = REPO_ROOT / "ds_configs"
 BOTH = {"bf16": True, "fp16": True}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sdzero import hosts
-from sdzero.cli import app
+from advisor.cli import app
+from sdzero.cluster import hostfile as hosts
 from sdzero.errors import UserError
 
 
@@ -271,7 +271,7 @@ HOSTILE = [
 
 def test_trainer_options_survive_a_remote_shell(tmp_path):
     """What pdsh does with DeepSpeed's command: one string, run by the remote shell (sh here)."""
-    from sdzero.launch import decode_argv, shell_proof_args
+    from sdzero.cluster.launch_command import decode_argv, shell_proof_args
 
     args = shell_proof_args(HOSTILE)
     assert all(" " not in a and "'" not in a and "$" not in a for a in args)  # nothing for DeepSpeed to wrap
@@ -294,7 +294,7 @@ def test_cache_build_options_are_shell_proof_too(tmp_path):
     """`sdzero cache --hostfile` starts `python -m sdzero.cli cache ARGS` on every node through pdsh."""
     import sys
 
-    from sdzero.launch import deepspeed_command, shell_proof_args
+    from sdzero.cluster.launch_command import deepspeed_command, shell_proof_args
 
     hosts_path = hostfile(tmp_path, "127.0.0.1 slots=1\n")
     args = [str(tmp_path / "it's $HOME"), "--images", "2"]
@@ -310,7 +310,7 @@ def test_cache_build_options_are_shell_proof_too(tmp_path):
 
 
 def test_the_one_builder_places_every_launcher_option(tmp_path):
-    from sdzero.launch import ARGV_FLAG, deepspeed_command
+    from sdzero.cluster.launch_command import ARGV_FLAG, deepspeed_command
 
     hosts_file = hostfile(tmp_path, "a slots=4\nb slots=4\n")
     cmd = deepspeed_command(
@@ -344,7 +344,7 @@ def test_the_one_builder_places_every_launcher_option(tmp_path):
 def test_one_host_command_is_what_the_runner_starts_on_one_host():
     from deepspeed.launcher.runner import encode_world_info
 
-    from sdzero.launch import TRAIN_SCRIPT, one_host_command
+    from sdzero.cluster.launch_command import TRAIN_SCRIPT, one_host_command
 
     cmd = one_host_command(["--x", "1"], 2, master_port=1234)
     assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
@@ -362,7 +362,7 @@ def test_one_host_command_is_what_the_runner_starts_on_one_host():
 def test_recommended_and_benchmark_commands_come_from_the_builder(tmp_path, monkeypatch):
     from advisor.measure import collectives_launch
     from advisor.model.recommend import launch_command
-    from sdzero import launch
+    from sdzero.cluster import launch_command as launch
 
     built: list[list[str]] = []
     real = launch.deepspeed_command
@@ -382,14 +382,14 @@ def test_recommended_and_benchmark_commands_come_from_the_builder(tmp_path, monk
 
 
 def test_no_module_builds_a_deepspeed_command_by_hand():
-    """`deepspeed` command lines come from sdzero.launch.deepspeed_command only (issue #16)."""
+    """`deepspeed` command lines come from sdzero.cluster.launch_command.deepspeed_command only (issue #16)."""
     repo = Path(__file__).resolve().parents[2]
     sources = [*repo.glob("sdzero/**/*.py"), *repo.glob("advisor/**/*.py"), *repo.glob("bench/*.py")]
     sources += [repo / "tests" / "launch.py", *repo.glob("tests/support/**/*.py")]
     by_hand = [
         str(path.relative_to(repo))
         for path in sources
-        if path != repo / "sdzero" / "launch.py"
+        if path != repo / "sdzero" / "cluster" / "launch_command.py"
         and any(
             word in path.read_text() for word in ('"--master_port"', '"--num_gpus"', 'with_name("deepspeed")')
         )

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from sdzero.cli import app
+from advisor.cli import app
+from sdzero.cluster.k8s import K8sJob, manifests, pod_command, render
 from sdzero.errors import UserError
-from sdzero.k8s import K8sJob, manifests, pod_command, render
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
 K8S_VERSION = "1.37.0"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sdzero import hosts
+from sdzero.cluster import hostfile as hosts
 from sdzero.errors import UserError
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from sdzero.objectives import diffusion_loss, training_target
+from sdzero.models.objectives import diffusion_loss, training_target
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Options once: the trainer's argv parser, the `sdzero` commands' shared options and their --help all come
-from the option dataclasses (sdzero.options); a default or help changed there changes every one of them."""
+from the option dataclasses (sdzero.config.options); a default or help changed there changes every one of them."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from sdzero import options
-from sdzero.cli import app
-from sdzero.config import TrainConfig, build_parser, parse_train_args
+from advisor.cli import app
+from sdzero.config import options
+from sdzero.config.options import DEFAULTS, INPUTS_PANEL, TRAIN_GROUPS, option_field
+from sdzero.config.train_config import TrainConfig, build_parser, parse_train_args
 from sdzero.errors import UserError
-from sdzero.options import DEFAULTS, INPUTS_PANEL, TRAIN_GROUPS, option_field
 
 WIDE = {"TERMINAL_WIDTH": "400", "COLUMNS": "400"}  # one line per option in rich's help table
 
@@ -67,7 +67,7 @@ def test_trainer_help_shows_the_dataclass_help_and_defaults(monkeypatch):
     monkeypatch.setattr(option_field("lr_scaling"), "default", "linear")
     text = _flat(build_parser().format_help())
     assert "data-loader worker processes per rank (default: 7)" in text
-    assert "(sdzero/lr.py; capped) (default: linear)" in text
+    assert "(sdzero/config/lr_rule.py; capped) (default: linear)" in text
     argv = ["--deepspeed_config", "c.json", "--model", "m", "--data", "d", "--output-dir", "o"]
     ns = build_parser().parse_args(argv)
     assert (ns.num_workers, ns.lr_scaling) == (7, "linear")
@@ -136,8 +136,8 @@ def test_cache_profile_and_advise_share_one_inputs_group():
 def test_cache_takes_max_image_pixels_to_every_rank(monkeypatch, tmp_path):
     import subprocess
 
-    import sdzero.cache_build
-    import sdzero.data
+    import sdzero.data.cache_build
+    import sdzero.data.images
 
     seen: dict[str, typing.Any] = {}
     monkeypatch.setattr(subprocess, "call", lambda cmd: seen.setdefault("cmd", cmd) and 0)
@@ -147,9 +147,9 @@ def test_cache_takes_max_image_pixels_to_every_rank(monkeypatch, tmp_path):
     cmd = seen["cmd"]
     assert cmd[cmd.index("--max-image-pixels") + 1] == "1234"  # the ranks' own `sdzero cache` gets it
 
-    monkeypatch.setattr(sdzero.data, "set_max_image_pixels", lambda n: seen.setdefault("limit", n))
+    monkeypatch.setattr(sdzero.data.images, "set_max_image_pixels", lambda n: seen.setdefault("limit", n))
     monkeypatch.setattr(
-        sdzero.cache_build, "build_cache", lambda *a, **k: (_ for _ in ()).throw(UserError("stop"))
+        sdzero.data.cache_build, "build_cache", lambda *a, **k: (_ for _ in ()).throw(UserError("stop"))
     )
     result = CliRunner().invoke(app, [*base, "--max-image-pixels", "4321"])
     assert result.exit_code == 2 and seen["limit"] == 4321  # set before the build reads a single header

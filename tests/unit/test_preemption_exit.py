@@ -12,7 +12,7 @@ import textwrap
 
 import psutil
 
-from sdzero.preemption import EXIT_PREEMPTED, EXIT_WATCHDOG
+from sdzero.process.preemption import EXIT_PREEMPTED, EXIT_WATCHDOG
 
 STUCK_CHILD_THEN_PREEMPTED = textwrap.dedent("""
     import multiprocessing, signal, sys, time
@@ -23,11 +23,11 @@ STUCK_CHILD_THEN_PREEMPTED = textwrap.dedent("""
         child = multiprocessing.Process(target=stuck)  # non-daemon: teardown joins it
         child.start()
         print(child.pid, flush=True)
-        import sdzero.trainer
-        from sdzero.preemption import Preempted
+        import sdzero.training.trainer
+        from sdzero.process.preemption import Preempted
         def run(cfg):
             raise Preempted()  # what the Trainer raises once the preemption checkpoint is committed
-        sdzero.trainer.run = run
+        sdzero.training.trainer.run = run
         import sdzero.train
         sdzero.train.parse_train_args = lambda argv: None
         sys.exit(sdzero.train.main([]))
@@ -35,7 +35,7 @@ STUCK_CHILD_THEN_PREEMPTED = textwrap.dedent("""
 
 WATCHDOG = textwrap.dedent("""
     import os, signal, time
-    from sdzero.preemption import PreemptionFlag
+    from sdzero.process.preemption import PreemptionFlag
     PreemptionFlag(timeout_s=0.5).install()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)  # a save that never finishes

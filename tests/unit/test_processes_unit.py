@@ -1,4 +1,4 @@
-"""sdzero.processes without ranks: `sdzero comm`'s launcher code under the wrapper the CLI puts around
+"""sdzero.process.children without ranks: `sdzero comm`'s launcher code under the wrapper the CLI puts around
 advise/profile/comm, with a stand-in launcher whose child runs in the launcher's own session (as ranks
 do). On SIGINT, SIGTERM and SIGHUP nothing may be left 15 s later. Before the wrapper, SIGTERM and SIGHUP
 ended the command at once and left the whole session running."""
@@ -18,7 +18,7 @@ COMMAND = textwrap.dedent("""
     import sys
     from pathlib import Path
     from advisor.measure.collectives_launch import launch
-    from sdzero.processes import ending_children_on_signals
+    from sdzero.process.children import ending_children_on_signals
     launcher = [sys.executable, "-c",
                 "import subprocess, time; subprocess.Popen(['sleep', '300']); print('ready', flush=True); time.sleep(300)"]
     ending_children_on_signals(launch)(launcher, Path(sys.argv[1]), 300)

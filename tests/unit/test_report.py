@@ -194,7 +194,7 @@ def test_a_failed_render_leaves_the_old_report_and_no_temp_file(tmp_path, monkey
 
 
 def test_a_failed_write_leaves_the_old_report_and_no_temp_file(tmp_path, monkeypatch):
-    import sdzero.io as io_module
+    import sdzero.atomic as io_module
 
     run = write_training_run(tmp_path / "run")
     out = write_training_report(run, tmp_path / "out" / "report.html")

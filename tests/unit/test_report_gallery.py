@@ -1,5 +1,5 @@
 """The training report's validation images: a steps x prompts grid of small embedded thumbnails, each in
-its own cell, captioned with its prompt (escaped), read from the folders sdzero.validation writes."""
+its own cell, captioned with its prompt (escaped), read from the folders sdzero.training.validation writes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from report_page_reader import Page
 from advisor.report import train_page
 from advisor.report.build import write_training_report
 from advisor.report.train_page import THUMBNAIL_PX, shown_steps
-from sdzero.validation import PROMPTS_FILE, read_validation, step_folder
+from sdzero.training.validation import PROMPTS_FILE, read_validation, step_folder
 
 PROMPTS = [HOSTILE, HOSTILE_ATTR]
 """The fixture run's --validation-prompts."""

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
+from sdzero.checkpoint.output_lock import LOCK_NAME, claim_output_dir, release_output_dir
 from sdzero.errors import UserError
-from sdzero.run_lock import LOCK_NAME, claim_output_dir, release_output_dir
 
-HOLD = "import sys, time; from sdzero.run_lock import claim_output_dir; claim_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(60)"
+HOLD = "import sys, time; from sdzero.checkpoint.output_lock import claim_output_dir; claim_output_dir(sys.argv[1]); print('held', flush=True); time.sleep(60)"
 
 
 def holder(out) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""The scale-out prediction (advisor.model.scaleout) without a cluster: only the link differs between the 1-host
+"""The scale-out prediction (advisor.measure.scaleout_check) without a cluster: only the link differs between the 1-host
 trial and the predicted multi-host run, so a link as fast as the measured one reproduces a trial whose
 collectives ran at the benchmark's speed, a slower link costs exactly the extra communication time, and a
 1-host trial whose collectives beat the benchmark (shared memory) does not make the inter-host link look
@@ -12,11 +12,11 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
+from advisor.measure.scaleout_check import predict_from_one_host
 from advisor.model.alphabeta import FIT_SCHEMA, AlphaBetaFit
 from advisor.model.network import build_network
-from advisor.model.scaleout import predict_from_one_host
 from advisor.model.step_time import fit_time_model
-from sdzero.io import write_json_atomic
+from sdzero.atomic import write_json_atomic
 
 GRADS_BYTES = 4_000_000
 
@@ -108,7 +108,7 @@ def test_slower_link_adds_its_communication_time(fit_file):
 
 def test_merged_probes_hold_both_links(fit_file, tmp_path):
     """An intra and an inter probe (two comm_fit.json files) merge into the one network the check predicts with."""
-    from advisor.model.scaleout import merge_fits
+    from advisor.measure.scaleout_check import merge_fits
 
     both = json.loads(fit_file(10.0).read_text())["fits"]
     paths = []
@@ -126,8 +126,8 @@ def test_two_by_two_as_a_flat_ring_crosses_hosts_more(fit_file):
     """gloo's ring over 2 hosts x 2 ranks crosses the slow link with 2(W-1)/W of the buffer (W = 4 ranks)
     in 2(W-1) slow steps, not the hierarchy's 2(H-1)/H (H = 2 hosts): the measured library's account of
     2x2 is the 4 hosts x 1 prediction, and costs more than NCCL's hierarchy would."""
+    from advisor.measure.scaleout_check import flat_ring_step_s
     from advisor.model.network import NCCL
-    from advisor.model.scaleout import flat_ring_step_s
 
     path = fit_file(10.0)
     trial = one_host_trial().assign(ranks_per_node=4, world_size=4)

@@ -4,7 +4,7 @@ other than the CPU, without needing a GPU: it also fails any read-back to the ho
 
 import torch
 
-from sdzero import step_log
+from sdzero.telemetry import step_stats as step_log
 
 
 def test_step_stats_tensor_lives_on_the_loss_device(monkeypatch):

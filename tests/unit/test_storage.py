@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import shutil
 
-from sdzero.storage import NodeReport, data_fingerprint, unseen_tokens, verdict, write_token
-from sdzero.tiny import write_synthetic_dataset
+from sdzero.cluster.shared_storage import NodeReport, data_fingerprint, unseen_tokens, verdict, write_token
+from sdzero.models.tiny import write_synthetic_dataset
 
 
 def reports_for(out_of: dict[str, object], data_of: dict[str, object]) -> list[NodeReport]:

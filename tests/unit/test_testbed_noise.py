@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from bench_scripts import load_bench
 
-from sdzero.environment import cpu_kind
+from sdzero.telemetry.environment import cpu_kind
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import numpy as np
 from PIL import Image
 from typer.testing import CliRunner
 
-from sdzero.cli import app
-from sdzero.tiny import COLOURS, build_tokenizer
+from advisor.cli import app
+from sdzero.models.tiny import COLOURS, build_tokenizer
 
 runner = CliRunner()
 

@@ -1,5 +1,5 @@
 """The Trainer's events and its callbacks, in one process: a one-rank gloo group, a stand-in engine, the
-model's loss replaced by the step number (sdzero.trainer, sdzero.callbacks)."""
+model's loss replaced by the step number (sdzero.training.trainer, sdzero.training.callbacks)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ import pytest
 import torch
 from trainer_fakes import FakeEngine, FakeEvent
 
-from sdzero import trainer as trainer_module
-from sdzero.callbacks import (
+from sdzero.errors import UserError
+from sdzero.models.families import family_named
+from sdzero.models.objectives import FlowSettings
+from sdzero.process.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
+from sdzero.telemetry.phase_timers import PhaseTimer
+from sdzero.training import trainer as trainer_module
+from sdzero.training.callbacks import (
     CALLBACKS_ENV,
     Callback,
     CheckpointCallback,
@@ -23,11 +28,7 @@ from sdzero.callbacks import (
     load_callbacks,
     overrides,
 )
-from sdzero.errors import UserError
-from sdzero.families import family_named
-from sdzero.preemption import EXIT_PREEMPTED, Preempted, PreemptionFlag
-from sdzero.timing import PhaseTimer
-from sdzero.trainer import Trainer
+from sdzero.training.trainer import Trainer
 
 
 class Feed:
@@ -105,6 +106,8 @@ def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: in
     network_family = family_named(family)
     monkeypatch.setattr(network_family, "loss", loss)  # the registered object, restored after the test
     flow_calls: list = []
+    # The fake run options carry their flow settings ready-made; FlowSettings.from_config reads them.
+    monkeypatch.setattr(FlowSettings, "from_config", staticmethod(lambda cfg: cfg.flow_settings()))
     cfg = SimpleNamespace(
         max_steps=steps,
         sync_timing=False,
@@ -255,7 +258,7 @@ def test_only_overridden_events_are_dispatched(monkeypatch, tmp_path, process_gr
 
 def test_extra_callbacks_are_loaded_from_module_attribute_names(monkeypatch, tmp_path):
     (tmp_path / "my_callbacks.py").write_text(
-        "from sdzero.callbacks import Callback\n"
+        "from sdzero.training.callbacks import Callback\n"
         "class Mine(Callback):\n    pass\n"
         "def make():\n    return Mine()\n"
         "def nothing():\n    return None\n"
@@ -285,9 +288,9 @@ def test_closing_the_batches_stops_the_loader_workers_which_ignore_sigterm():
     """Else a finished run's exit waits on them for ever (multiprocessing joins its children at exit)."""
     from torch.utils.data import DataLoader
 
-    from sdzero.data import EpochSampler
-    from sdzero.data_feed import Batches
-    from sdzero.preemption import ignore_preemption_signals
+    from sdzero.data.feed import Batches
+    from sdzero.data.images import EpochSampler
+    from sdzero.process.preemption import ignore_preemption_signals
 
     sampler = EpochSampler(8, 0, 1, seed=0)
     loader = DataLoader(

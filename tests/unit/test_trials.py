@@ -143,7 +143,7 @@ def fake(monkeypatch, tmp_path):
         "device_support",
         lambda env=None: {"device": "cpu", "count": 1, "bf16": True, "fp16": False},
     )
-    monkeypatch.setattr("sdzero.models.detect_family", lambda model: "sd")
+    monkeypatch.setattr("sdzero.models.loading.detect_family", lambda model: "sd")
     (tmp_path / "data").mkdir()
 
     def run(runner: FakeRunner, **kwargs) -> profile_module.ProfileResult:

@@ -1,0 +1,155 @@
+"""The manifest of a checkpoint: what a complete checkpoint holds and the run that made it.
+
+A leaf: the checkpointer (sdzero.checkpoint.checkpointer), the run identity rules
+(sdzero.checkpoint.identity) and universal resume (sdzero.checkpoint.universal) all import it, and it
+imports none of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STAGING_PREFIX = ".incoming-"
+UNIVERSAL_PREFIX = ".universal-"
+"""`.universal-step_N/step_N/`: DeepSpeed's universal form of checkpoint step_N, made by --resume-elastic."""
+UNIVERSAL_SOURCE = "source.json"
+EMA_DIR = "ema"
+MANIFEST_FORMAT = 1
+
+
+def step_tag(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def describe_file(path: Path, fsync: bool = False) -> dict[str, Any]:
+    """Size and sha256 of one file, read in 8 MiB blocks; `fsync` first makes the bytes durable."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def list_files(folder: Path) -> list[str]:
+    """Every file under `folder` except the manifest, as sorted POSIX paths relative to it."""
+    folder = Path(folder)
+    return sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
+
+
+# ------------------------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunIdentity:
+    """What the manifest records about the run, and what a resume must match (sdzero.checkpoint.identity).
+    Fields after `prediction_type` are None in manifests of older sdzero versions: not checked then."""
+
+    zero_stage: int
+    dtype: str
+    world_size: int
+    seed: int
+    model: str
+    prediction_type: str
+    family: str | None = None
+    model_fingerprint: str | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    resolution: int | None = None
+    buckets: bool | None = None
+    objective: dict[str, Any] | None = None
+    """Loss, weighting, transforms and LR schedule, keyed by the flag that sets each."""
+    data_fingerprint: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest(RunIdentity):
+    """What a complete checkpoint holds, and the run that made it (the inherited fields); written last,
+    by rank 0."""
+
+    tag: str
+    step: int
+    serial: int
+    """Commit order within the folder: newest = highest serial (a run resumed from an older step writes
+    checkpoints with lower steps that are nevertheless newer)."""
+    ema: bool
+    files: dict[str, dict[str, Any]]
+    created_unix_s: float = 0.0
+    format: int = MANIFEST_FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f["bytes"]) for f in self.files.values())
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def load_manifest(folder: Path) -> Manifest:
+    """The folder's manifest, or ManifestError saying why it is missing or invalid."""
+    path = Path(folder) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{path} is missing (the save never committed)") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path} is unreadable ({exc})") from exc
+    try:
+        manifest = Manifest(**raw)
+        if manifest.format != MANIFEST_FORMAT:
+            raise ManifestError(f"{path}: format {manifest.format}, this sdzero reads {MANIFEST_FORMAT}")
+        if not manifest.files or not all(
+            isinstance(v, dict) and {"bytes", "sha256"} <= set(v) for v in manifest.files.values()
+        ):
+            raise ManifestError(f"{path}: the file list is empty or malformed")
+    except TypeError as exc:
+        raise ManifestError(f"{path}: not an sdzero manifest ({exc})") from exc
+    return manifest
+
+
+def read_manifest(folder: Path) -> Manifest | None:
+    try:
+        return load_manifest(folder)
+    except ManifestError:
+        return None
+
+
+def verify_files(folder: Path, manifest: Manifest, names: Iterable[str] | None = None) -> list[str]:
+    """Problems, one line each naming the file, for `names` (default: all files in the manifest)."""
+    folder = Path(folder)
+    problems = []
+    for name in manifest.files if names is None else names:
+        expected = manifest.files[name]
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+            continue
+        size = path.stat().st_size
+        if size != int(expected["bytes"]):
+            problems.append(f"{path} has {size} bytes, the manifest says {expected['bytes']} (truncated?)")
+        elif describe_file(path)["sha256"] != expected["sha256"]:
+            problems.append(f"{path} does not match its sha256 in the manifest (corrupted)")
+    return problems

@@ -1,0 +1,151 @@
+"""Denoising objectives: what the network is asked to predict and how each sample's loss is weighted.
+
+DDPM families (SD, SDXL): epsilon or v targets, Min-SNR weights. SD3: flow matching with the loss weights
+of diffusers.training_utils (the SD3 paper's schemes). Which family uses which, and the network inputs
+each adds, is the family's business (sdzero.models.families); the per-sample draws these read (`noise`,
+`timestep`, `flow_u`) come with the batch from the data worker (sdzero.data.images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """SD3 flow matching: how timesteps are drawn and weighted (diffusers' SD3 defaults)."""
+
+    weighting_scheme: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    precondition_outputs: bool = False
+    """Turn the velocity prediction into an x0 estimate and compare it with the latents (EDM-style)."""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> FlowSettings:
+        """SD3's flow-matching settings from the run options (a TrainConfig), defaults filled in."""
+        defaults = cls()
+        return cls(
+            weighting_scheme=cfg.weighting_scheme or defaults.weighting_scheme,
+            logit_mean=defaults.logit_mean if cfg.logit_mean is None else cfg.logit_mean,
+            logit_std=defaults.logit_std if cfg.logit_std is None else cfg.logit_std,
+            mode_scale=defaults.mode_scale if cfg.mode_scale is None else cfg.mode_scale,
+            precondition_outputs=cfg.precondition_outputs,
+        )
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a run trains towards, resolved once at start-up (Family.objective)."""
+
+    prediction_type: str
+    """"epsilon" or "v_prediction" (DDPM families), "flow_matching" (SD3)."""
+    snr_gamma: float | None = None
+    """Min-SNR-gamma weighting (DDPM only); None: plain MSE."""
+    flow: FlowSettings | None = None
+    """SD3's timestep density and loss weighting."""
+
+
+def training_target(
+    scheduler: Any, prediction_type: str, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor
+) -> torch.Tensor:
+    if prediction_type == "epsilon":
+        return noise
+    if prediction_type == "v_prediction":
+        return scheduler.get_velocity(latents, noise, timesteps)
+    raise ValueError(f"unknown prediction type {prediction_type!r}")
+
+
+def diffusion_loss(
+    model_pred: torch.Tensor,
+    target: torch.Tensor,
+    timesteps: torch.Tensor,
+    scheduler: Any,
+    prediction_type: str,
+    snr_gamma: float | None,
+) -> torch.Tensor:
+    """Mean squared error in fp32, optionally with Min-SNR-gamma weights (Hang et al., 2023)."""
+    if snr_gamma is None:
+        return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+    from diffusers.training_utils import compute_snr  # diffusers is imported where a loss is formed
+
+    snr = compute_snr(scheduler, timesteps)
+    weights = torch.clamp(snr, max=snr_gamma)
+    # The paper's weights are for an x0 loss; divide by what turns them into eps- or v-space weights.
+    weights = weights / snr if prediction_type == "epsilon" else weights / (snr + 1)
+    per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    return (per_sample * weights).mean()
+
+
+def flow_timesteps(scheduler: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(timesteps, sigmas) for draws `u`, as diffusers' SD3 scripts pick them: index u * N into the training
+    schedule (shift already applied by FlowMatchEulerDiscreteScheduler). The schedule must be the one the
+    scheduler holds before any `set_timesteps` (validation samples with a copy)."""
+    n = int(scheduler.config.num_train_timesteps)
+    index = (u.detach().float() * n).long().clamp(0, n - 1)  # u == 1.0 would index past the end
+    # The schedule (1000 values) goes to u's device, not u to the CPU: reading a GPU tensor back would
+    # wait for every kernel queued before it, once per micro-step.
+    return scheduler.timesteps.to(index.device)[index], scheduler.sigmas.to(index.device)[index]
+
+
+def flow_matching_loss(
+    model: Callable[..., Any],
+    model_dtype: torch.dtype,
+    scheduler: Any,
+    latents: torch.Tensor,
+    cond: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    flow: FlowSettings,
+) -> torch.Tensor:
+    """SD3's rectified-flow objective: x_s = (1 - s) x + s noise, the network predicts the velocity
+    noise - x; with `precondition_outputs` its output is turned into an x estimate (x_s - s v) and
+    compared with x, as diffusers' SD3 scripts do. Per-sample weights from compute_loss_weighting_for_sd3."""
+    noise = batch["noise"]
+    timesteps, sigmas = flow_timesteps(scheduler, batch["flow_u"])
+    timesteps = timesteps.to(latents.device)
+    sigmas = sigmas.to(latents.device, torch.float32).view(-1, *([1] * (latents.ndim - 1)))
+    noisy = (1.0 - sigmas) * latents + sigmas * noise
+    pred = model(
+        hidden_states=noisy.to(model_dtype),
+        timestep=timesteps,
+        encoder_hidden_states=cond["encoder_hidden_states"].to(model_dtype),
+        pooled_projections=cond["pooled_prompt_embeds"].to(model_dtype),
+        return_dict=False,
+    )[0].float()
+    if flow.precondition_outputs:
+        pred, target = pred * (-sigmas) + noisy, latents
+    else:
+        target = noise - latents
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    weighting = compute_loss_weighting_for_sd3(flow.weighting_scheme, sigmas).float()
+    per_sample = (weighting * (pred - target.float()) ** 2).reshape(latents.shape[0], -1).mean(dim=1)
+    return per_sample.mean()
+
+
+def ddpm_loss(
+    model: Callable[..., Any],
+    model_dtype: torch.dtype,
+    scheduler: Any,
+    latents: torch.Tensor,
+    cond: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    prediction_type: str,
+    snr_gamma: float | None,
+    added_inputs: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """The DDPM objective (SD, SDXL): noise the latents with each sample's own noise and timestep, predict
+    epsilon or v, compare. `added_inputs` are the family's further network inputs (SDXL's
+    `added_cond_kwargs`)."""
+    timesteps, noise = batch["timestep"], batch["noise"]
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    text = cond["encoder_hidden_states"].to(model_dtype)
+    pred = model(noisy.to(model_dtype), timesteps, text, return_dict=False, **(added_inputs or {}))[0]
+    target = training_target(scheduler, prediction_type, latents, noise, timesteps)
+    return diffusion_loss(pred, target, timesteps, scheduler, prediction_type, snr_gamma)

@@ -1,0 +1,1 @@
+"""Process life: distributed start-up, preemption signals, child process trees, a fast exit."""

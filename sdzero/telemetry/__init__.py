@@ -1,0 +1,1 @@
+"""Measurements: phase timers, step statistics, metrics.jsonl, memory meters, monitors, the environment snapshot."""

@@ -1,0 +1,71 @@
+"""The DeepSpeed engine around the trained network: its JSON, optimizer and LR schedule."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from sdzero.config.train_config import DsSettings, TrainConfig
+from sdzero.models.families import Components
+from sdzero.training.fast_paths import adamw_options, compile_engine, prepare_network
+
+
+def effective_ds_config(cfg: TrainConfig, ds: DsSettings, universal: bool = False) -> dict[str, Any]:
+    """The JSON handed to DeepSpeed: the user's file with the resolved LR written into the optimizer, and
+    `checkpoint.load_universal` when resuming on another world size (sdzero.checkpoint.universal)."""
+    config = json.loads(json.dumps(ds.raw))
+    if "optimizer" in config:
+        config["optimizer"].setdefault("params", {})["lr"] = cfg.effective_lr(ds)
+    if universal:
+        config.setdefault("checkpoint", {})["load_universal"] = True
+    return config
+
+
+def make_lr_scheduler(cfg: TrainConfig, ds: DsSettings):
+    if "scheduler" in ds.raw or cfg.lr_warmup_steps <= 0:
+        return None  # DeepSpeed's own scheduler section, or a constant LR
+    warmup = cfg.lr_warmup_steps
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup)
+    )
+
+
+def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components, universal: bool = False):
+    import deepspeed
+
+    if cfg.gradient_checkpointing:
+        comps.network.enable_gradient_checkpointing()
+    params = [p for p in comps.network.parameters() if p.requires_grad]
+    config = effective_ds_config(cfg, ds, universal)
+    optimizer = None
+    if "optimizer" not in config:
+        device_type = get_accelerator_device_type()
+        optimizer = torch.optim.AdamW(params, lr=cfg.effective_lr(ds), **adamw_options(device_type))
+    engine, _, _, _ = deepspeed.initialize(
+        model=comps.network,
+        model_parameters=params,
+        optimizer=optimizer,
+        lr_scheduler=make_lr_scheduler(cfg, ds),
+        config=config,
+    )
+    prepare_network(cfg, engine.module)  # --channels-last, --attention: hooks on the trained network
+    compile_engine(cfg, engine)  # --compile: in place, after ZeRO has laid out the parameters
+    return engine, config
+
+
+def get_accelerator_device_type() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return str(get_accelerator().device_name())
+
+
+def loss_scale_of(engine) -> float | None:
+    if not engine.fp16_enabled():
+        return None
+    opt = engine.optimizer
+    scale = getattr(opt, "loss_scale", None)
+    if scale is None and hasattr(opt, "cur_scale"):
+        scale = opt.cur_scale
+    return float(scale) if scale is not None else None

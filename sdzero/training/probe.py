@@ -1,0 +1,416 @@
+"""Trial measurements taken inside the trainer, for `sdzero profile` (the advisor runs the real trainer).
+
+`start_probe` returns a `Probe`, a Trainer callback (sdzero.training.callbacks) on four events: step begin, step
+queued, the step's metrics record once read back, and the run's finish. With `--profile-out FILE` it
+records, after `--profile-warmup-steps` uncounted steps:
+
+- throughput and step time, the trainer's own phase timers, DeepSpeed's `wall_clock_breakdown` timers and
+  its `comms_logger` totals (when the DeepSpeed JSON enables them);
+- per rank, the exact bytes of model states the rank holds, read from the engine, by kind: 16-bit
+  parameters, gradients, fp32 master weights, optimizer states (plus gradient buckets, reported apart);
+- per rank, activation bytes: the storages autograd saves during one micro-step's forward of the trained
+  network (saved-tensor hooks), parameters excluded;
+- per rank, peak RSS, the CUDA allocator's peak, and the peak a device would hold (see `device_peak`).
+
+The memory meters live in sdzero.telemetry.memory; DeepSpeed's timers and communication meters here.
+
+Rank 0 writes FILE as JSON once every rank has reported. Without `--profile-out` the Trainer runs no
+probe at all.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdzero.atomic import write_json_atomic
+from sdzero.telemetry.memory import (
+    STATE_KINDS,
+    ActivationMeter,
+    compute_device_type,
+    cuda_peak_bytes,
+    model_state_bytes,
+    module_bytes,
+    peak_rss_bytes,
+    trained_param_count,
+)
+from sdzero.training.callbacks import Callback
+
+PROFILE_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed's own instruments
+
+
+ASYNC_OPS = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "reduce_scatter",
+    "reduce",
+    "all_to_all_single",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+)
+"""DeepSpeed's communication backend methods (deepspeed.comm.torch.TorchBackend), named as comms_logger
+names the ops that call them."""
+
+
+class _TimedWork:
+    """An async collective's handle whose `wait` adds the seconds it blocked to a WaitMeter."""
+
+    __slots__ = ("_work", "_name", "_meter")
+
+    def __init__(self, work: Any, name: str, meter: WaitMeter) -> None:
+        self._work, self._name, self._meter = work, name, meter
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._meter.add(self._name, time.perf_counter() - start)
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, get_future, ...: the real handle's
+        return getattr(self._work, name)
+
+
+class WaitMeter:
+    """Seconds the rank blocked in `wait()` on async collectives, per op.
+
+    comms_logger times an op from its call to its return. An async op (ZeRO-3's parameter gathers, issued
+    in bursts) returns at once, and only an accelerator that synchronizes inside the timer (CUDA) counts
+    its transfer; on others (a CPU's gloo) the transfer is waited out later, in DeepSpeed's own code, and
+    would pass for compute. This meter wraps DeepSpeed's communication backend so every async handle it
+    returns times its wait: together with the logged launch, the time the rank spent in the collective,
+    measured in the trial itself (on CUDA the wait finds the op done and adds about nothing).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.seconds: dict[str, float] = {}
+        self._installed = False
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def install(self) -> None:
+        if self._installed or self.backend is None:
+            return
+        for name in ASYNC_OPS:
+            original = getattr(self.backend, name, None)
+            if original is not None:
+                setattr(self.backend, name, self._wrap(name, original))
+        self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            for name in ASYNC_OPS:
+                vars(self.backend).pop(name, None)  # back to the class's method
+            self._installed = False
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # torch.distributed returns a handle only for async_op=True (a blocking call returns None), so
+            # the result tells, whichever way DeepSpeed passed the flag (by keyword, or by position).
+            work = original(*args, **kwargs)
+            return work if work is None else _TimedWork(work, name, self)
+
+        return call
+
+
+class CommMeter:
+    """Totals of DeepSpeed's comms_logger over the measured window, per collective, with the time the rank
+    then waited for the async ones (WaitMeter).
+
+    comms_logger times each op with a timer that DeepSpeed (0.19) never resets, so every recorded latency
+    is the running total for that op name. Resetting the timers at the window start and reading each
+    timer's elapsed total at the end gives the window's true sum whichever way a version records.
+    """
+
+    def __init__(self) -> None:
+        import deepspeed.comm as ds_comm
+
+        self._comm = ds_comm
+        self.enabled = bool(ds_comm.comms_logger.enabled)
+        self.waits = WaitMeter(ds_comm.comm.cdb)
+
+    def reset(self) -> None:
+        if not self.enabled:
+            return
+        self._comm.reset_log()
+        for timer in self._comm.comm.timers.get_timers().values():
+            timer.reset()
+        self.waits.install()
+        self.waits.reset()
+
+    def close(self) -> None:
+        self.waits.uninstall()
+
+    def elapsed_s(self) -> float | None:
+        """Seconds this rank has spent in collectives since the window started (logged plus waited), read
+        between steps to split the window per step; None without the logger."""
+        if not self.enabled:
+            return None
+        timers = self._comm.comm.timers.get_timers()
+        names = [n for n in self._comm.comms_logger.get_raw_data() if n in timers]
+        return sum(timers[n].elapsed(reset=False) for n in names) / 1e3 + sum(self.waits.seconds.values())
+
+    def totals(self, steps: int) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        ops: dict[str, dict[str, float]] = {}
+        timers = self._comm.comm.timers.get_timers()
+        for name, by_size in self._comm.comms_logger.get_raw_data().items():
+            count = sum(v[0] for v in by_size.values())
+            size = sum(msg_size * v[0] for msg_size, v in by_size.items())
+            timer = timers.get(name)
+            if timer is not None and len(timer.event_timers) == count:
+                ms = timer.elapsed(reset=False)
+            else:  # a DeepSpeed that records one latency per op
+                ms = sum(sum(v[1]) for v in by_size.values())
+            waited = self.waits.seconds.get(name, 0.0) / steps
+            ops[name] = {
+                "count_per_step": count / steps,
+                "bytes_per_step": size / steps,
+                "seconds_per_step": ms / 1e3 / steps + waited,
+                "waited_seconds_per_step": waited,
+            }
+        return {
+            "seconds_per_step": sum(o["seconds_per_step"] for o in ops.values()),
+            "bytes_per_step": sum(o["bytes_per_step"] for o in ops.values()),
+            "ops": ops,
+        }
+
+
+DS_TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+"""DeepSpeed's global timers, summed over one optimizer step's micro-steps. Where communication lands
+differs by stage: ZeRO-1 reduces gradients once at the boundary (`bwd_allreduce`); ZeRO-2 reduces buckets
+inside backward hooks (`bwd_inner`, with overlap_comm) and waits for the last ones in `bwd_allreduce`;
+ZeRO-3 also all-gathers parameters inside `fwd` and `bwd` and its reduce-scatters run in `bwd_inner`;
+stages 1 and 2 all-gather the updated partitions inside `step`."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The probe
+
+
+class Probe(Callback):
+    """The Trainer's measurements for `--profile-out FILE`."""
+
+    def __init__(
+        self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...], out: Path, warmup_steps: int
+    ) -> None:
+        self.engine, self.ds, self.frozen = engine, ds, frozen
+        self.out, self.warmup_steps = out, warmup_steps
+        # Instruments run on the last uncounted step (or step 1 without warm-up), so their own overhead
+        # (a Python call per saved tensor) stays out of the measured window.
+        self.instrument_step = max(1, warmup_steps)
+        self.records: list[dict[str, Any]] = []
+        self.ds_timers: list[dict[str, float]] = []
+        self.states: dict[str, int] | None = None
+        self.activations: ActivationMeter | None = None
+        self._handles: list[Any] = []
+        self._wrapped: list[tuple[Any, str]] = []
+        self._first_step: int | None = None
+        self.comm = CommMeter()
+        self.comm_marks: list[float] = []
+        """This rank's time in collectives since the window started, at the end of each measured step."""
+
+    def on_step_begin(self, trainer: Any, step: int) -> None:
+        if self._first_step is None:
+            self._first_step = step
+        n = self._nth(step)
+        if n == self.instrument_step:
+            self._arm_instruments()
+        if n == self.warmup_steps + 1:
+            self.comm.reset()
+
+    def on_step_queued(self, trainer: Any, step: int) -> None:
+        """At the step's own end: instruments off, DeepSpeed's timers of this step read."""
+        n = self._nth(step)
+        if n == self.instrument_step:
+            self._disarm_instruments()
+        if n > self.warmup_steps:
+            mark = self.comm.elapsed_s()
+            if mark is not None:
+                self.comm_marks.append(mark)
+        if n > self.warmup_steps and self.engine.wall_clock_breakdown():
+            # refreshed by engine.step() before DeepSpeed logs and resets its timers (in ms)
+            cache = self.engine.get_wall_clock_timers()
+            self.ds_timers.append({k: cache[k] / 1e3 for k in DS_TIMERS if k in cache})
+
+    def on_metrics(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
+        """The step's metrics line, once read back (on CUDA, a step after `on_step_queued`)."""
+        if self._nth(step) > self.warmup_steps:
+            self.records.append(record)
+
+    def _nth(self, step: int) -> int:
+        """1 for the first step this run takes (a resumed run starts after its checkpoint's step)."""
+        return step - (self._first_step or step) + 1
+
+    def _arm_instruments(self) -> None:
+        self.activations = ActivationMeter()
+        meter = self.activations
+        module = self.engine.module
+        state = {"ctx": None, "done": False}
+
+        def pre_forward(_module: Any, _args: Any) -> None:
+            if not state["done"]:
+                state["ctx"] = meter.hooks()
+                state["ctx"].__enter__()
+
+        def post_forward(_module: Any, _args: Any, _output: Any) -> None:
+            if state["ctx"] is not None:
+                state["ctx"].__exit__(None, None, None)
+                state["ctx"], state["done"] = None, True  # one micro-step is enough: activations repeat
+
+        self._handles = [
+            module.register_forward_pre_hook(pre_forward),
+            module.register_forward_hook(post_forward),
+        ]
+        # Model states are read at three points of this one step and each kind keeps its largest reading,
+        # its resident size: before the gradient reduction (ZeRO-1 still holds every full gradient), right
+        # before the optimizer step (gradients complete, nothing freed) and right after it (Adam creates its
+        # states lazily in its first step). The two methods are wrapped on these instances for this step.
+        self._wrap_once(self.engine, "allreduce_gradients")
+        self._wrap_once(self.engine.optimizer, "step", after=True)
+
+    def _wrap_once(self, owner: Any, name: str, after: bool = False) -> None:
+        original = getattr(owner, name)
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            self._read_states()
+            vars(owner).pop(name, None)  # back to the class's method
+            result = original(*args, **kwargs)
+            if after:
+                self._read_states()
+            return result
+
+        setattr(owner, name, measured)
+        self._wrapped.append((owner, name))
+
+    def _read_states(self) -> None:
+        reading = model_state_bytes(self.engine)
+        old = self.states or {}
+        self.states = {k: max(v, old.get(k, 0)) for k, v in reading.items()}
+
+    def _disarm_instruments(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for owner, name in self._wrapped:  # a wrapped method that never ran is unwrapped here
+            vars(owner).pop(name, None)
+        self._wrapped = []
+
+    def on_finish(self, trainer: Any) -> None:
+        self.finish()
+
+    def finish(self) -> dict[str, Any] | None:
+        """Gather every rank's figures and write the profile (rank 0). A collective: every rank calls it."""
+        self.comm.close()
+        mine = self._rank_figures()
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if dist.get_rank() != 0:
+            return None
+        profile = self._summary(ranks)
+        write_json_atomic(self.out, profile)
+        return profile
+
+    def _rank_figures(self) -> dict[str, Any]:
+        states = self.states or {}
+        activation = self.activations.bytes if self.activations else 0
+        frozen = module_bytes(*self.frozen)
+        cuda_peak = cuda_peak_bytes()
+        on_device = sum(states.get(k, 0) for k in (*STATE_KINDS, "buckets")) - states.get("offloaded", 0)
+        # This rank's own time in collectives per step (logged plus waited; the profile's `comm` is rank
+        # 0's alone). A collective ends for every rank when the last one arrives, so a rank's time is the
+        # transfer plus its wait for the slowest: the rank that spent least is the one that waited least,
+        # its time the closest measure of the transport itself, and the spread over ranks is waiting.
+        comm = self.comm.totals(len(self.records)) if self.records else None
+        marks = [0.0, *self.comm_marks]
+        return {
+            "rank": dist.get_rank(),
+            "comm_s": comm["seconds_per_step"] if comm else None,
+            "comm_waited_s": sum(o["waited_seconds_per_step"] for o in comm["ops"].values())
+            if comm
+            else None,
+            # per measured step: which rank arrives last changes from step to step, so the least waiting
+            # is told per step (advisor.measure.trials.rank_comm_columns), not from each rank's mean
+            "comm_step_s": [b - a for a, b in pairwise(marks)],
+            "model_state_bytes": {k: states.get(k, 0) for k in STATE_KINDS},
+            "model_state_total_bytes": sum(states.get(k, 0) for k in STATE_KINDS),
+            "bucket_bytes": states.get("buckets", 0),
+            "offloaded_bytes": states.get("offloaded", 0),
+            "frozen_bytes": frozen,
+            "activation_bytes": activation,
+            "activation_tensors": self.activations.tensors if self.activations else 0,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "cuda_peak_bytes": cuda_peak,
+            # Without a device allocator (CPU), the peak a device would hold: model states on the compute
+            # device, buckets, frozen modules and one micro-batch's activations. RSS would add the Python and
+            # library runtime, which no accelerator holds. This is the sum of the memory model's own
+            # forward/backward parts, not a measurement: it cannot check the model's optimizer-step term
+            # (advisor/model/memory.py `step_bytes`), and adding that term here would make the check
+            # circular. Only a device allocator's peak (cuda_peak) measures the step.
+            "device_peak_bytes": cuda_peak if cuda_peak is not None else on_device + frozen + activation,
+        }
+
+    def _summary(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        steps = len(self.records)
+        step_times = [r["step_time_s"] for r in self.records]
+        total_time = sum(step_times)
+        phases = ("data_s", "encode_s", "forward_s", "backward_s", "optimizer_s")
+        ds_breakdown = None
+        if self.ds_timers:
+            ds_breakdown = {k: statistics.fmean(t.get(k, 0.0) for t in self.ds_timers) for k in DS_TIMERS}
+        ds = self.ds
+        return {
+            "version": PROFILE_VERSION,
+            "zero_stage": ds.zero_stage,
+            "dtype": ds.dtype,
+            "micro_batch": ds.micro_batch,
+            "grad_accum": ds.grad_accum,
+            "world_size": ds.world_size,
+            "global_batch": ds.global_batch,
+            "offload_optimizer": ds.offload_optimizer,
+            "offload_param": ds.offload_param,
+            "device": compute_device_type(),
+            "warmup_steps": self.warmup_steps,
+            "measured_steps": steps,
+            "trained_params": trained_param_count(self.engine.module),
+            "samples_per_s": ds.global_batch * steps / total_time if total_time > 0 else None,
+            "step_time_s": total_time / steps if steps else None,
+            "step_time_median_s": statistics.median(step_times) if steps else None,
+            "phases_s": {k: statistics.fmean(r.get(k, 0.0) for r in self.records) for k in phases}
+            if steps
+            else None,
+            "ds_breakdown_s": ds_breakdown,
+            "comm": self.comm.totals(steps) if steps else None,
+            "ranks": ranks,
+            "device_peak_bytes": max(r["device_peak_bytes"] for r in ranks),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        }
+
+
+def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe | None:
+    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost)."""
+    out = getattr(cfg, "profile_out", None)
+    if not out:
+        return None
+    warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
+    # Every frozen module the family loaded (VAE, one to three text encoders; none when training from a cache).
+    return Probe(engine, ds, comps.frozen_modules(), Path(out), warmup)

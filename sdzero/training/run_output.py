@@ -1,0 +1,79 @@
+"""What a run writes besides checkpoints and metrics lines: its resolved configuration and environment
+(rank 0, at the start), the metrics writer, and the exported pipeline (at the end); and how loudly the
+libraries log on each rank."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from sdzero.config.train_config import DsSettings, TrainConfig
+from sdzero.models.families import Components
+from sdzero.models.loading import DTYPES
+from sdzero.telemetry.environment import environment_snapshot
+from sdzero.telemetry.metrics import MetricsWriter, rotate_previous
+
+log = logging.getLogger("sdzero")
+
+
+def quiet_libraries(rank: int) -> None:
+    """DeepSpeed, diffusers and transformers log a lot at INFO; keep warnings, and only on rank 0."""
+    import diffusers
+    import transformers
+    from deepspeed.utils import logger as ds_logger
+
+    level = logging.WARNING if rank == 0 else logging.ERROR
+    ds_logger.setLevel(level)
+    diffusers.utils.logging.set_verbosity(level)
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity(level)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[sdzero] %(message)s")
+
+
+def prepare_output(
+    cfg: TrainConfig,
+    ds: DsSettings,
+    config: dict[str, Any],
+    rank: int,
+    extra: dict[str, Any] | None = None,
+    speed: dict[str, Any] | None = None,
+) -> MetricsWriter | None:
+    if rank != 0:
+        return None
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    moved = rotate_previous(cfg.output_dir / "metrics.jsonl")
+    if moved:
+        log.info("an earlier run's metrics were moved to %s", moved)
+    (cfg.output_dir / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    run = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    run.update(
+        zero_stage=ds.zero_stage,
+        dtype=ds.dtype,
+        world_size=ds.world_size,
+        lr_effective=cfg.effective_lr(ds),
+        **(extra or {}),
+    )
+    (cfg.output_dir / "run_config.json").write_text(json.dumps(run, indent=2) + "\n")
+    environment = {**environment_snapshot(), "world_size": ds.world_size}  # rank 0's view, for reports
+    if speed is not None:
+        environment["speed"] = speed  # what the fast paths really were (sdzero.training.fast_paths)
+    (cfg.output_dir / "environment.json").write_text(json.dumps(environment, indent=2) + "\n")
+    return MetricsWriter(cfg.output_dir / "metrics.jsonl")
+
+
+def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=None) -> None:
+    from sdzero.checkpoint.export import gathered_state_dict, write_pipeline
+
+    state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
+    ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0
+    if rank == 0 and state is not None:
+        extra = {"unet_ema": ema_state} if ema_state is not None else None
+        dtype = DTYPES[cfg.export_dtype]  # one dtype for every component (see write_pipeline)
+        out = write_pipeline(cfg.output_dir / "final", state, comps, dtype, extra_unets=extra)
+        log.info("exported the trained pipeline to %s", out)
+    dist.barrier()

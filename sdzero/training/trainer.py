@@ -1,0 +1,359 @@
+"""The Trainer: one DeepSpeed engine around the trained network, frozen encoders beside it, metrics per step.
+
+`Trainer.setup(cfg)` checks the inputs, starts the process group (sdzero.process.distributed), loads the model,
+builds the data feed and the engine, resumes, and returns a Trainer that holds all of it on itself;
+`train()` runs `train_step(step)` up to --max-steps and returns a RunSummary. Everything around the step
+(EMA, validation, checkpoints, preemption, profiling, extra callbacks from SDZERO_CALLBACKS) is a callback
+on the Trainer's events (sdzero.training.callbacks; docs/trainer.md). The benches build a Trainer too: from a
+config (`setup`), or from parts they made themselves (the constructor).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdzero.checkpoint.checkpointer import Checkpointer, TrainState, find_resume
+from sdzero.checkpoint.identity import describe_run
+from sdzero.cluster.shared_storage import check_shared_storage
+from sdzero.config.train_config import DsSettings, TrainConfig, load_ds_config, world_size_from_env
+from sdzero.data.buckets import BucketBatchSampler, samples_dropped
+from sdzero.data.cache import open_cache
+from sdzero.data.feed import Batches, BatchSource, build_data
+from sdzero.data.images import LateFailures, read_metadata
+from sdzero.models.families import Components
+from sdzero.models.loading import DTYPES, detect_family, load_components, resolve_prediction_type
+from sdzero.models.objectives import Objective
+from sdzero.models.step_input import encode_batch
+from sdzero.process.distributed import start_distributed
+from sdzero.process.preemption import PreemptionFlag
+from sdzero.telemetry.environment import share_cpu_threads
+from sdzero.telemetry.metrics import MetricsWriter, peak_memory_bytes
+from sdzero.telemetry.monitoring import finish_wandb_run
+from sdzero.telemetry.phase_timers import PhaseTimer, timing_mode
+from sdzero.telemetry.step_stats import PendingStep, StepLog, launch_step_stats
+from sdzero.training.callbacks import (
+    Callback,
+    CheckpointCallback,
+    EmaCallback,
+    PreemptionCallback,
+    ValidationCallback,
+    adopt_checkpoint_seed,
+    extra_callbacks,
+    make_ema,
+    model_reference,
+    overrides,
+)
+from sdzero.training.engine import init_engine, loss_scale_of
+from sdzero.training.fast_paths import apply_backend_flags, check_attention, check_speed_options, speed_report
+from sdzero.training.probe import start_probe
+from sdzero.training.run_output import export_final, prepare_output, quiet_libraries
+from sdzero.training.validation import Validator
+
+log = logging.getLogger("sdzero")
+
+EVENTS = tuple(name for name in vars(Callback) if name.startswith("on_") or name == "wants_stop")
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    first_loss: float
+    last_loss: float
+    mean_samples_per_s: float
+    metrics_path: str
+    skipped_images: int
+
+
+class Trainer:
+    """A training run's state and its step. Build with `Trainer.setup(cfg)` for a real run."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        ds: DsSettings,
+        comps: Components,
+        engine: Any,
+        batches: BatchSource,
+        *,
+        device: torch.device,
+        prediction_type: str,
+        callbacks: Iterable[Callback] = (),
+        writer: MetricsWriter | None = None,
+        state: TrainState | None = None,
+        ema: Any = None,
+        skipped_images: int = 0,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.cfg, self.ds, self.comps, self.engine, self.batches = cfg, ds, comps, engine, batches
+        self.device, self.prediction_type = device, prediction_type
+        self.writer, self.ema = writer, ema
+        self.state = state if state is not None else TrainState()
+        self.skipped_images = skipped_images
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Constant for the run, so computed here and not per micro-step.
+        self.objective = Objective(prediction_type, cfg.snr_gamma, comps.family.flow_settings(cfg))
+        self.model_dtype = next(p for p in engine.module.parameters()).dtype
+        # No CPU-GPU sync per phase unless --sync-timing: on CUDA, events timed per phase, read a step late.
+        self.timer = PhaseTimer(timing_mode(device, cfg.sync_timing))
+        self.shape = {
+            "world_size": self.world,
+            "zero_stage": ds.zero_stage,
+            "dtype": ds.dtype,
+            "micro_batch": ds.micro_batch,
+            "grad_accum": ds.grad_accum,
+        }
+        self.callbacks = list(callbacks)
+        self._handlers = {e: [getattr(c, e) for c in self.callbacks if overrides(c, e)] for e in EVENTS}
+        self.step_log: StepLog | None = None
+        self._emit("on_setup")
+
+    # ------------------------------------------------------------------------------------------ events
+
+    def _emit(self, event: str, *args: Any) -> None:
+        for handler in self._handlers[event]:
+            handler(self, *args)
+
+    def emit_checkpoint_staged(self, step: int, folder: Path) -> None:
+        """Raised by the Checkpointer inside a save (see CheckpointCallback.on_setup)."""
+        self._emit("on_checkpoint_staged", step, folder)
+
+    def _on_record(self, step: int, record: dict[str, Any]) -> None:
+        self._emit("on_metrics", step, record)
+
+    # -------------------------------------------------------------------------------------------- step
+
+    def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        timer = self.timer
+        with timer.phase("encode_s"):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            latents, cond = encode_batch(self.comps, batch)
+        with timer.phase("forward_s"):
+            loss = self.comps.family.loss(
+                self.engine,
+                self.model_dtype,
+                self.comps.noise_scheduler,
+                latents,
+                cond,
+                batch,
+                self.objective,
+            )
+        with timer.phase("backward_s"):
+            self.engine.backward(loss)
+        with timer.phase("optimizer_s"):
+            self.engine.step()  # only the accumulation boundary's call updates weights (and communicates)
+        return loss.detach()
+
+    def train_step(self, step: int) -> bool:
+        """One optimizer step (grad_accum micro-steps) and its events; True if the ranks agreed to stop
+        here and no callback ended the run (the PreemptionCallback raises Preempted)."""
+        assert self.step_log is not None, "train_step runs inside train()"
+        engine, batches, timer = self.engine, self.batches, self.timer
+        self._emit("on_step_begin", step)
+        timer.begin_step()
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.device)
+        on_batch = self._handlers["on_batch"]
+        for _ in range(self.ds.grad_accum):
+            with timer.phase("data_s"):
+                batch = batches.next()
+                for handler in on_batch:
+                    handler(self, batch)
+            loss_sum += self.micro_step(batch)
+        self._emit("on_optimizer_step", step)
+        vote = any(wants(self) for wants in self._handlers["wants_stop"])
+        stats = launch_step_stats(loss_sum, self.ds.grad_accum, self.world, vote, peak_memory_bytes())
+        fields = {
+            "lr": float(engine.get_lr()[0]),
+            **self.shape,
+            "loss_scale": loss_scale_of(engine),
+            "skipped_steps": int(engine.skipped_steps) if engine.fp16_enabled() else None,
+        }
+        self._emit("on_step_queued", step)
+        # Writes this step's line (CPU, --sync-timing) or the previous one's (CUDA): its stats read back.
+        pending = PendingStep(
+            step, batches.epoch, start, stats, timer.end_step(), fields, int(engine.global_samples)
+        )
+        stop = self.step_log.add(pending)
+        self.state = TrainState(step, batches.epoch, batches.batches_in_epoch, batches.samples_in_epoch)
+        if stop:
+            self.step_log.flush()  # the line of the step about to be saved, before the exit
+            self._emit("on_stop", step)
+        else:
+            self._emit("on_step_end", step)
+        return stop
+
+    def train(self, until: int | None = None) -> RunSummary:
+        """Train from the step after `state.step` through step `until` (default --max-steps)."""
+        from tqdm import tqdm
+
+        last = self.cfg.max_steps if until is None else until
+        first = self.state.step + 1  # 1, or the step after the resumed checkpoint's
+        bar = tqdm(
+            total=last,
+            initial=first - 1,
+            desc="train",
+            unit="step",
+            disable=self.rank != 0,
+            dynamic_ncols=True,
+        )
+        lag = 1 if self.timer.mode == "events" else 0
+        self.step_log = StepLog(
+            lag, self.ds.global_batch, self.writer, self.engine.monitor, self._on_record, bar
+        )
+        for step in range(first, last + 1):
+            if self.train_step(step):
+                break
+        self.step_log.flush()
+        bar.close()
+        self.skipped_images += self.batches.check_late()  # the last epoch's late failures
+        self._emit("on_finish")
+        metrics_path = str(self.cfg.output_dir / "metrics.jsonl")
+        if self.writer is not None:
+            self.writer.close()
+            finish_wandb_run()
+        if self.cfg.export_final:
+            export_final(self.cfg, self.engine, self.comps, self.rank, self.ema)
+        # The first step includes one-off warm-up (allocations, JIT, workers).
+        losses, rates = self.step_log.losses, self.step_log.rates
+        steady = rates[1:] or rates or [0.0]
+        return RunSummary(
+            steps=len(losses),
+            first_loss=losses[0] if losses else float("nan"),
+            last_loss=losses[-1] if losses else float("nan"),
+            mean_samples_per_s=sum(steady) / len(steady),
+            metrics_path=metrics_path,
+            skipped_images=self.skipped_images,
+        )
+
+    def close(self) -> None:
+        """Stop the data loader's worker processes: call it after the last `train()` (see Batches.close;
+        an exit without it waits on them for ever)."""
+        self.batches.close()
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    @classmethod
+    def setup(cls, cfg: TrainConfig) -> Trainer:
+        """Everything before the first step, in the order that makes errors cheap (see inline notes)."""
+        # Everything that can be wrong with the input is checked before the process group exists.
+        ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
+        detect_family(cfg.model).check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
+        read_metadata(cfg.data)
+        check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
+        cache = None
+        if cfg.cache_dir is not None:  # a cache made for another model, size, precision or data: refused
+            cache = open_cache(
+                cfg.cache_dir,
+                cfg.model,
+                cfg.data,
+                cfg.resolution,
+                cfg.buckets,
+                ds.dtype,
+                cfg.random_flip,
+                cfg.max_sequence_length,
+            )
+        extras = extra_callbacks()  # SDZERO_CALLBACKS: a wrong name fails before the slow start-up
+        # Installed before the slow start-up, so that an early SIGTERM is honoured at the first step boundary.
+        preemption = PreemptionFlag(cfg.preempt_timeout_s).install()
+        share_cpu_threads()  # before any torch work: k ranks x all cores threads each thrash a node's CPUs
+
+        ranks = start_distributed(cfg.dist_timeout_s)
+        rank, world, device = ranks.rank, ranks.world, ranks.device
+        quiet_libraries(rank)
+        check_shared_storage(cfg.output_dir, cfg.data, rank, world)  # a node without them: one clear error
+        point = find_resume(  # all ranks agree; on another world size with --resume-elastic, converted once
+            cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, world, cfg.resume_elastic, ds.raw
+        )
+        adopt_checkpoint_seed(cfg, point, rank)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
+        apply_backend_flags(cfg, device.type)  # TF32 (CUDA only)
+
+        # From a cache, the VAE and text encoders are never loaded (validation/export load them when due).
+        comps = load_components(
+            cfg.model, ds.dtype, device, frozen=cache is None, max_sequence_length=cfg.max_sequence_length
+        )
+        prediction_type = resolve_prediction_type(comps, cfg.prediction_type)  # "flow_matching" for SD3
+        dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
+        dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
+        attention = check_attention(cfg, comps.network, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
+        universal = point is not None and point.universal is not None
+        engine, config = init_engine(cfg, ds, comps, universal=universal)
+        speed = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)
+        ema = make_ema(cfg, engine)
+        ident = describe_run(cfg, ds, comps, prediction_type, model_reference(cfg.model))
+        checkpoints = CheckpointCallback(
+            Checkpointer(cfg.output_dir, cfg.keep_last, engine, ema, ident), cfg.checkpoint_every
+        )
+        validator = Validator(
+            cfg.validation_prompts,
+            cfg.validation_every,
+            cfg.validation_inference_steps,
+            cfg.resolution or comps.native_resolution,
+            cfg.seed,
+            cfg.output_dir / "validation",
+        )
+        state = checkpoints.restore(point)  # a collective when resuming
+        writer = prepare_output(cfg, ds, config, rank, {"samples_dropped_per_epoch": dropped}, speed)
+        if rank == 0:
+            log.info(
+                "ZeRO-%d %s | %d ranks x micro-batch %d x accumulation %d = global batch %d | lr %.3g (%s "
+                "scaling) | %d images (%d unreadable skipped) | %d samples per epoch left out by the batch "
+                "shape%s",
+                ds.zero_stage,
+                ds.dtype,
+                world,
+                ds.micro_batch,
+                ds.grad_accum,
+                ds.global_batch,
+                cfg.effective_lr(ds),
+                cfg.lr_scaling,
+                len(dataset),
+                n_bad,
+                dropped,
+                f" | from cache {cfg.cache_dir}" if cache is not None else "",
+            )
+            if isinstance(sampler, BucketBatchSampler):
+                log.info("aspect-ratio buckets (height x width: images): %s", sampler.describe())
+        late = LateFailures(len(dataset), n_bad, cfg.max_bad_fraction, cfg.data) if cache is None else None
+        batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch, state.samples_in_epoch, late)
+        # Order matters where two act on one event: validation before the checkpoint of the same step, the
+        # profile after the final validation and checkpoint, and the preemption exit after its checkpoint.
+        callbacks: list[Callback] = [
+            *([EmaCallback(ema)] if ema is not None else []),
+            ValidationCallback(validator),
+            checkpoints,
+            *filter(None, [start_probe(cfg, ds, engine, comps)]),
+            *extras,
+            PreemptionCallback(preemption),
+        ]
+        return cls(
+            cfg,
+            ds,
+            comps,
+            engine,
+            batches,
+            device=device,
+            prediction_type=prediction_type,
+            callbacks=callbacks,
+            writer=writer,
+            state=state,
+            ema=ema,
+            skipped_images=n_bad,
+        )
+
+
+def run(cfg: TrainConfig) -> RunSummary:
+    """A whole run from its options: what `sdzero/train.py` does."""
+    trainer = Trainer.setup(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
