@@ -64,7 +64,7 @@ def model_fingerprint(model: str) -> str:
     return h.hexdigest()
 
 
-def data_fingerprint(data: Path, cache_dir: Path | None) -> str:
+def samples_fingerprint(data: Path, cache_dir: Path | None) -> str:
     """The samples: file names, sizes and captions (not mtimes: a copy to a node's scratch disk is the
     same data), or the cache's own digest of what it was built from."""
     if cache_dir is not None:
@@ -76,7 +76,7 @@ def data_fingerprint(data: Path, cache_dir: Path | None) -> str:
 
     records = read_metadata(Path(data))
     rows = [[name, size] for name, size, _mtime in cache.data_files(Path(data), records)]
-    return cache.data_fingerprint(rows, records)  # the cache's digest, of rows without mtimes
+    return cache.rows_fingerprint(rows, records)  # the cache's digest, of rows without mtimes
 
 
 def objective_settings(cfg: Any, ds: Any, family: Family | str) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def describe_run(cfg: Any, ds: Any, comps: Any, prediction_type: str, model_refe
         resolution=cfg.resolution or comps.native_resolution,
         buckets=bool(cfg.buckets),
         objective=objective_settings(cfg, ds, family),
-        data_fingerprint=data_fingerprint(cfg.data, cfg.cache_dir),
+        data_fingerprint=samples_fingerprint(cfg.data, cfg.cache_dir),
     )
 
 

@@ -30,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sdzero.cluster.shared_storage import TOKEN_DIR, data_fingerprint, unseen_tokens, write_token
+from sdzero.cluster.shared_storage import TOKEN_DIR, listing_fingerprint, unseen_tokens, write_token
 from sdzero.constants import GIB
 from sdzero.errors import UserError
 
@@ -62,7 +62,7 @@ def node_facts(output_dir: Path, data: Path | None, token_dir: Path | None) -> d
         "cpu_count": snap["cpu_count"],
         "versions": versions,
         "free_disk_bytes": shutil.disk_usage(existing).free,
-        "data_fingerprint": data_fingerprint(data) if data is not None and Path(data).is_dir() else None,
+        "data_fingerprint": listing_fingerprint(data) if data is not None and Path(data).is_dir() else None,
     }
     if token_dir is not None:
         write_token(token_dir, facts["host"])

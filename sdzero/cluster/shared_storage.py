@@ -38,7 +38,7 @@ class NodeReport:
     """Hosts whose token this node could not read in --output-dir."""
 
 
-def data_fingerprint(data: Path) -> str:
+def listing_fingerprint(data: Path) -> str:
     """sha256 of the top-level names and of every metadata file's bytes; no image is read."""
     digest = hashlib.sha256()
     for name in sorted(os.listdir(data)):
@@ -107,7 +107,7 @@ def check_shared_storage(output_dir: Path, data: Path, rank: int, world: int) ->
     report = None
     if leads:
         others = [h for h in hosts if h != host]
-        report = NodeReport(host, rank, data_fingerprint(data), unseen_tokens(folder, others))
+        report = NodeReport(host, rank, listing_fingerprint(data), unseen_tokens(folder, others))
     gathered: list[NodeReport | None] = [None] * world
     dist.all_gather_object(gathered, report)
     dist.barrier()  # every token is read before any is removed

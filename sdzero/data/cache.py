@@ -151,7 +151,7 @@ def data_files(data: Path, records: list[Record]) -> list[list[Any]]:
     return rows
 
 
-def data_fingerprint(rows: list[list[Any]], records: list[Record]) -> str:
+def rows_fingerprint(rows: list[list[Any]], records: list[Record]) -> str:
     h = hashlib.sha256(json.dumps(rows).encode())
     h.update(json.dumps([r.text for r in records]).encode())
     return h.hexdigest()
@@ -221,7 +221,7 @@ def run_spec(
         buckets=sizes,
         flip=flip,
         dtype=dtype,
-        data_fingerprint=data_fingerprint(rows, records),
+        data_fingerprint=rows_fingerprint(rows, records),
         text_tokens=family.text_tokens(max_sequence_length),
         model=str(model),
         data=str(Path(data).resolve()),

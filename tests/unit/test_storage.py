@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from sdzero.cluster.shared_storage import NodeReport, data_fingerprint, unseen_tokens, verdict, write_token
+from sdzero.cluster.shared_storage import NodeReport, listing_fingerprint, unseen_tokens, verdict, write_token
 from sdzero.models.tiny import write_synthetic_dataset
 
 
@@ -19,7 +19,7 @@ def reports_for(out_of: dict[str, object], data_of: dict[str, object]) -> list[N
         NodeReport(
             host,
             rank,
-            data_fingerprint(data_of[host]),
+            listing_fingerprint(data_of[host]),
             unseen_tokens(out_of[host], [h for h in hosts if h != host]),
         )
         for rank, host in enumerate(hosts)
@@ -64,10 +64,10 @@ def test_fingerprint_follows_metadata_bytes_and_listing_not_timestamps(tmp_path)
     data = write_synthetic_dataset(tmp_path / "data", images=4, size=16)
     copy = tmp_path / "copy"
     shutil.copytree(data, copy, copy_function=shutil.copy)  # new mtimes, same contents
-    assert data_fingerprint(copy) == data_fingerprint(data)
+    assert listing_fingerprint(copy) == listing_fingerprint(data)
     meta = copy / "metadata.jsonl"
     meta.write_text(meta.read_text().replace("a ", "A ", 1))  # same size, one caption changed
-    assert data_fingerprint(copy) != data_fingerprint(data)
+    assert listing_fingerprint(copy) != listing_fingerprint(data)
 
 
 def test_torn_or_foreign_token_is_not_counted_as_seen(tmp_path):
