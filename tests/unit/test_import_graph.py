@@ -149,3 +149,17 @@ def test_top_level_stays_small(package):
     """sdzero/ holds only contracts and leaves at its top (train.py, cli.py, errors, constants, ...)."""
     top = sorted(p.name for p in (ROOT / package).glob("*.py"))
     assert len(top) <= 8, top
+
+
+def test_importing_the_trainer_loads_no_advisor_module():
+    """`import sdzero` and the trainer's own command never load the advisor (the `sdzero` command that
+    users run is composed one floor up, in advisor.cli)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, sdzero, sdzero.cli, sdzero.train; "
+        "print(sorted(m for m in sys.modules if m == 'advisor' or m.startswith('advisor.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
