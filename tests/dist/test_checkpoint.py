@@ -300,12 +300,15 @@ def test_ema_at_zero3_equals_ema_at_zero2(runs, tiny_model):
     assert ema[2].keys() == ema[3].keys() == initial.keys()
     weights_apart = max((final[3][k] - final[2][k]).abs().max().item() for k in initial)
     assert weights_apart < 1e-3  # the premise: the stages trained the same weights
-    atol = 2 * weights_apart + 1e-6  # measured: weights 7.4e-6 apart, EMAs 7.4e-6 apart
+    # How far apart the stages' weights end depends on the CPU's kernels: 7.4e-6 on an Intel Xeon, 7.3e-5
+    # on an AMD EPYC (both with AVX-512); the EMAs follow them.
+    atol = 2 * weights_apart + 1e-6
     for key in ema[2]:
         torch.testing.assert_close(ema[3][key], ema[2][key], rtol=0, atol=atol, msg=key)
-    # An average that lags the weights (measured 8e-4 behind them, far beyond `atol`, so the comparison
-    # above tells an EMA from the weights), and has moved from the initial ones.
-    assert max((ema[3][k] - final[3][k]).abs().max().item() for k in initial) > 10 * atol
+    # An average that lags the weights (8e-4 behind them on both CPUs), by several times `atol`: so the
+    # comparison above tells an EMA from the weights (exporting the weights as the EMA would fail it), and
+    # it has moved from the initial ones.
+    assert max((ema[3][k] - final[3][k]).abs().max().item() for k in initial) > 3 * atol
     assert max((ema[3][k] - initial[k]).abs().max().item() for k in initial) > 1e-3
 
 
