@@ -3,14 +3,13 @@
 Every trial is a short real run of sdzero/train.py through the `deepspeed` launcher (advisor.measure.trials), so
 local ranks, hostfiles and the launcher environment are exactly the user's. Rerunning with the same
 `--out` skips the trials already in trials.csv for the same setup (advisor.measure.grid.setup_id), so an
-interrupted profile resumes where it stopped.
+interrupted profile resumes where it stopped. The command's options are in advisor.measure.profile_command.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -21,14 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import pandas as pd
-import typer
 
 from advisor.measure.grid import (
-    OFFLOADS,
-    STAGES,
     GridPlan,
     GridRequest,
     TrialSpec,
@@ -41,7 +37,6 @@ from advisor.measure.grid import (
 )
 from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
 from sdzero.cluster.launch_command import shipped_config
-from sdzero.config.options import DEFAULTS, cli_option, input_option
 from sdzero.errors import UserError
 
 TRIAL_COLUMNS: tuple[str, ...] = (
@@ -338,6 +333,22 @@ def trial_settings(
     )
 
 
+def trial_setup_id(base: dict[str, Any], settings: TrialSettings) -> str:
+    """The hash trials.csv files this setup's trials under: `sdzero profile` and `sdzero advise` build it
+    alike, so a rerun of either with the same --out resumes its own trials."""
+    return setup_id(
+        {
+            "base": base,
+            "model": settings.model,
+            "data": str(settings.data),
+            "steps": settings.steps,
+            "warmup": settings.warmup_steps,
+            "train_args": list(settings.train_args),
+            "hosts": settings.hosts,
+        }
+    )
+
+
 def plan_for_device(request: GridRequest, device: dict[str, Any]) -> GridPlan:
     if not request.ranks_per_node:
         request = replace(request, ranks_per_node=(default_ranks(device),))
@@ -386,17 +397,7 @@ def run_profile(
     plan = plan_for_device(grid or GridRequest(), device_support())
     for note in plan.notes:
         say(note)
-    setup = setup_id(
-        {
-            "base": base,
-            "model": settings.model,
-            "data": str(settings.data),
-            "steps": steps,
-            "warmup": warmup_steps,
-            "train_args": list(train_args),
-            "hosts": settings.hosts,
-        }
-    )
+    setup = trial_setup_id(base, settings)
     csv_path = out_dir / "trials.csv"
     table = read_trials(csv_path)
     done = finished_trials(table, setup, retry_failed)
@@ -418,169 +419,3 @@ def run_profile(
             bar.finished(outcome, _remaining(plan, done), spec.trial_id)
             say(f"{spec.trial_id}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else ""))
     return ProfileResult(csv_path, latest_rows(read_trials(csv_path), setup), ran, skipped, plan.notes)
-
-
-# --------------------------------------------------------------------------------------------------
-# CLI
-
-
-def profile_command(
-    model: Annotated[str, input_option("model")],
-    data: Annotated[Path, input_option("data")],
-    out: Annotated[
-        Path, typer.Option("--out", "-o", help="folder for trials.csv and one folder per trial.")
-    ] = Path("reports/profile"),
-    deepspeed_config: Annotated[
-        Path | None,
-        input_option(
-            "deepspeed_config", note="the base of every trial [default: ds_configs/zero2_bf16.json]"
-        ),
-    ] = None,
-    stage: Annotated[
-        list[int] | None,
-        typer.Option(help="ZeRO stage to try (0: plain data parallel); repeat. [default: 0 1 2 3]"),
-    ] = None,
-    precision: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="bf16 and/or fp16; repeat. fp16 is skipped where the device lacks it. [default: both]"
-        ),
-    ] = None,
-    micro_batch: Annotated[
-        list[int] | None,
-        typer.Option(help="micro-batch per rank; repeat. [default: 1, 2, 4, ... up to --max-micro-batch]"),
-    ] = None,
-    max_micro_batch: Annotated[int, typer.Option(help="top of the micro-batch ladder.")] = 64,
-    offload: Annotated[
-        list[str] | None,
-        typer.Option(help=f"{', '.join(OFFLOADS)}; repeat. optimizer+params is ZeRO-3 only. [default: none]"),
-    ] = None,
-    ranks: Annotated[
-        list[int] | None,
-        typer.Option("--ranks", "-n", help="ranks per node; repeat. [default: all GPUs, or 2 on a CPU]"),
-    ] = None,
-    hostfile: Annotated[Path | None, input_option("hostfile", note="trials span its nodes")] = None,
-    overlap_comm: Annotated[
-        list[str] | None,
-        typer.Option("--overlap-comm", help="on and/or off; repeat. [default: as in the base JSON]"),
-    ] = None,
-    reduce_bucket_size: Annotated[
-        list[int] | None, typer.Option(help="elements; repeat. [default: as in the base JSON]")
-    ] = None,
-    allgather_bucket_size: Annotated[
-        list[int] | None, typer.Option(help="elements, ZeRO-1/2; repeat. [default: as in the base JSON]")
-    ] = None,
-    grad_accum: Annotated[
-        list[int] | None,
-        typer.Option(help="gradient accumulation steps; repeat. [default: as in the base JSON]"),
-    ] = None,
-    steps: Annotated[int, typer.Option(help="measured optimizer steps per trial.")] = 5,
-    warmup_steps: Annotated[int, typer.Option(help="steps per trial before measuring (not counted).")] = 2,
-    trial_timeout: Annotated[
-        float, typer.Option(help="seconds a trial may take in all, start-up included.")
-    ] = 900.0,
-    stall_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help="seconds without a new step, once training started, before a trial counts as hung."
-        ),
-    ] = 300.0,
-    mem_cap_gib: Annotated[
-        float | None,
-        typer.Option(
-            help="count a trial as out of memory when its per-rank peak passes this: the CUDA allocator's "
-            "peak on GPUs; on CPUs the bytes a device would hold (model states, buckets, frozen models, "
-            "activations)."
-        ),
-    ] = None,
-    train_args: Annotated[str, cli_option("train_args")] = DEFAULTS.train_args,
-    retry_failed: Annotated[bool, typer.Option(help="run crashed and timed-out trials again.")] = False,
-) -> None:
-    """Measure throughput, memory and communication over a grid of ZeRO configs with short real runs."""
-    from rich import get_console
-
-    console = get_console()  # the progress bar's console too, so messages print above the live bar
-    request_kwargs: dict[str, Any] = {
-        "stages": tuple(stage or STAGES),
-        "precisions": tuple(precision or ("bf16", "fp16")),
-        "micro_batches": tuple(micro_batch or ()),
-        "max_micro_batch": max_micro_batch,
-        "offloads": tuple(offload or ("none",)),
-        "ranks_per_node": tuple(ranks or ()),  # empty: all GPUs, or 2 on a CPU
-        "overlap_comm": tuple(parse_switch(v, "--overlap-comm") for v in overlap_comm or ()),
-        "reduce_bucket_sizes": tuple(reduce_bucket_size or ()),
-        "allgather_bucket_sizes": tuple(allgather_bucket_size or ()),
-        "grad_accums": tuple(grad_accum or ()),
-    }
-    try:
-        result = run_profile(
-            model=model,
-            data=data,
-            out_dir=out,
-            grid=GridRequest(**request_kwargs),
-            base_config=deepspeed_config,
-            steps=steps,
-            warmup_steps=warmup_steps,
-            trial_timeout_s=trial_timeout,
-            stall_timeout_s=stall_timeout,
-            mem_cap_gib=mem_cap_gib,
-            hostfile=hostfile,
-            train_args=shlex.split(train_args),
-            retry_failed=retry_failed,
-            progress=True,
-            log=lambda message: console.print(f"[dim]{message}[/dim]"),
-        )
-    except KeyboardInterrupt:
-        console.print(
-            f"[yellow]interrupted: finished trials are in {out / 'trials.csv'}; "
-            "run the same command again to resume[/yellow]"
-        )
-        raise typer.Exit(130) from None
-    console.print(results_table(result.table))
-    console.print(
-        f"{len(result.ran)} trials run, {len(result.skipped)} already done; results in {result.csv_path}"
-    )
-
-
-def parse_switch(text: str, flag: str) -> bool:
-    value = text.strip().lower()
-    if value in ("on", "true", "1", "yes"):
-        return True
-    if value in ("off", "false", "0", "no"):
-        return False
-    raise UserError(f"{flag} {text!r}: use on or off")
-
-
-def results_table(table: pd.DataFrame) -> Any:
-    from rich.table import Table
-
-    view = Table(title="trials (bytes per rank; MiB = 2^20 bytes)")
-    for name in (
-        "trial",
-        "status",
-        "samples/s",
-        "step s",
-        "comm s",
-        "states MiB",
-        "activ. MiB",
-        "peak MiB",
-        "reason",
-    ):
-        view.add_column(name)
-
-    def num(value: Any, fmt: str, scale: float = 1.0) -> str:
-        return "-" if pd.isna(value) else format(float(value) / scale, fmt)
-
-    for _, row in table.iterrows():
-        view.add_row(
-            str(row["trial_id"]),
-            str(row["status"]),
-            num(row["samples_per_s"], ".2f"),
-            num(row["step_time_s"], ".3f"),
-            num(row["comm_s"], ".3f"),
-            num(row["model_state_bytes"], ".1f", 2**20),
-            num(row["activation_bytes"], ".1f", 2**20),
-            num(row["device_peak_bytes"], ".1f", 2**20),
-            "" if pd.isna(row["reason"]) else str(row["reason"])[:80],
-        )
-    return view

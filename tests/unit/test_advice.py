@@ -42,7 +42,7 @@ def test_trainer_and_advisor_share_one_rule_and_its_defaults(tmp_path):
 
     assert not hasattr(config_module, "scaled_lr") and not hasattr(recommend_module, "scaled_lr")
     assert TrainConfig.__dataclass_fields__["lr_scaling"].default == DEFAULT_LR_SCALING
-    assert inspect.signature(advise.run_advise).parameters["lr_scaling"].default == DEFAULT_LR_SCALING
+    assert advise.AdviseRequest().lr_scaling == DEFAULT_LR_SCALING
     assert inspect.signature(advise_cli.advise_command).parameters["lr_scaling"].default == DEFAULT_LR_SCALING
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(BASE))

@@ -229,8 +229,8 @@ def test_scaling_is_monotone_where_the_formulas_say_so():
 def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
     from typer.testing import CliRunner
 
-    from advisor.advise import check_train_args
     from advisor.cli import app
+    from advisor.inputs import check_train_args
 
     with pytest.raises(UserError, match="--train-args"):
         check_train_args(args)
@@ -240,7 +240,7 @@ def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
 
 
 def test_train_args_reach_the_recommended_launch_command():
-    from advisor.advise import check_train_args
+    from advisor.inputs import check_train_args
     from advisor.model.recommend import launch_command
 
     extra = check_train_args("--resolution 1024 --gradient-checkpointing")
@@ -400,14 +400,15 @@ def advise_on_synthetic_trials(
     import advisor.advise as advise
     import advisor.measure.collectives_launch
     import advisor.measure.profile
+    import advisor.stages.measure
 
     full = with_accumulation_checks(grid_trials()).assign(wall_s=wall_s).set_index("trial_id")
 
     def no_comm(*_args, **_kwargs):
         raise advisor.measure.collectives_launch.CommRunError("skipped in this test")
 
-    monkeypatch.setattr(advise, "trial_runner", lambda *_args: replayer(full))
-    monkeypatch.setattr(advise, "trained_numels", lambda model: NUMELS)
+    monkeypatch.setattr(advisor.stages.measure, "trial_runner", lambda *_args: replayer(full))
+    monkeypatch.setattr(advisor.stages.measure, "trained_numels", lambda model: NUMELS)
     monkeypatch.setattr(advisor.measure.collectives_launch, "run_comm", no_comm)
     monkeypatch.setattr(
         advisor.measure.profile,
@@ -427,11 +428,13 @@ def advise_on_synthetic_trials(
     base_path.write_text(json.dumps(base))
     options = {"max_nodes": 32, "device_memory_gib": 1.0} | options
     return advise.run_advise(
-        model=str(tiny_model),
-        data=synth_data,
-        out_dir=tmp_path / "out",
-        deepspeed_config=base_path,
-        **options,
+        advise.AdviseRequest(
+            model=str(tiny_model),
+            data=synth_data,
+            out_dir=tmp_path / "out",
+            deepspeed_config=base_path,
+            **options,
+        )
     )
 
 

@@ -15,8 +15,10 @@ import typer
 from typer.testing import CliRunner
 
 import advisor.measure.profile as profile_module
+import advisor.measure.profile_command as profile_command_module
 from advisor.measure.grid import GridRequest, TrialSpec
-from advisor.measure.profile import TRIAL_COLUMNS, profile_command, read_trials, run_profile
+from advisor.measure.profile import TRIAL_COLUMNS, read_trials, run_profile
+from advisor.measure.profile_command import profile_command
 from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, classify_trial, error_line, trainer_args
 from sdzero.errors import UserError
 
@@ -208,7 +210,9 @@ def test_a_foreign_trials_csv_is_refused(fake, tmp_path):
 
 def test_command_parses_and_delegates(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(profile_module, "run_profile", lambda **kw: seen.update(kw) or _empty(tmp_path))
+    monkeypatch.setattr(
+        profile_command_module, "run_profile", lambda **kw: seen.update(kw) or _empty(tmp_path)
+    )
     app = typer.Typer()
     app.command()(profile_command)
     args = [

@@ -1,0 +1,80 @@
+"""What `sdzero advise` is asked: every option of the command in one typed object, with its default.
+
+The typer command (advisor.cli.advise_command) builds an AdviseRequest and hands it to
+advisor.advise.run_advise; tests and benches build one directly. Checking the values is the inputs stage's
+work (advisor.stages.inputs), so a request can be written down before anything is asked of the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from advisor.measure.grid import GridRequest
+from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY
+from sdzero.config.lr_rule import DEFAULT_LR_SCALING
+from sdzero.config.options import DEFAULTS
+
+CPU_GRID = GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8))
+"""On a CPU: 12 grid points, of which the search measures about 5 (a few minutes on 2 cores)."""
+
+
+@dataclass(frozen=True)
+class AdviseRequest:
+    """The options of one advise run; the command-line flag of each field is its name in dashes."""
+
+    max_nodes: int = 32
+    """Predict for 1, 2, 4, ... up to this many nodes."""
+    model: str | None = None
+    """diffusers pipeline folder or hub id; None: the embedded tiny model, written into `out_dir`."""
+    data: Path | None = None
+    """Image folder with metadata; None: synthetic data written into `out_dir`."""
+    deepspeed_config: Path | None = None
+    """The DeepSpeed JSON every trial starts from; None: the shipped ds_configs/zero2_bf16.json."""
+    out_dir: Path = Path("reports/advise")
+    """Folder for trials, benchmark, predictions, recommendation and report (--out); rerunning resumes."""
+    budget_minutes: float | None = None
+    """Wall-clock budget for trials and benchmark; None: 5 minutes on a CPU, 30 on GPUs."""
+    hostfile: Path | None = DEFAULTS.hostfile
+    """DeepSpeed hostfile: the benchmark measures the hosts' link, and the recommended config is run
+    across them to check the scale-out prediction; the trials themselves run on this host."""
+    gpus_per_node: int | None = None
+    """Ranks per node of the target cluster; None: this machine's."""
+    inter_node_gbps: float | None = None
+    """Achievable inter-node bandwidth per NIC of the target, Gbit/s."""
+    inter_node_latency_us: float | None = None
+    """Inter-node latency per ring hop of the target, microseconds."""
+    preset: str | None = None
+    """Named inter-node fabric of the target (advisor.model.network.PRESETS)."""
+    nics_per_node: int | None = None
+    """Inter-node NICs per target node; None: the preset's, else 1."""
+    tune_buckets: bool = False
+    """Also measure overlap_comm and reduce bucket sizes for the recommended config, where the model says
+    they matter."""
+    global_batch: str | None = None
+    """Global batch target, `256` or a range `256-1024`; None: the base config's on one target node, held
+    at every node count (strong scaling)."""
+    headroom: float = 0.1
+    """Fraction of device memory left free, in [0, 1)."""
+    device_memory_gib: float | None = None
+    """Device memory per rank of the target; required when the target is not this machine (or give
+    `target_gpu`)."""
+    lr_scaling: str = DEFAULT_LR_SCALING
+    """How the LR follows the global batch when it differs from the reference (sdzero.config.lr_rule)."""
+    grid: GridRequest | None = None
+    """The trial grid; None: CPU_GRID on a CPU, the full default GridRequest on GPUs."""
+    comm_budget_s: float | None = None
+    """Seconds for the collectives benchmark; None: 15 on a CPU, 60 on GPUs (not a command-line flag)."""
+    log: Callable[[str], None] | None = None
+    """Where progress lines go (the command prints them dimmed on stderr); None: nowhere."""
+    train_args: Sequence[str] = ()
+    """More trainer options for every trial and for the recommended launch, already split into words."""
+    min_efficiency: float = DEFAULT_MIN_EFFICIENCY
+    """Recommend the largest node count keeping this scaling efficiency, in (0, 1]."""
+    nodes: int | None = None
+    """Recommend for this node count instead of choosing by efficiency."""
+    target_gpu: str | None = None
+    """The target's GPU by name (advisor.target.TARGET_GPUS), for its memory."""
+    lr_reference_batch: int | None = DEFAULTS.lr_reference_batch
+    """Global batch the base LR was tuned for; None: the base config's on one target node."""

@@ -1,0 +1,190 @@
+"""The inputs stage: the request checked, the base config read, this device asked what it runs, the model
+and data in place, and the trial grid planned. Bad input raises UserError here, before any trial starts
+and before anything but the default model and data is written."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from advisor.inputs import check_train_args, default_inputs
+from advisor.measure.grid import GridPlan, GridRequest, load_base_config
+from advisor.measure.scaleout_check import prepare_hostfile
+from advisor.measure.trials import TrialSettings
+from advisor.model.network import build_network
+from advisor.model.predict import BatchTarget, check_reachable
+from advisor.request import CPU_GRID, AdviseRequest
+from advisor.target import check_options, target_differs, target_memory
+from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
+from sdzero.errors import UserError
+
+
+@dataclass
+class AdviseInputs:
+    """What every later stage works from; nothing has been measured yet."""
+
+    request: AdviseRequest
+    """The options as given (the stages read the target's network, budgets and choice rules from it)."""
+    say: Callable[[str], None]
+    """Where progress lines go."""
+    out_dir: Path
+    """request.out_dir, absolute and created."""
+    node_list: list[int]
+    """Node counts to predict: 1, 2, 4, ... max_nodes, and --nodes."""
+    user_args: tuple[str, ...]
+    """The user's --train-args, checked: for every trial and the recommended launch."""
+    target: BatchTarget
+    """The global batch aimed at: --global-batch, else the base config's on one target node."""
+    target_asked: bool
+    """Whether --global-batch gave the target (else strong scaling of the base config's batch)."""
+    base: dict[str, Any]
+    """The base DeepSpeed config every trial starts from."""
+    base_batch: int
+    """The base config's global batch on one target node: the default target and LR reference."""
+    device: dict[str, Any]
+    """This machine's device as DeepSpeed's accelerator reports it (advisor.measure.profile.device_support)."""
+    ranks: int
+    """Ranks per trial on this machine."""
+    target_gpus: int
+    """Ranks (GPUs) per target node."""
+    differs: str | None
+    """Why the target is not nodes like this one; None when it is."""
+    memory_given: tuple[float, str] | None
+    """(GiB, source) of the target's device memory when the user gave it; None: measured here."""
+    model: str
+    data: Path
+    settings: TrialSettings
+    """What every trial shares (model, data, steps, timeouts, trainer options)."""
+    setup: str
+    """The setup hash under which trials.csv keeps this run's trials (a rerun resumes them)."""
+    hosts: list[Any]
+    """The hostfile's hosts, checked; empty without --hostfile."""
+    plan: GridPlan
+    notes: list[str]
+    """The grid plan's notes: the first of the run's notes."""
+    started: float
+    """time.monotonic() once the inputs were ready: the budget counts from here."""
+
+    @property
+    def on_cpu(self) -> bool:
+        return bool(self.device["device"] == "cpu")
+
+    @property
+    def micro_batches(self) -> list[int]:
+        return grid_micro_batches(self.plan)
+
+
+def grid_micro_batches(plan: GridPlan) -> list[int]:
+    """Every micro-batch of the grid, ladder by ladder (repeats kept)."""
+    return [s.micro_batch for ladder in plan.ladders for s in ladder]
+
+
+def read_inputs(request: AdviseRequest) -> AdviseInputs:
+    """Check the request, then read and write what the measurements need; refuse a target out of reach."""
+    # Late imports: tests stand in for these (a CPU device) on their modules.
+    from advisor.measure.profile import default_ranks, device_support, plan_for_device, trial_setup_id
+    from sdzero.cluster.launch_command import shipped_config
+
+    r = request
+    say = r.log or (lambda message: None)
+    node_list, user_args, asked = _checked_options(r)
+    base = load_base_config(
+        Path(r.deepspeed_config) if r.deepspeed_config else shipped_config("zero2_bf16.json")
+    )
+    device = device_support()
+    on_cpu = device["device"] == "cpu"
+    ranks = default_ranks(device)
+    differs = target_differs(device, ranks, r.gpus_per_node, r.target_gpu)
+    memory_given = target_memory(differs, r.device_memory_gib, r.target_gpu)  # refuses before any trial
+    target_gpus = ranks if r.gpus_per_node is None else r.gpus_per_node
+    # Strong scaling unless asked: the base JSON's batch on one target node, the LR's reference too.
+    base_batch = lr_reference_batch_of(base, target_gpus)
+    target = asked or BatchTarget(base_batch, base_batch)
+    out_dir = Path(r.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, data = default_inputs(out_dir, r.model, r.data)
+    # With a hostfile the trials run on this host only; the hosts' link is measured by the benchmark, and
+    # the recommended config is then run across the hosts to check the scale-out prediction.
+    hosts = prepare_hostfile(r.hostfile, say)
+    settings = _trial_settings(model, data, on_cpu, user_args)
+    plan = plan_for_device(r.grid or (CPU_GRID if on_cpu else GridRequest()), device)
+    _refuse_unreachable(plan, target_gpus, node_list, target, asked is not None, base_batch)
+    return AdviseInputs(
+        request=r,
+        say=say,
+        out_dir=out_dir,
+        node_list=node_list,
+        user_args=user_args,
+        target=target,
+        target_asked=asked is not None,
+        base=base,
+        base_batch=base_batch,
+        device=device,
+        ranks=ranks,
+        target_gpus=target_gpus,
+        differs=differs,
+        memory_given=memory_given,
+        model=model,
+        data=data,
+        settings=settings,
+        setup=trial_setup_id(base, settings),
+        hosts=hosts,
+        plan=plan,
+        notes=list(plan.notes),
+        started=time.monotonic(),
+    )
+
+
+def _checked_options(r: AdviseRequest) -> tuple[list[int], tuple[str, ...], BatchTarget | None]:
+    """The checks that need nothing but the request: (node counts, --train-args, --global-batch)."""
+    node_list = check_options(
+        r.max_nodes,
+        r.headroom,
+        r.device_memory_gib,
+        r.lr_scaling,
+        r.budget_minutes,
+        r.min_efficiency,
+        r.nodes,
+        r.target_gpu,
+    )
+    if r.lr_reference_batch is not None and r.lr_reference_batch < 1:
+        raise UserError(f"--lr-reference-batch {r.lr_reference_batch}: must be at least 1")
+    user_args = check_train_args(r.train_args)
+    # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
+    build_network(
+        None,
+        1 if r.gpus_per_node is None else r.gpus_per_node,
+        r.preset,
+        r.inter_node_gbps,
+        r.inter_node_latency_us,
+        r.nics_per_node,
+    )
+    return node_list, user_args, BatchTarget.parse(r.global_batch)
+
+
+def _trial_settings(model: str, data: Path, on_cpu: bool, user_args: tuple[str, ...]) -> TrialSettings:
+    """Short trials on this host: 5 measured steps after 1 warm-up step on a CPU, 2 on GPUs."""
+    from advisor.measure.profile import trial_settings
+
+    steps, warmup = (5, 1) if on_cpu else (5, 2)
+    # The user's options last: they override the CPU default (argparse keeps the last value).
+    train_args = (*(("--num-workers", "1") if on_cpu else ()), *user_args)
+    return trial_settings(model, data, steps, warmup, 900.0, 300.0, None, None, train_args)
+
+
+def _refuse_unreachable(
+    plan: GridPlan, target_gpus: int, node_list: list[int], target: BatchTarget, asked: bool, base_batch: int
+) -> None:
+    """A global batch no grid micro-batch reaches at any node count: refused, naming where it came from."""
+    try:
+        check_reachable(grid_micro_batches(plan), target_gpus, node_list, target)
+    except UserError as exc:
+        if asked:
+            raise
+        raise UserError(
+            f"the base config's global batch {base_batch} (kept at every node count unless "
+            f"--global-batch says otherwise) is out of reach: {exc}"
+        ) from None

@@ -1,0 +1,109 @@
+"""The predict stage: every candidate config at every node count, and the files the report reads about
+them: predictions.csv, trials.csv (the report's columns) and environment.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from advisor.measure.grid import GridPlan
+from advisor.model.network import Network
+from advisor.model.predict import Candidate, predict_table
+from advisor.model.recommend import what_would_fit
+from advisor.stages.fit import FittedModels
+from advisor.stages.inputs import AdviseInputs
+from advisor.stages.measure import HardwareFigures, MeasuredTrials
+from sdzero.atomic import write_csv_atomic, write_json_atomic
+from sdzero.errors import UserError
+
+
+@dataclass
+class Predictions:
+    candidates: list[Candidate]
+    """The grid points left once out-of-memory trials have ruled out the micro-batches above them."""
+    table: pd.DataFrame
+    """One row per candidate and node count the global batch reaches (predictions.csv)."""
+
+
+def predict(
+    inputs: AdviseInputs,
+    hardware: HardwareFigures,
+    measured: MeasuredTrials,
+    fitted: FittedModels,
+    notes: list[str],
+) -> Predictions:
+    """Predict, write the report's files, then refuse when nothing fits (the files stay to show why).
+    `notes` are the run's notes so far, recorded in environment.json."""
+    candidates = candidates_from(inputs.plan, measured.trials)
+    table = predict_table(
+        candidates,
+        inputs.node_list,
+        fitted.memory,
+        fitted.timing,
+        hardware.target_net,
+        hardware.usable_bytes,
+        inputs.target,
+    )
+    if table.empty:  # the inputs stage checked reach, so only out-of-memory trials removed what reached it
+        raise UserError(
+            f"--global-batch {inputs.target.describe()}: only micro-batches that ran out of memory reach it"
+        )
+    out_dir = inputs.out_dir
+    write_csv_atomic(table, out_dir / "predictions.csv")
+    trials = measured.trials
+    report_trials = trials.assign(dtype=trials["precision"], mem_per_rank_bytes=trials["device_peak_bytes"])
+    write_csv_atomic(report_trials, out_dir / "trials.csv")
+    environment = environment_record(
+        hardware.memory_bytes,
+        hardware.memory_source,
+        inputs.request.headroom,
+        hardware.target_net,
+        hardware.measured_net,
+        notes + hardware.measured_notes,
+    )
+    write_json_atomic(out_dir / "environment.json", environment)
+    if not table["feasible"].any():
+        usable = hardware.usable_bytes
+        raise UserError(
+            "nothing fits: "
+            + what_would_fit(fitted.memory, candidates, inputs.node_list, inputs.target_gpus, usable)
+        )
+    return Predictions(candidates, table)
+
+
+def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:
+    """Every grid point, less those above an out-of-memory trial of their ladder."""
+    oom = trials[trials["status"] == "oom"]
+    out = []
+    for spec in (s for ladder in plan.ladders for s in ladder):
+        same = oom[
+            (oom["zero_stage"] == spec.zero_stage)
+            & (oom["precision"] == spec.precision)
+            & (oom["offload"] == spec.offload)
+        ]
+        if same.empty or spec.micro_batch < same["micro_batch"].min():
+            out.append(Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload))
+    return list(dict.fromkeys(out))
+
+
+def environment_record(
+    memory_bytes: float, source: str, headroom: float, target: Network, measured: Network, notes: list[str]
+) -> dict[str, Any]:
+    """environment.json: the software snapshot where sdzero.telemetry has one, and what was assumed."""
+    env: dict[str, Any] = {}
+    try:
+        from sdzero.telemetry.environment import environment_snapshot  # type: ignore[import-not-found,unused-ignore]
+
+        env.update(environment_snapshot())
+    except ImportError:
+        pass
+    return env | {
+        "device_memory_bytes": memory_bytes,
+        "device_memory_source": source,
+        "headroom": headroom,
+        "target_network": target.describe(),
+        "measured_network": measured.describe(),
+        "notes": notes,
+    }

@@ -1,0 +1,172 @@
+"""The recommend stage: the config and node count to run, its LR, and what the user is told about them.
+
+recommend_config writes <out>/recommended_ds_config.json; write_recommendation writes
+<out>/recommendation.json (advisor.outcome.build_recommendation's payload, with the launch command and,
+across a hostfile's hosts, the scale-out check).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from advisor.measure.scaleout_check import scaleout_check
+from advisor.model.prediction_error import ERROR_EXPLAINED, error_summary
+from advisor.model.recommend import launch_command, recommend
+from advisor.outcome import Outcome, build_recommendation
+from advisor.stages.fit import FittedModels
+from advisor.stages.inputs import AdviseInputs
+from advisor.stages.measure import HardwareFigures, MeasuredTrials
+from advisor.stages.predict import Predictions
+from sdzero.atomic import write_json_atomic
+from sdzero.config.lr_rule import LrChoice
+
+
+@dataclass
+class Choice:
+    """The recommended config, as chosen from the predictions."""
+
+    best: pd.Series
+    """Its predictions row (config, node count, global batch, predicted figures)."""
+    config: dict[str, Any]
+    """Its DeepSpeed JSON, LR included."""
+    config_path: Path
+    """<out>/recommended_ds_config.json."""
+    runners: list[dict[str, Any]]
+    """The other configs at the chosen node count, each with why it lost."""
+    lr: LrChoice
+    notes: list[str] = field(default_factory=list)
+    """--tune-buckets' findings, one a setting measured."""
+
+
+def recommend_config(
+    inputs: AdviseInputs,
+    hardware: HardwareFigures,
+    measured: MeasuredTrials,
+    fitted: FittedModels,
+    predictions: Predictions,
+) -> Choice:
+    """Choose the node count and the fastest config that fits there; measure its buckets if asked."""
+    r = inputs.request
+    reference = r.lr_reference_batch or inputs.base_batch
+    best, config, runners, lr = recommend(
+        predictions.table,
+        inputs.base,
+        hardware.usable_bytes,
+        r.lr_scaling,
+        reference,
+        r.nodes,
+        r.min_efficiency,
+    )
+    notes = tuned_buckets(inputs, hardware, measured, fitted, best) if r.tune_buckets else []
+    config_path = inputs.out_dir / "recommended_ds_config.json"
+    write_json_atomic(config_path, config)
+    return Choice(best, config, config_path, runners, lr, notes)
+
+
+def tuned_buckets(
+    inputs: AdviseInputs,
+    hardware: HardwareFigures,
+    measured: MeasuredTrials,
+    fitted: FittedModels,
+    best: pd.Series,
+) -> list[str]:
+    """overlap_comm and bucket sizes, measured only where the model says they matter; one note each."""
+    from advisor.model.knobs import knob_choices, tune_buckets
+
+    choices = knob_choices(
+        fitted.timing,
+        measured.numels,
+        measured.zero,
+        int(best["zero_stage"]),
+        str(best["dtype"]),
+        int(best["micro_batch"]),
+        int(best["grad_accum"]),
+        int(best["node_count"]),
+        hardware.target_net,
+        str(best["offload"]),
+        fitted.memory,
+        hardware.usable_bytes,
+    )
+    return tune_buckets(best, choices, measured.runner, inputs.ranks)
+
+
+def write_recommendation(
+    inputs: AdviseInputs,
+    hardware: HardwareFigures,
+    measured: MeasuredTrials,
+    predictions: Predictions,
+    choice: Choice,
+    notes: list[str],
+) -> dict[str, Any]:
+    """recommendation.json's payload, written; `notes` (the run's, in order) go into it as they are."""
+    outcome = _outcome(inputs, hardware, measured, predictions, choice, notes)
+    recommendation = build_recommendation(outcome)
+    recommendation["launch_command"] = launch_command(
+        choice.config_path,
+        inputs.model,
+        inputs.data,
+        int(choice.best["node_count"]),
+        inputs.target_gpus,
+        inputs.request.hostfile,
+        inputs.out_dir / "run",
+        inputs.user_args,
+        choice.lr,
+    )
+    recommendation["error_explained"] = ERROR_EXPLAINED
+    if len(inputs.hosts) >= 2 and inputs.request.hostfile is not None:
+        recommendation["scaleout_check"] = scaleout_check(
+            choice.best,
+            inputs.base,
+            inputs.settings,
+            inputs.request.hostfile,
+            inputs.hosts,
+            hardware.fit_path,
+            inputs.out_dir,
+            inputs.say,
+        )
+    write_json_atomic(inputs.out_dir / "recommendation.json", recommendation)
+    return recommendation
+
+
+def _outcome(
+    inputs: AdviseInputs,
+    hardware: HardwareFigures,
+    measured: MeasuredTrials,
+    predictions: Predictions,
+    choice: Choice,
+    notes: list[str],
+) -> Outcome:
+    r = inputs.request
+    return Outcome(
+        best=choice.best,
+        runners=choice.runners,
+        lr=choice.lr,
+        trials=measured.trials,
+        predictions=predictions.table,
+        node_list=inputs.node_list,
+        min_efficiency=r.min_efficiency,
+        fixed_nodes=r.nodes,
+        target=inputs.target,
+        target_asked=inputs.target_asked,
+        base_batch=inputs.base_batch,
+        target_net=hardware.target_net,
+        measured_net=hardware.measured_net,
+        trial_device=inputs.device,
+        trial_ranks=inputs.ranks,
+        differs=inputs.differs,
+        memory_bytes=hardware.memory_bytes,
+        memory_source=hardware.memory_source,
+        usable_bytes=hardware.usable_bytes,
+        errors=error_summary(measured.validation),
+        check_ids=measured.check_ids,
+        search=measured.search,
+        elapsed_s=time.monotonic() - inputs.started,
+        budget_s=measured.budget_s,
+        per_trial_s=measured.per_trial_s,
+        notes=notes,
+    )
