@@ -320,7 +320,11 @@ def k8s(
 @command("doctor")
 def doctor(
     hostfile: Annotated[
-        Path | None, cli_option("hostfile", note="check these nodes over ssh (default: this one)")
+        Path | None,
+        cli_option(
+            "hostfile",
+            note="check these nodes over ssh (default: inside a Slurm allocation its nodes, else this one)",
+        ),
     ] = DEFAULTS.hostfile,
     output_dir: Annotated[Path, cli_option("output_dir", note="checked: free disk, shared by all?")] = Path(
         "."

@@ -1,6 +1,7 @@
 """`sdzero doctor [--hostfile H]`: before an expensive job, do the nodes agree and can they work together?
 
-Per node (over ssh, as the pdsh launcher reaches them; without a hostfile, this machine only): the
+Per node (over ssh, as the pdsh launcher reaches them; without a hostfile, the nodes of the Slurm
+allocation it runs in, else this machine only): the
 accelerators (model, count, memory) or the CPU, driver/CUDA/NCCL versions, Python/torch/DeepSpeed/
 diffusers versions, free disk in --output-dir. Across nodes: that the versions agree, that every node sees
 the same --data fingerprint and reads the tokens the others wrote in --output-dir (sdzero/cluster/shared_storage.py: the
@@ -251,17 +252,28 @@ def _probe_pair(a: str, b: str, size_mib: float, rounds: int) -> float:
     return float(results[0]["gbps"])
 
 
+def doctor_hosts(hostfile: Path | None) -> list[str | None]:
+    """The nodes to check: the hostfile's; else, inside a Slurm allocation, its nodes (reached over ssh by
+    name, as a job's nodes accept their user's ssh); else [None], this machine alone."""
+    from sdzero.cluster.hostfile import HostEntry, check_reachable, parse_hostfile
+    from sdzero.cluster.slurm import allocation_nodes
+
+    if hostfile is not None:
+        entries = parse_hostfile(hostfile)
+    else:
+        names = allocation_nodes()
+        if names is None:
+            return [None]
+        entries = [HostEntry(name, 1, number) for number, name in enumerate(names, start=1)]
+    check_reachable(entries)
+    return [e.host for e in entries]
+
+
 def diagnose(
     hostfile: Path | None, output_dir: Path, data: Path | None, size_mib: float = 16, rounds: int = 3
 ) -> tuple[list[dict[str, Any]], dict[str, list[str]], dict[tuple[str, str], float], Findings]:
     """Gather every node's facts, the token cross-check and the pair probes, then assess them."""
-    from sdzero.cluster.hostfile import check_reachable, parse_hostfile
-
-    hosts: list[str | None] = [None]
-    if hostfile is not None:
-        entries = parse_hostfile(hostfile)
-        check_reachable(entries)
-        hosts = [e.host for e in entries]
+    hosts = doctor_hosts(hostfile)
     token_dir = Path(output_dir).absolute() / TOKEN_DIR / secrets.token_hex(6)
     base = ["node", "--output-dir", str(output_dir), "--token-dir", str(token_dir)]
     base += ["--data", str(data)] if data is not None else []
@@ -285,7 +297,7 @@ def diagnose(
         f["host"]: [h for h in c["unseen"] if h != f["host"]] for f, c in zip(facts, checks, strict=True)
     }
     pairs: dict[tuple[str, str], float] = {}
-    if hostfile is not None and len(hosts) > 1:
+    if len(hosts) > 1:
         name = dict(zip(hosts, names, strict=True))  # pairs named as the table names nodes: by hostname
         for a, b in itertools.combinations(hosts, 2):  # one pair at a time: each probe has its link alone
             pairs[(name[a], name[b])] = _probe_pair(a, b, size_mib, rounds)  # type: ignore[arg-type]

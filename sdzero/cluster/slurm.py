@@ -9,13 +9,22 @@ The script
    the time limit or on preemption) forwards SIGUSR1 to srun, which hands it to every task: the trainer
    checkpoints at the next step boundary and exits 143 (sdzero/process/preemption.py);
 4. then `scontrol requeue`s the job, whose next start resumes with `--resume auto` from the newest
-   complete checkpoint.
+   complete checkpoint;
+5. on SIGTERM (Slurm ending the job: scancel, a failed node, its own preemption) asks the ranks to save
+   the same way but does not requeue: a cancelled job stays cancelled (a plain `scancel` used to bring it
+   back), and where Slurm requeues (a failed node, PreemptMode=REQUEUE) it does so itself.
+
+The working folder goes into the script twice: in the body, shell-quoted like every path there, and in
+the `#SBATCH --output` line, which sbatch parses itself (sbatch_file_pattern).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,14 +75,18 @@ export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$dev} NCCL_SOCKET_IFNAME=${NCCL_
 exec "$@"
 WRAPPER
 
-preempted=0
+# USR1 is Slurm's warning (the time limit is near, or `scancel --signal=USR1 --batch`): save and requeue.
+# TERM is Slurm ending the job (scancel, a node lost, its own preemption): the ranks are asked to save
+# before KillWait's SIGKILL, and Slurm decides what comes next (a cancelled job stays cancelled; one whose
+# node failed, or preempted in REQUEUE mode, is requeued by Slurm itself: #SBATCH --requeue).
+warned=0
+ending=0
 forward() {
-  preempted=1
   echo "sdzero: got SIG$1; asking every rank to checkpoint and stop"
   kill -USR1 "$RANKS_PID" 2>/dev/null  # srun hands SIGUSR1 to every task
 }
-trap 'forward USR1' USR1
-trap 'forward TERM' TERM
+trap 'warned=1; forward USR1' USR1
+trap 'ending=1; forward TERM' TERM
 
 srun --kill-on-bad-exit=1 --ntasks-per-node={{ ranks_per_node }} --export=ALL \
   bash -c "$RANK_WRAPPER" sdzero-rank \
@@ -86,10 +99,15 @@ while :; do
   kill -0 "$RANKS_PID" 2>/dev/null || break
 done
 
-if [ "$code" -eq 143 ] || [ "$preempted" -eq 1 ]; then
+# Exit 143 without a signal here: the ranks were signalled themselves (`scancel --signal=USR1`, steps only).
+if [ "$warned" -eq 1 ] || { [ "$code" -eq 143 ] && [ "$ending" -eq 0 ]; }; then
   echo "sdzero: stopped with exit $code after a preemption warning; requeueing job $SLURM_JOB_ID (resumes with --resume auto)"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
+fi
+if [ "$ending" -eq 1 ]; then
+  echo "sdzero: Slurm is ending job $SLURM_JOB_ID (SIGTERM); ranks ended with exit $code; not requeued by this script"
+  exit "$code"
 fi
 echo "sdzero: ranks ended with exit $code"
 exit "$code"
@@ -131,6 +149,53 @@ def with_resume_auto(train_args: list[str]) -> list[str]:
     return [*train_args, "--resume", "auto"]
 
 
+LOG_NAME = "slurm-%x-%j.log"
+"""The job's log: %x the job name, %j its id (the same file across requeues: --open-mode=append)."""
+
+
+def sbatch_file_pattern(folder: Path, name_pattern: str) -> str:
+    """`folder/name_pattern` as an #SBATCH file value: in double quotes, the folder's own `%` doubled.
+
+    sbatch splits its directive lines at blanks unless quoted (an unquoted folder with a space makes it
+    refuse the whole script: "Invalid directive found in batch script"), and expands `%j`, `%x` ... in
+    file names, where `%%` is a percent sign. What the quotes cannot carry is refused: a double quote ends
+    them, a backslash escapes the next character and turns every `%` pattern off, a line break ends the
+    directive.
+    """
+    text = str(folder)
+    bad = sorted({c for c in text if c in '"\\' or ord(c) < 32})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        raise UserError(
+            f"working folder {text!r}: holds {shown}, which an #SBATCH line cannot carry (the job log "
+            "goes there); run `sdzero slurm` from a folder without double quotes, backslashes or control "
+            "characters in its path"
+        )
+    return '"' + text.replace("%", "%%") + "/" + name_pattern + '"'
+
+
+def allocation_nodes(environ: dict[str, str] | None = None) -> list[str] | None:
+    """Inside a Slurm allocation (a batch script, salloc, srun): its node names, in Slurm's order, as
+    `scontrol show hostnames` expands SLURM_JOB_NODELIST (`gpu[01-03]` -> gpu01 gpu02 gpu03); None outside
+    one. The batch script builds its hostfile the same way."""
+    nodelist = (os.environ if environ is None else environ).get("SLURM_JOB_NODELIST", "").strip()
+    if not nodelist:
+        return None
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise UserError(
+            f"SLURM_JOB_NODELIST={nodelist} but no `scontrol` on PATH to expand it; pass --hostfile"
+        )
+    shown = subprocess.run(
+        [scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60
+    )
+    names = shown.stdout.split()
+    if shown.returncode != 0 or not names:
+        reason = (shown.stderr.strip().splitlines() or [f"exit {shown.returncode}"])[-1]
+        raise UserError(f"`scontrol show hostnames {nodelist}` failed: {reason}; pass --hostfile")
+    return names
+
+
 def check_job(job: SlurmJob) -> None:
     if job.nodes < 1:
         raise UserError(f"--nodes {job.nodes}: must be at least 1")
@@ -163,7 +228,7 @@ def render(job: SlurmJob) -> str:
         output_dir=shlex.quote(str(Path(out).absolute())),
         workdir=shlex.quote(str(Path.cwd())),
         # Slurm opens the log before the script runs, so it goes to a folder that exists at submit time.
-        log_pattern=str(Path.cwd() / "slurm-%x-%j.log"),
+        log_pattern=sbatch_file_pattern(Path.cwd(), LOG_NAME),
         python=shlex.quote(sys.executable),
         train_script=shlex.quote(str(TRAIN_SCRIPT)),
         train_args=" ".join(shlex.quote(a) for a in with_resume_auto(job.train_args)),
