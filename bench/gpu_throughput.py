@@ -120,36 +120,50 @@ def peak_flops(name: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def premade_batches(n: int, batch: int, side: int, text_width: int, device: Any) -> list[dict[str, Any]]:
-    """Cached-input micro-batches (sdzero.data.cache's keys): posterior mean/std, its eps, text states, noise, t."""
+def premade_batch(g: Any, batch: int, side: int, text_width: int, device: Any) -> Any:
+    """One cached-input micro-batch (a StepInput as sdzero.data.cache makes): posterior mean/std, its eps,
+    text states, noise, t; drawn from `g` in that order."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
+    from sdzero.models.step_input import LatentPosterior, PromptEmbeds, StepInput
 
     def randn(*shape: int) -> Any:
         return torch.randn(*shape, generator=g).to(device)
 
-    return [
-        {
-            "latent_mean": randn(batch, 4, side, side),
-            "latent_std": 0.1 * randn(batch, 4, side, side).abs(),
-            "latent_eps": randn(batch, 4, side, side),
-            "noise": randn(batch, 4, side, side),
-            "cond.encoder_hidden_states": randn(batch, 77, text_width),
-            "timestep": torch.randint(0, 1000, (batch,), generator=g).to(device),
-        }
-        for _ in range(n)
-    ]
+    mean, std = randn(batch, 4, side, side), 0.1 * randn(batch, 4, side, side).abs()
+    eps, noise, text = randn(batch, 4, side, side), randn(batch, 4, side, side), randn(batch, 77, text_width)
+    timestep = torch.randint(0, 1000, (batch,), generator=g).to(device)
+    # SDXL's size/crop inputs, which SD ignores: the trained size in pixels (the VAE downsamples by 8).
+    size = torch.tensor([[8 * side, 8 * side]] * batch, device=device)
+    return StepInput(
+        noise=noise,
+        latent_eps=eps,
+        timestep=timestep,
+        index=torch.arange(batch, device=device),
+        original_size=size,
+        crop_top_left=torch.zeros_like(size),
+        target_size=size,
+        posterior=LatentPosterior(mean, std),
+        prompt_embeds=PromptEmbeds(text),
+    )
+
+
+def premade_batches(n: int, batch: int, side: int, text_width: int, device: Any) -> list[Any]:
+    """`n` cached-input micro-batches (StepInputs), the same ones on every run (a seeded generator)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [premade_batch(g, batch, side, text_width, device) for _ in range(n)]
 
 
 class Premade:
     """What the Trainer draws batches from (as bench/trainer_overhead.py's)."""
 
-    def __init__(self, batches: list[dict[str, Any]]) -> None:
+    def __init__(self, batches: list[Any]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
         self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data.feed.Batches)
 
-    def next(self) -> dict[str, Any]:
+    def next(self) -> Any:
         self.i += 1
         return self.batches[self.i % len(self.batches)]
 
@@ -197,11 +211,11 @@ def example_rate(a: argparse.Namespace, base_unet: Any, batches: list, scheduler
 
     def step() -> None:
         b = feed.next()
-        latents = (b["latent_mean"] + b["latent_std"] * b["latent_eps"]) * scale
-        noisy = scheduler.add_noise(latents, b["noise"], b["timestep"])
+        latents = (b.posterior.mean + b.posterior.std * b.latent_eps) * scale
+        noisy = scheduler.add_noise(latents, b.noise, b.timestep)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            pred = unet(noisy, b["timestep"], b["cond.encoder_hidden_states"]).sample
-        loss = F.mse_loss(pred.float(), b["noise"].float())
+            pred = unet(noisy, b.timestep, b.prompt_embeds.encoder_hidden_states).sample
+        loss = F.mse_loss(pred.float(), b.noise.float())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sdzero.models.step_input import StepInput
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -71,11 +73,11 @@ def launch(args: argparse.Namespace) -> int:
 class Premade:
     """Cycles through micro-batches made once up front, so neither loop pays for data loading."""
 
-    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
+    def __init__(self, batches: list[StepInput]) -> None:
         self.batches, self.i, self.epoch, self.batches_in_epoch = batches, 0, 0, 0
         self.samples_in_epoch = 0  # the data position a checkpoint records (sdzero.data.feed.Batches)
 
-    def next(self) -> dict[str, torch.Tensor]:
+    def next(self) -> StepInput:
         batch = self.batches[self.i % len(self.batches)]
         self.i += 1
         return batch
@@ -86,17 +88,17 @@ class Premade:
 
 def bare_block(engine, comps, batches: Premade, steps: int, accum: int, device) -> None:
     """The loop every DeepSpeed tutorial writes: encode, noise, forward, MSE, backward, step."""
-    from sdzero.models.loading import encode_latents, encode_text
+    from sdzero.models.encoding import encode_latents, encode_text
 
     for _ in range(steps):
         for _ in range(accum):
-            b = {k: v.to(device) for k, v in batches.next().items()}
-            latents = encode_latents(comps.vae, b["pixel_values"], b["latent_eps"])
-            text = encode_text(comps.text_encoder, b["input_ids"])
-            noisy = comps.noise_scheduler.add_noise(latents, b["noise"], b["timestep"])
+            b = batches.next().to(device)
+            latents = encode_latents(comps.vae, b.pixel_values, b.latent_eps)
+            text = encode_text(comps.text_encoder, b.token_ids[0])
+            noisy = comps.noise_scheduler.add_noise(latents, b.noise, b.timestep)
             dtype = next(engine.module.parameters()).dtype
-            pred = engine(noisy.to(dtype), b["timestep"], text.to(dtype), return_dict=False)[0]
-            loss = F.mse_loss(pred.float(), b["noise"].float())
+            pred = engine(noisy.to(dtype), b.timestep, text.to(dtype), return_dict=False)[0]
+            loss = F.mse_loss(pred.float(), b.noise.float())
             engine.backward(loss)
             engine.step()
 
@@ -119,7 +121,7 @@ def loader_rate(loader, sampler, n_batches: int) -> float:
     seen = 0
     for _ in range(n_batches):
         try:
-            seen += len(next(it)["index"])
+            seen += len(next(it))  # samples in the micro-batch
         except StopIteration:
             break
     return seen / (time.perf_counter() - start)

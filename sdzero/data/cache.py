@@ -40,6 +40,7 @@ from sdzero.data.images import (
 )
 from sdzero.errors import UserError
 from sdzero.models.families import FAMILIES, detect_family
+from sdzero.models.step_input import LatentPosterior, PromptEmbeds, StepInput
 
 log = logging.getLogger("sdzero.data.cache")
 
@@ -351,8 +352,8 @@ def open_cache(
 
 
 class CachedSamples(Dataset):
-    """Items shaped like `CaptionedImages`' but with posterior mean/std and text embeddings instead of
-    pixels and tokens. The per-sample generator makes the same draws in the same order (flip, then
+    """Cached StepInputs: like `CaptionedImages`' but with the posterior mean/std and text embeddings in
+    place of pixels and tokens. The per-sample generator makes the same draws in the same order (flip, then
     `draw_noise`), so a sample's noise, timestep and posterior draw equal those of online encoding."""
 
     def __init__(self, cache: CacheIndex, spec: SampleSpec) -> None:
@@ -369,7 +370,8 @@ class CachedSamples(Dataset):
             self._open[k] = safe_open(str(self.cache.folder / shard_name(k)), framework="pt")
         return self._open[k]
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+    def __getitem__(self, key: tuple[int, int]) -> StepInput:
+        """One sample (no batch dimension); the DataLoader joins them with StepInput.collate."""
         index, epoch = key
         rng = sample_generator(self.spec.seed, epoch, index)
         flip = self.spec.random_flip and rng.random() < 0.5
@@ -377,14 +379,17 @@ class CachedSamples(Dataset):
         view = f"{index}/flip/" if flip else f"{index}/"
         mean, std = shard.get_tensor(view + "mean"), shard.get_tensor(view + "std")
         drawn = draw_noise(rng, self.spec, tuple(mean.shape))
-        cond = {f"cond.{k}": shard.get_tensor(f"{index}/cond/{k}") for k in self.cache.raw["cond_keys"]}
-        return {
-            "latent_mean": mean,
-            "latent_std": std,
-            **cond,
-            **drawn,
-            "index": torch.tensor(index, dtype=torch.long),
-            "original_size": shard.get_tensor(f"{index}/original_size"),
-            "crop_top_left": shard.get_tensor(f"{index}/crop_top_left"),
-            "target_size": shard.get_tensor(f"{index}/target_size"),
-        }
+        # The embeddings under the names the build stored (PromptEmbeds' field names: cache_build).
+        cond = {k: shard.get_tensor(f"{index}/cond/{k}") for k in self.cache.raw["cond_keys"]}
+        return StepInput(
+            noise=drawn.noise,
+            latent_eps=drawn.latent_eps,
+            timestep=drawn.timestep,
+            flow_u=drawn.flow_u,
+            index=torch.tensor(index, dtype=torch.long),
+            original_size=shard.get_tensor(f"{index}/original_size"),
+            crop_top_left=shard.get_tensor(f"{index}/crop_top_left"),
+            target_size=shard.get_tensor(f"{index}/target_size"),
+            posterior=LatentPosterior(mean, std),
+            prompt_embeds=PromptEmbeds(**cond),
+        )

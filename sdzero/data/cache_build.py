@@ -108,6 +108,22 @@ def _shard_done(path: Path, digest: str, first: int, count: int) -> bool:
         return False
 
 
+def _pixels(
+    group: list[tuple[int, Record]], size: tuple[int, int]
+) -> tuple[torch.Tensor, list[tuple[int, tuple[int, int], tuple[int, int]]]]:
+    """The images of `group` center-cropped to `size`, stacked in [-1, 1], and per image its (position,
+    original (height, width), crop (top, left)): SDXL's micro-conditioning, stored beside the latents."""
+    dummy = np.random.default_rng(0)  # center crop draws nothing
+    pixels, meta = [], []
+    for pos, rec in group:
+        img = open_rgb(rec.path)
+        original = (img.height, img.width)
+        img, crop = resize_and_crop(img, size, dummy, random_crop=False)
+        pixels.append(torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1))
+        meta.append((pos, original, crop))
+    return torch.stack(pixels), meta
+
+
 @torch.no_grad()
 def _encode_shard(
     comps: Any,
@@ -119,7 +135,6 @@ def _encode_shard(
     """Every tensor of a shard's samples, keyed `<position>/<name>`."""
     from sdzero.models.loading import encode_prompts, tokenize
 
-    dummy = np.random.default_rng(0)  # center crop draws nothing
     out: dict[str, torch.Tensor] = {}
     by_size: dict[tuple[int, int], list[tuple[int, Record]]] = {}
     for pos, rec, size in items:
@@ -127,23 +142,14 @@ def _encode_shard(
     for size, group in by_size.items():
         for start in range(0, len(group), batch_size):
             batch = group[start : start + batch_size]
-            pixels, meta = [], []
-            for pos, rec in batch:
-                img = open_rgb(rec.path)
-                original = (img.height, img.width)
-                img, crop = resize_and_crop(img, size, dummy, random_crop=False)
-                pixels.append(
-                    torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
-                )
-                meta.append((pos, original, crop))
-            px = torch.stack(pixels).to(device)
+            pixels, meta = _pixels(batch, size)
+            px = pixels.to(device)
             vae = comps.vae
             views = {"": px, "flip/": px.flip(-1)} if flip == "both" else {"": px}
-            tokens: dict[str, list[torch.Tensor]] = {}
-            for _, rec in batch:
-                for k, v in tokenize(comps, rec.text).items():
-                    tokens.setdefault(k, []).append(v)
-            cond = encode_prompts(comps, {k: torch.stack(v).to(device) for k, v in tokens.items()})
+            # One (batch, tokens) tensor per text encoder, in the family's order (a StepInput's token_ids).
+            per_caption = [tokenize(comps, rec.text) for _, rec in batch]
+            token_ids = tuple(torch.stack(slot).to(device) for slot in zip(*per_caption, strict=True))
+            cond = encode_prompts(comps, token_ids).by_name()
             for prefix, view in views.items():
                 posterior = vae.encode(view.to(vae.dtype)).latent_dist
                 for i, (pos, _, _) in enumerate(meta):
@@ -170,6 +176,122 @@ class BuildResult:
     already_complete: bool = False
 
 
+@dataclass
+class _Plan:
+    """What every rank of a build agrees on before any shard is encoded."""
+
+    spec: CacheSpec
+    records: list[Record]
+    """Every record of the metadata file, readable or not."""
+    rows: list[list[Any]]
+    """The data files' [name, size, mtime_ns] (sdzero.data.cache.data_files)."""
+    good: list[Record]
+    """The readable records: position p of the cache is good[p]."""
+    bad: list[int]
+    """Indices into `records` of the unreadable images, skipped."""
+    sizes: list[tuple[int, int]]
+    """Each good record's (height, width): its aspect-ratio bucket, or the square resolution."""
+    shard_size: int
+
+    @property
+    def n_shards(self) -> int:
+        return (len(self.good) + self.shard_size - 1) // self.shard_size
+
+    def shard_items(self, k: int) -> list[tuple[int, Record, tuple[int, int]]]:
+        """(position, record, size) of every sample in shard k."""
+        first = k * self.shard_size
+        return [
+            (p, self.good[p], self.sizes[p])
+            for p in range(first, min(first + self.shard_size, len(self.good)))
+        ]
+
+
+def _check_build_options(flip: str, dtype: str, shard_size: int, batch_size: int) -> None:
+    from sdzero.models.loading import DTYPES
+
+    if flip not in FLIP_POLICIES:
+        raise UserError(f"--flip must be one of {', '.join(FLIP_POLICIES)}, got {flip!r}")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if shard_size < 1 or batch_size < 1:
+        raise UserError("--shard-size and --batch-size must be at least 1")
+
+
+def _finished_build(out: Path, spec: CacheSpec, rows: list[list[Any]]) -> BuildResult | None:
+    """The result of a build already complete in `out` with these settings, None if there is work left;
+    refuses a folder that holds something else (another build's cache, or anything not a cache)."""
+    if (out / INDEX_NAME).is_file():
+        index = read_index(out / INDEX_NAME)
+        _refuse_other(out, spec_from(index["spec"]), index["data_files"], spec, rows)
+        return BuildResult(out, len(index["samples"]), len(index["shards"]), 0, 0, 0.0, already_complete=True)
+    if (out / BUILD_NAME).is_file():
+        build = json.loads((out / BUILD_NAME).read_text())
+        _refuse_other(out, spec_from(build["spec"]), build["data_files"], spec, rows)
+    elif out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} exists and is not a cache folder; choose an empty or new folder")
+    return None
+
+
+def _plan(
+    ranks: _Ranks,
+    spec: CacheSpec,
+    records: list[Record],
+    rows: list[list[Any]],
+    shard_size: int,
+    max_bad_fraction: float,
+    data: Path,
+) -> _Plan:
+    """Unreadable images found by all ranks together (each checks a share: a collective) and every good
+    image's size, so that all ranks cut the same shards."""
+    from sdzero.data.images import check_bad_fraction, find_unreadable
+
+    bad = {i for share in ranks.gather(find_unreadable(records, ranks.rank, ranks.world)) for i in share}
+    check_bad_fraction(len(records), len(bad), max_bad_fraction, data)
+    good = [r for i, r in enumerate(records) if i not in bad]
+    if spec.buckets is not None:
+        sizes_list = [tuple(s) for s in spec.buckets]
+        sizes = [sizes_list[b] for b in assign_buckets(image_sizes([r.path for r in good]), sizes_list)]
+    else:
+        sizes = [(spec.resolution, spec.resolution)] * len(good)
+    return _Plan(spec, records, rows, good, sorted(bad), sizes, shard_size)  # type: ignore[arg-type]
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)  # the commit: a shard is either complete under its name or absent
+
+
+def _build_my_shards(
+    out: Path,
+    plan: _Plan,
+    comps: Any,
+    ranks: _Ranks,
+    batch_size: int,
+    device: torch.device,
+    stop_after_shards: int | None,
+) -> tuple[int, int]:
+    """Encode and commit this rank's shards (k % world == rank), skipping those already committed;
+    returns (built, skipped)."""
+    built = skipped = 0
+    digest = plan.spec.digest
+    for k in range(ranks.rank, plan.n_shards, ranks.world):
+        path, first, items = out / shard_name(k), k * plan.shard_size, plan.shard_items(k)
+        if path.is_file() and _shard_done(path, digest, first, len(items)):
+            skipped += 1
+            continue
+        tensors = _encode_shard(comps, items, plan.spec.flip, batch_size, device)
+        meta = {"spec": digest, "rank": str(ranks.rank), "first": str(first), "count": str(len(items))}
+        _write_shard(path, tensors, meta)
+        built += 1
+        log.info("rank %d: shard %d of %d written (%d samples)", ranks.rank, k + 1, plan.n_shards, len(items))
+        if stop_after_shards is not None and built >= stop_after_shards:
+            raise BuildInterrupted(f"stopped after {built} shard(s), as asked")
+    return built, skipped
+
+
 def build_cache(
     model: str,
     data: Path,
@@ -185,27 +307,15 @@ def build_cache(
     stop_after_shards: int | None = None,
 ) -> BuildResult:
     """Encode every readable image of `data` into `out`; this process builds shards k with k % world == rank."""
-    from sdzero.data.images import check_bad_fraction, find_unreadable
-    from sdzero.models.loading import DTYPES, load_components
+    from sdzero.models.loading import load_components
 
-    if flip not in FLIP_POLICIES:
-        raise UserError(f"--flip must be one of {', '.join(FLIP_POLICIES)}, got {flip!r}")
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if shard_size < 1 or batch_size < 1:
-        raise UserError("--shard-size and --batch-size must be at least 1")
+    _check_build_options(flip, dtype, shard_size, batch_size)
     start = time.perf_counter()
     out, data = Path(out), Path(data)
     spec, records, rows = run_spec(model, data, resolution, buckets, flip, dtype, max_sequence_length)
-    if (out / INDEX_NAME).is_file():
-        index = read_index(out / INDEX_NAME)
-        _refuse_other(out, spec_from(index["spec"]), index["data_files"], spec, rows)
-        return BuildResult(out, len(index["samples"]), len(index["shards"]), 0, 0, 0.0, already_complete=True)
-    if (out / BUILD_NAME).is_file():
-        build = json.loads((out / BUILD_NAME).read_text())
-        _refuse_other(out, spec_from(build["spec"]), build["data_files"], spec, rows)
-    elif out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} exists and is not a cache folder; choose an empty or new folder")
+    finished = _finished_build(out, spec, rows)
+    if finished is not None:
+        return finished
 
     ranks = _Ranks()
     try:
@@ -214,90 +324,33 @@ def build_cache(
             write_json_atomic(
                 out / BUILD_NAME, {"format": CACHE_FORMAT, "spec": asdict(spec), "data_files": rows}
             )
-        bad = {i for share in ranks.gather(find_unreadable(records, ranks.rank, ranks.world)) for i in share}
-        check_bad_fraction(len(records), len(bad), max_bad_fraction, data)
-        good = [r for i, r in enumerate(records) if i not in bad]
-        if spec.buckets is not None:
-            sizes_list = [tuple(s) for s in spec.buckets]
-            sizes = [sizes_list[b] for b in assign_buckets(image_sizes([r.path for r in good]), sizes_list)]
-        else:
-            sizes = [(spec.resolution, spec.resolution)] * len(good)
-        n_shards = (len(good) + shard_size - 1) // shard_size
+        plan = _plan(ranks, spec, records, rows, shard_size, max_bad_fraction, data)
         ranks.barrier()  # build.json exists before anyone writes a shard
 
         device = torch.device(
             f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
         )
         comps = load_components(model, dtype, device, max_sequence_length=max_sequence_length)
-        built = skipped = 0
-        for k in range(ranks.rank, n_shards, ranks.world):
-            path = out / shard_name(k)
-            first = k * shard_size
-            items = [(p, good[p], sizes[p]) for p in range(first, min(first + shard_size, len(good)))]
-            if path.is_file() and _shard_done(path, spec.digest, first, len(items)):
-                skipped += 1
-                continue
-            tensors = _encode_shard(comps, items, flip, batch_size, device)
-            from safetensors.torch import save_file
-
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            meta = {
-                "spec": spec.digest,
-                "rank": str(ranks.rank),
-                "first": str(first),
-                "count": str(len(items)),
-            }
-            save_file(tensors, str(tmp), metadata=meta)
-            os.replace(tmp, path)  # the commit: a shard is either complete under its name or absent
-            built += 1
-            log.info("rank %d: shard %d of %d written (%d samples)", ranks.rank, k + 1, n_shards, len(items))
-            if stop_after_shards is not None and built >= stop_after_shards:
-                raise BuildInterrupted(f"stopped after {built} shard(s), as asked")
+        built, skipped = _build_my_shards(out, plan, comps, ranks, batch_size, device, stop_after_shards)
         ranks.barrier()  # every shard is committed
         if ranks.rank == 0:
-            _write_index(
-                out,
-                data,
-                spec,
-                rows,
-                good,
-                sizes,
-                n_shards,
-                shard_size,
-                comps,
-                sorted(bad),
-                records,
-                time.perf_counter() - start,
-            )
+            _write_index(out, data, plan, comps, time.perf_counter() - start)
         ranks.barrier()
     finally:
         ranks.close()
-    n = len(good)
-    return BuildResult(out, n, n_shards, built, skipped, time.perf_counter() - start)
+    return BuildResult(out, len(plan.good), plan.n_shards, built, skipped, time.perf_counter() - start)
 
 
-def _write_index(
-    out: Path,
-    data: Path,
-    spec: CacheSpec,
-    rows,
-    good: list[Record],
-    sizes,
-    n_shards: int,
-    shard_size: int,
-    comps: Any,
-    bad: list[int],
-    records: list[Record],
-    seconds: float,
-) -> None:
+def _shard_entries(out: Path, plan: _Plan) -> tuple[list[dict[str, Any]], set[str]]:
+    """cache.json's entry of every shard, each checked committed, and the text embeddings' names."""
     from safetensors import safe_open
 
     shards = []
     cond_keys: set[str] = set()
-    for k in range(n_shards):
+    for k in range(plan.n_shards):
         path = out / shard_name(k)
-        count = min(shard_size, len(good) - k * shard_size)
-        if not _shard_done(path, spec.digest, k * shard_size, count):
+        count = min(plan.shard_size, len(plan.good) - k * plan.shard_size)
+        if not _shard_done(path, plan.spec.digest, k * plan.shard_size, count):
             raise UserError(
                 f"{path}: missing or incomplete after the build; rerun the same command to finish it"
             )
@@ -314,10 +367,15 @@ def _write_index(
                 "bytes": path.stat().st_size,
             }
         )
+    return shards, cond_keys
+
+
+def _write_index(out: Path, data: Path, plan: _Plan, comps: Any, seconds: float) -> None:
+    shards, cond_keys = _shard_entries(out, plan)
     index = {
         "format": CACHE_FORMAT,
-        "spec": asdict(spec),
-        "spec_digest": spec.digest,
+        "spec": asdict(plan.spec),
+        "spec_digest": plan.spec.digest,
         "latent_shift": comps.latent_shift_factor,
         "latent_scale": comps.latent_scaling_factor,
         "cond_keys": sorted(cond_keys),
@@ -325,14 +383,14 @@ def _write_index(
             {
                 "file_name": r.path.relative_to(data).as_posix(),
                 "text": r.text,
-                "shard": p // shard_size,
-                "size": list(sizes[p]),
+                "shard": p // plan.shard_size,
+                "size": list(plan.sizes[p]),
             }
-            for p, r in enumerate(good)
+            for p, r in enumerate(plan.good)
         ],
         "shards": shards,
-        "skipped_unreadable": [records[i].path.name for i in bad],
-        "data_files": rows,
+        "skipped_unreadable": [plan.records[i].path.name for i in plan.bad],
+        "data_files": plan.rows,
         "build_seconds": seconds,  # rank 0's last build session, model loading included
     }
     write_json_atomic(out / INDEX_NAME, index)

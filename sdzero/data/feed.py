@@ -1,5 +1,5 @@
-"""The training data feed: the dataset and loader (`build_data`) and the endless micro-batches the Trainer
-draws from them (`Batches`), with the data position a checkpoint records."""
+"""The training data feed: the dataset and loader (`build_data`) and the endless micro-batches (StepInputs)
+the Trainer draws from them (`Batches`), with the data position a checkpoint records."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from sdzero.data.images import (
 from sdzero.errors import UserError
 from sdzero.models.families import Components
 from sdzero.models.loading import tokenize
+from sdzero.models.step_input import StepInput
 from sdzero.process.preemption import ignore_preemption_signals
 
 
@@ -36,7 +37,7 @@ class BatchSource(Protocol):
     batches_in_epoch: int
     samples_in_epoch: int
 
-    def next(self) -> dict[str, torch.Tensor]: ...
+    def next(self) -> StepInput: ...
 
     def check_late(self) -> int:
         """Images that failed after the start-up check (a collective for `Batches`)."""
@@ -119,6 +120,7 @@ def build_data(
     loader = DataLoader(
         dataset,
         **batching,
+        collate_fn=StepInput.collate,  # a micro-batch is one StepInput, made here
         num_workers=cfg.num_workers,
         persistent_workers=cfg.num_workers > 0,
         pin_memory=torch.cuda.is_available(),
@@ -155,7 +157,7 @@ class Batches:
         self.sampler.set_epoch(epoch, start=samples_in_epoch)
         self._it = iter(loader)
 
-    def next(self) -> dict[str, torch.Tensor]:
+    def next(self) -> StepInput:
         try:
             batch = next(self._it)
         except StopIteration:

@@ -3,7 +3,8 @@
 Every random choice for a sample (crop, flip, noise, timestep, SD3's flow draw) comes from a generator
 seeded by (seed, epoch, sample index). A sample therefore gets the same noise whatever the world size,
 micro-batch, ZeRO stage, worker count or resume point, which is what makes runs comparable and resumes
-exact. The worker only produces tensors; the family encodes them and forms the loss (sdzero.models.families).
+exact. The worker only produces tensors (a sample's `StepInput`, joined into micro-batches by
+`StepInput.collate`); the family encodes them and forms the loss (sdzero.models.families).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from sdzero.errors import AgreedError, UserError
 from sdzero.models.objectives import FlowSettings
+from sdzero.models.step_input import StepInput
 
 log = logging.getLogger("sdzero.data.images")
 
@@ -188,9 +190,17 @@ def flow_u(flow: FlowSettings, generator: torch.Generator) -> float:
     return float(u[0])
 
 
-def draw_noise(
-    rng: np.random.Generator, spec: SampleSpec, latent_shape: tuple[int, int, int]
-) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class SampleDraws:
+    """One sample's randomness besides its crop and flip (the StepInput fields of the same names)."""
+
+    noise: torch.Tensor
+    latent_eps: torch.Tensor
+    timestep: torch.Tensor
+    flow_u: torch.Tensor | None = None
+
+
+def draw_noise(rng: np.random.Generator, spec: SampleSpec, latent_shape: tuple[int, int, int]) -> SampleDraws:
     """A sample's diffusion noise, VAE posterior draw and timestep, after its crop and flip draws.
 
     Online encoding and a latent cache both call this with the same generator state, so a sample gets
@@ -203,15 +213,16 @@ def draw_noise(
         noise = noise + spec.noise_offset * offset
     latent_eps = rng.standard_normal(latent_shape, dtype=np.float32)  # VAE posterior sample
     timestep = int(rng.integers(0, spec.num_train_timesteps))
-    drawn = {
-        "noise": torch.from_numpy(noise),
-        "latent_eps": torch.from_numpy(latent_eps),
-        "timestep": torch.tensor(timestep, dtype=torch.long),
-    }
+    u = None
     if spec.flow is not None:
         generator = torch.Generator().manual_seed(int(rng.integers(0, 2**63 - 1)))
-        drawn["flow_u"] = torch.tensor(flow_u(spec.flow, generator), dtype=torch.float32)
-    return drawn
+        u = torch.tensor(flow_u(spec.flow, generator), dtype=torch.float32)
+    return SampleDraws(
+        noise=torch.from_numpy(noise),
+        latent_eps=torch.from_numpy(latent_eps),
+        timestep=torch.tensor(timestep, dtype=torch.long),
+        flow_u=u,
+    )
 
 
 class CaptionedImages(Dataset):
@@ -221,10 +232,10 @@ class CaptionedImages(Dataset):
         self,
         records: list[Record],
         spec: SampleSpec,
-        tokenize: Callable[[str], dict[str, torch.Tensor]],
+        tokenize: Callable[[str], tuple[torch.Tensor, ...]],
         sizes: list[tuple[int, int]] | None = None,
     ):
-        # `tokenize` returns every token tensor the family's text encoders take (input_ids, input_ids_2, ...).
+        # `tokenize` returns every token tensor the family's text encoders take, in encoder order.
         # `sizes`: each record's (height, width) aspect-ratio bucket; None trains every sample square.
         self.records = records
         self.spec = spec
@@ -235,7 +246,8 @@ class CaptionedImages(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+    def __getitem__(self, key: tuple[int, int]) -> StepInput:
+        """One sample (no batch dimension); the DataLoader joins them with StepInput.collate."""
         requested, epoch = key
         index, img = self._load(requested)
         rng = sample_generator(self.spec.seed, epoch, index)
@@ -246,22 +258,22 @@ class CaptionedImages(Dataset):
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         pixels = torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
         drawn = draw_noise(rng, self.spec, self.spec.latent_shape_for(size_hw))
-        return {
-            "pixel_values": pixels.contiguous(),
-            "latent_eps": drawn["latent_eps"],
-            **self.tokenize(self.records[index].text),
-            "noise": drawn["noise"],
-            "timestep": drawn["timestep"],
-            **({"flow_u": drawn["flow_u"]} if "flow_u" in drawn else {}),
-            "index": torch.tensor(index, dtype=torch.long),
+        return StepInput(
+            noise=drawn.noise,
+            latent_eps=drawn.latent_eps,
+            timestep=drawn.timestep,
+            flow_u=drawn.flow_u,
+            index=torch.tensor(index, dtype=torch.long),
             # What the sampler asked for: where it differs from `index`, the records between were found
             # unreadable in a DataLoader worker, whose own count never reaches the rank (LateFailures).
-            "requested": torch.tensor(requested, dtype=torch.long),
+            requested=torch.tensor(requested, dtype=torch.long),
             # SDXL's size/crop micro-conditioning (add_time_ids); other families ignore them.
-            "original_size": torch.tensor(original_hw, dtype=torch.long),
-            "crop_top_left": torch.tensor(crop_top_left, dtype=torch.long),
-            "target_size": torch.tensor(size_hw, dtype=torch.long),
-        }
+            original_size=torch.tensor(original_hw, dtype=torch.long),
+            crop_top_left=torch.tensor(crop_top_left, dtype=torch.long),
+            target_size=torch.tensor(size_hw, dtype=torch.long),
+            pixel_values=pixels.contiguous(),
+            token_ids=self.tokenize(self.records[index].text),
+        )
 
     def _load(self, index: int) -> tuple[int, Image.Image]:
         """(the index of the sample served, its image). Files that passed the up-front check can still
@@ -310,10 +322,10 @@ class LateFailures:
         self.mine: set[int] = set()
         self.all: set[int] = set()
 
-    def note(self, batch: dict[str, torch.Tensor]) -> None:
-        if "requested" not in batch:  # a latent cache: its images were all decoded when it was built
+    def note(self, batch: StepInput) -> None:
+        if batch.cached or batch.requested is None:  # a cache's images were all decoded when it was built
             return
-        pairs = zip(batch["requested"].tolist(), batch["index"].tolist(), strict=True)
+        pairs = zip(batch.requested.tolist(), batch.index.tolist(), strict=True)
         for requested, served in pairs:
             if requested != served:
                 self.mine.update(skipped_for(requested, served, self.n_readable))

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from sdzero.errors import UserError
-from sdzero.models.objectives import FlowSettings, Objective, ddpm_loss, flow_matching_loss
+from sdzero.models.objectives import FlowSettings, LossInputs, Objective, ddpm_loss, flow_matching_loss
+from sdzero.models.step_input import PromptEmbeds, StepInput
 
 if TYPE_CHECKING:
     from sdzero.config.train_config import TrainConfig
@@ -34,11 +35,6 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 77
 
 TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 """The pipelines' names for their text encoders, in order; tokenizer `k` pairs with encoder `k`."""
-
-
-def token_key(slot: int) -> str:
-    """The batch key of the token ids for text encoder `slot` (0-based): input_ids, input_ids_2, ..."""
-    return "input_ids" if slot == 0 else f"input_ids_{slot + 1}"
 
 
 def flow_flags(cfg: TrainConfig) -> list[str]:
@@ -176,25 +172,25 @@ class Family:
         """Tokens per caption for text encoder `slot`: the CLIP tokenizers' own length."""
         return int(getattr(comps, self.tokenizers[slot]).model_max_length)
 
-    def tokenize(self, comps: Components, text: str) -> dict[str, torch.Tensor]:
-        """Every token tensor the family's text encoders take, for one caption (keys become batch keys):
-        `input_ids` (CLIP-L), `input_ids_2` (CLIP-G: SDXL, SD3), `input_ids_3` (T5: SD3)."""
-        return {
-            token_key(slot): _ids(getattr(comps, name), text, self.token_length(comps, slot))
+    def tokenize(self, comps: Components, text: str) -> tuple[torch.Tensor, ...]:
+        """Every token tensor the family's text encoders take, for one caption, in encoder order (a
+        StepInput's `token_ids`): CLIP-L, then CLIP-G (SDXL, SD3), then T5 (SD3)."""
+        return tuple(
+            _ids(getattr(comps, name), text, self.token_length(comps, slot))
             for slot, name in enumerate(self.tokenizers)
-        }
+        )
 
     @torch.no_grad()
-    def encode_prompts(self, comps: Components, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The text conditioning of a micro-batch, by name (what a latent/text-embedding cache stores):
+    def encode_prompts(self, comps: Components, token_ids: tuple[torch.Tensor, ...]) -> PromptEmbeds:
+        """The text conditioning of a micro-batch's token ids (what a latent/text-embedding cache stores):
         `encoder_hidden_states` for every family, plus `pooled_prompt_embeds` for SDXL and SD3."""
         if not comps.frozen_loaded:
             raise RuntimeError(
                 "encode_prompts needs the text encoders; load_components(frozen=False) skipped them"
             )
-        return self._encode(comps, batch)
+        return self._encode(comps, token_ids)
 
-    def _encode(self, comps: Components, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _encode(self, comps: Components, token_ids: tuple[torch.Tensor, ...]) -> PromptEmbeds:
         raise NotImplementedError
 
     def text_tokens(self, max_sequence_length: int | None) -> int | None:
@@ -221,37 +217,16 @@ class Family:
             self.resolve_prediction_type(scheduler, cfg.prediction_type), snr_gamma=cfg.snr_gamma
         )
 
-    def added_inputs(
-        self, cond: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], dtype: torch.dtype
-    ) -> dict[str, Any]:
+    def added_inputs(self, cond: PromptEmbeds, step: StepInput, dtype: torch.dtype) -> dict[str, Any]:
         """Network inputs besides (noisy latents, timesteps, text states): none for SD 1.x/2.x."""
         return {}
 
-    def loss(
-        self,
-        model: Callable[..., Any],
-        model_dtype: torch.dtype,
-        scheduler: Any,
-        latents: torch.Tensor,
-        cond: dict[str, torch.Tensor],
-        batch: dict[str, torch.Tensor],
-        objective: Objective,
-    ) -> torch.Tensor:
+    def loss(self, inputs: LossInputs, objective: Objective) -> torch.Tensor:
         """One micro-batch's loss: noise the latents with the samples' own noise and timesteps, predict,
-        compare. `cond` is the text conditioning by name (`encode_prompts`, or a cache); `batch` carries the
-        per-sample randomness and SDXL's size/crop inputs."""
-        added = self.added_inputs(cond, batch, model_dtype)
-        return ddpm_loss(
-            model,
-            model_dtype,
-            scheduler,
-            latents,
-            cond,
-            batch,
-            objective.prediction_type,
-            objective.snr_gamma,
-            added,
-        )
+        compare. `inputs.cond` is the text conditioning (`encode_prompts`, or a cache); `inputs.step` carries
+        the per-sample randomness and SDXL's size/crop inputs."""
+        added = self.added_inputs(inputs.cond, inputs.step, inputs.model_dtype)
+        return ddpm_loss(inputs, objective, added)
 
     # -- options
 
@@ -322,8 +297,8 @@ class StableDiffusion(Family):
     scheduler_class_name = "DDPMScheduler"
     pipeline_options = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
-    def _encode(self, comps: Components, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"encoder_hidden_states": comps.text_encoder(batch["input_ids"])[0]}
+    def _encode(self, comps: Components, token_ids: tuple[torch.Tensor, ...]) -> PromptEmbeds:
+        return PromptEmbeds(comps.text_encoder(token_ids[0])[0])
 
 
 @register
@@ -339,22 +314,19 @@ class StableDiffusionXL(Family):
     scheduler_class_name = "DDPMScheduler"
     pipeline_options = {"add_watermarker": False}
 
-    def _encode(self, comps: Components, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        states_1, _ = _clip_states(comps.text_encoder, batch["input_ids"])
-        states_2, pooled_2 = _clip_states(comps.text_encoder_2, batch["input_ids_2"])
+    def _encode(self, comps: Components, token_ids: tuple[torch.Tensor, ...]) -> PromptEmbeds:
+        states_1, _ = _clip_states(comps.text_encoder, token_ids[0])
+        states_2, pooled_2 = _clip_states(comps.text_encoder_2, token_ids[1])
         # SDXL pools from its second encoder only (the first is a plain CLIPTextModel).
-        return {
-            "encoder_hidden_states": torch.cat([states_1, states_2], dim=-1),
-            "pooled_prompt_embeds": pooled_2,
-        }
+        return PromptEmbeds(torch.cat([states_1, states_2], dim=-1), pooled_prompt_embeds=pooled_2)
 
-    def added_inputs(
-        self, cond: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], dtype: torch.dtype
-    ) -> dict[str, Any]:
+    def added_inputs(self, cond: PromptEmbeds, step: StepInput, dtype: torch.dtype) -> dict[str, Any]:
         """SDXL's micro-conditioning: the pooled text embedding and six numbers per sample, (original
         height, width, crop top, left, target height, width), which the UNet embeds like timesteps."""
-        time_ids = torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
-        added = {"text_embeds": cond["pooled_prompt_embeds"].to(dtype), "time_ids": time_ids.to(dtype)}
+        if cond.pooled_prompt_embeds is None:
+            raise ValueError("SDXL conditions on a pooled prompt embedding; this conditioning has none")
+        time_ids = torch.cat([step.original_size, step.crop_top_left, step.target_size], dim=1)
+        added = {"text_embeds": cond.pooled_prompt_embeds.to(dtype), "time_ids": time_ids.to(dtype)}
         return {"added_cond_kwargs": added}
 
 
@@ -373,17 +345,17 @@ class StableDiffusion3(Family):
     def token_length(self, comps: Components, slot: int) -> int:
         return comps.max_sequence_length if slot == 2 else super().token_length(comps, slot)  # T5: the option
 
-    def _encode(self, comps: Components, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        states_1, pooled_1 = _clip_states(comps.text_encoder, batch["input_ids"])
-        states_2, pooled_2 = _clip_states(comps.text_encoder_2, batch["input_ids_2"])
+    def _encode(self, comps: Components, token_ids: tuple[torch.Tensor, ...]) -> PromptEmbeds:
+        states_1, pooled_1 = _clip_states(comps.text_encoder, token_ids[0])
+        states_2, pooled_2 = _clip_states(comps.text_encoder_2, token_ids[1])
         clip = torch.cat([states_1, states_2], dim=-1)
-        t5 = comps.text_encoder_3(batch["input_ids_3"])[0]
+        t5 = comps.text_encoder_3(token_ids[2])[0]
         # SD3 zero-pads the CLIP states to T5's width and joins the two token sequences.
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
-        return {
-            "encoder_hidden_states": torch.cat([clip, t5.to(clip.dtype)], dim=-2),
-            "pooled_prompt_embeds": torch.cat([pooled_1, pooled_2], dim=-1),
-        }
+        return PromptEmbeds(
+            torch.cat([clip, t5.to(clip.dtype)], dim=-2),
+            pooled_prompt_embeds=torch.cat([pooled_1, pooled_2], dim=-1),
+        )
 
     def text_tokens(self, max_sequence_length: int | None) -> int | None:
         return max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
@@ -397,19 +369,10 @@ class StableDiffusion3(Family):
     def objective(self, cfg: TrainConfig, scheduler: Any) -> Objective:
         return Objective("flow_matching", flow=FlowSettings.from_config(cfg))
 
-    def loss(
-        self,
-        model: Callable[..., Any],
-        model_dtype: torch.dtype,
-        scheduler: Any,
-        latents: torch.Tensor,
-        cond: dict[str, torch.Tensor],
-        batch: dict[str, torch.Tensor],
-        objective: Objective,
-    ) -> torch.Tensor:
+    def loss(self, inputs: LossInputs, objective: Objective) -> torch.Tensor:
         if objective.flow is None:
             raise ValueError("SD3 trains by flow matching: pass its FlowSettings")
-        return flow_matching_loss(model, model_dtype, scheduler, latents, cond, batch, objective.flow)
+        return flow_matching_loss(inputs, objective.flow)
 
     def check_options(self, cfg: TrainConfig) -> None:
         flags = ddpm_flags(cfg)

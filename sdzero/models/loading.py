@@ -17,6 +17,7 @@ import torch
 from sdzero.errors import UserError
 from sdzero.models.families import DEFAULT_MAX_SEQUENCE_LENGTH, Components
 from sdzero.models.families import detect_family as detect_family  # re-exported: its callers import it here
+from sdzero.models.step_input import PromptEmbeds
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -121,25 +122,11 @@ def resolve_prediction_type(comps: Components, requested: str | None) -> str:
     return comps.family.resolve_prediction_type(comps.noise_scheduler, requested)
 
 
-@torch.no_grad()
-def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Sample the VAE posterior with the per-sample `eps` (not the global RNG) so runs are reproducible."""
-    posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
-    latents = posterior.mean + posterior.std * eps.to(posterior.mean.dtype)
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return ((latents - shift) * vae.config.scaling_factor).float()
-
-
-@torch.no_grad()
-def encode_text(text_encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    return text_encoder(input_ids)[0]
-
-
-def tokenize(comps: Components, text: str) -> dict[str, torch.Tensor]:
+def tokenize(comps: Components, text: str) -> tuple[torch.Tensor, ...]:
     """Every token tensor the family's text encoders take, for one caption (Family.tokenize)."""
     return comps.family.tokenize(comps, text)
 
 
-def encode_prompts(comps: Components, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The text conditioning of a micro-batch, by name (Family.encode_prompts)."""
-    return comps.family.encode_prompts(comps, batch)
+def encode_prompts(comps: Components, token_ids: tuple[torch.Tensor, ...]) -> PromptEmbeds:
+    """The text conditioning of a micro-batch's token ids (Family.encode_prompts)."""
+    return comps.family.encode_prompts(comps, token_ids)

@@ -3,7 +3,7 @@
 DDPM families (SD, SDXL): epsilon or v targets, Min-SNR weights. SD3: flow matching with the loss weights
 of diffusers.training_utils (the SD3 paper's schemes). Which family uses which, and the network inputs
 each adds, is the family's business (sdzero.models.families); the per-sample draws these read (`noise`,
-`timestep`, `flow_u`) come with the batch from the data worker (sdzero.data.images).
+`timestep`, `flow_u`) come with the micro-batch's StepInput from the data worker (sdzero.data.images).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from sdzero.models.step_input import PromptEmbeds, StepInput
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,24 @@ class Objective:
     """Min-SNR-gamma weighting (DDPM only); None: plain MSE."""
     flow: FlowSettings | None = None
     """SD3's timestep density and loss weighting."""
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What one micro-batch's loss reads (Family.loss and the objectives below take it whole)."""
+
+    model: Callable[..., Any]
+    """The trained network as it is called: the DeepSpeed engine (or, in tests, a stand-in)."""
+    model_dtype: torch.dtype
+    """The network's parameter dtype: its inputs are cast to it."""
+    scheduler: Any
+    """The training noise schedule (DDPMScheduler, or SD3's FlowMatchEulerDiscreteScheduler)."""
+    latents: torch.Tensor
+    """The clean latents, float32 (sdzero.models.encoding.encode_batch)."""
+    cond: PromptEmbeds
+    """The text conditioning (Family.encode_prompts, or a cache)."""
+    step: StepInput
+    """The micro-batch itself: its noise, timesteps or flow draws, and SDXL's size/crop inputs."""
 
 
 def training_target(
@@ -94,28 +114,23 @@ def flow_timesteps(scheduler: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch
     return scheduler.timesteps.to(index.device)[index], scheduler.sigmas.to(index.device)[index]
 
 
-def flow_matching_loss(
-    model: Callable[..., Any],
-    model_dtype: torch.dtype,
-    scheduler: Any,
-    latents: torch.Tensor,
-    cond: dict[str, torch.Tensor],
-    batch: dict[str, torch.Tensor],
-    flow: FlowSettings,
-) -> torch.Tensor:
+def flow_matching_loss(inputs: LossInputs, flow: FlowSettings) -> torch.Tensor:
     """SD3's rectified-flow objective: x_s = (1 - s) x + s noise, the network predicts the velocity
     noise - x; with `precondition_outputs` its output is turned into an x estimate (x_s - s v) and
     compared with x, as diffusers' SD3 scripts do. Per-sample weights from compute_loss_weighting_for_sd3."""
-    noise = batch["noise"]
-    timesteps, sigmas = flow_timesteps(scheduler, batch["flow_u"])
+    model, model_dtype, latents, cond = inputs.model, inputs.model_dtype, inputs.latents, inputs.cond
+    noise, flow_u = inputs.step.noise, inputs.step.flow_u
+    if flow_u is None or cond.pooled_prompt_embeds is None:
+        raise ValueError("flow matching needs each sample's flow_u draw and a pooled prompt embedding")
+    timesteps, sigmas = flow_timesteps(inputs.scheduler, flow_u)
     timesteps = timesteps.to(latents.device)
     sigmas = sigmas.to(latents.device, torch.float32).view(-1, *([1] * (latents.ndim - 1)))
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     pred = model(
         hidden_states=noisy.to(model_dtype),
         timestep=timesteps,
-        encoder_hidden_states=cond["encoder_hidden_states"].to(model_dtype),
-        pooled_projections=cond["pooled_prompt_embeds"].to(model_dtype),
+        encoder_hidden_states=cond.encoder_hidden_states.to(model_dtype),
+        pooled_projections=cond.pooled_prompt_embeds.to(model_dtype),
         return_dict=False,
     )[0].float()
     if flow.precondition_outputs:
@@ -130,22 +145,15 @@ def flow_matching_loss(
 
 
 def ddpm_loss(
-    model: Callable[..., Any],
-    model_dtype: torch.dtype,
-    scheduler: Any,
-    latents: torch.Tensor,
-    cond: dict[str, torch.Tensor],
-    batch: dict[str, torch.Tensor],
-    prediction_type: str,
-    snr_gamma: float | None,
-    added_inputs: dict[str, Any] | None = None,
+    inputs: LossInputs, objective: Objective, added_inputs: dict[str, Any] | None = None
 ) -> torch.Tensor:
     """The DDPM objective (SD, SDXL): noise the latents with each sample's own noise and timestep, predict
     epsilon or v, compare. `added_inputs` are the family's further network inputs (SDXL's
     `added_cond_kwargs`)."""
-    timesteps, noise = batch["timestep"], batch["noise"]
+    scheduler, latents, model_dtype = inputs.scheduler, inputs.latents, inputs.model_dtype
+    timesteps, noise = inputs.step.timestep, inputs.step.noise
     noisy = scheduler.add_noise(latents, noise, timesteps)
-    text = cond["encoder_hidden_states"].to(model_dtype)
-    pred = model(noisy.to(model_dtype), timesteps, text, return_dict=False, **(added_inputs or {}))[0]
-    target = training_target(scheduler, prediction_type, latents, noise, timesteps)
-    return diffusion_loss(pred, target, timesteps, scheduler, prediction_type, snr_gamma)
+    text = inputs.cond.encoder_hidden_states.to(model_dtype)
+    pred = inputs.model(noisy.to(model_dtype), timesteps, text, return_dict=False, **(added_inputs or {}))[0]
+    target = training_target(scheduler, objective.prediction_type, latents, noise, timesteps)
+    return diffusion_loss(pred, target, timesteps, scheduler, objective.prediction_type, objective.snr_gamma)

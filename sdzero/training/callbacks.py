@@ -21,6 +21,7 @@ from sdzero.checkpoint.checkpointer import Checkpointer, ResumePoint, TrainState
 from sdzero.config.train_config import TrainConfig
 from sdzero.errors import UserError
 from sdzero.models.ema import ShardedEMA
+from sdzero.models.step_input import StepInput
 from sdzero.process.preemption import Preempted, PreemptionFlag
 from sdzero.training.validation import Validator
 
@@ -66,8 +67,9 @@ class Callback:
     def on_step_begin(self, trainer: TrainerView, step: int) -> None:
         """Before the step's first micro-batch is drawn."""
 
-    def on_batch(self, trainer: TrainerView, batch: dict[str, torch.Tensor]) -> None:
-        """A micro-batch was drawn (`trainer.batches` holds its data position); inside the data phase."""
+    def on_batch(self, trainer: TrainerView, batch: StepInput) -> None:
+        """A micro-batch was drawn (`trainer.batches` holds its data position), still on the host (its
+        `index` says which samples it holds); inside the data phase."""
 
     def on_optimizer_step(self, trainer: TrainerView, step: int) -> None:
         """The step's micro-steps are queued and the weights updated (at the accumulation boundary)."""

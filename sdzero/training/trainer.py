@@ -19,19 +19,20 @@ from typing import Any
 
 import torch
 
-from sdzero.checkpoint.checkpointer import Checkpointer, TrainState, find_resume
+from sdzero.checkpoint.checkpointer import Checkpointer, ResumePoint, TrainState, find_resume
 from sdzero.checkpoint.identity import describe_run
 from sdzero.cluster.shared_storage import check_shared_storage
 from sdzero.config.train_config import DsSettings, TrainConfig, load_ds_config, world_size_from_env
 from sdzero.data.buckets import BucketBatchSampler, samples_dropped
-from sdzero.data.cache import open_cache
+from sdzero.data.cache import CacheIndex, open_cache
 from sdzero.data.feed import Batches, BatchSource, build_data
 from sdzero.data.images import LateFailures, read_metadata
+from sdzero.models.encoding import encode_batch
 from sdzero.models.families import Components
 from sdzero.models.loading import DTYPES, detect_family, load_components, resolve_prediction_type
-from sdzero.models.objectives import Objective
-from sdzero.models.step_input import encode_batch
-from sdzero.process.distributed import start_distributed
+from sdzero.models.objectives import LossInputs, Objective
+from sdzero.models.step_input import StepInput
+from sdzero.process.distributed import Ranks, start_distributed
 from sdzero.process.preemption import PreemptionFlag
 from sdzero.telemetry.environment import share_cpu_threads
 from sdzero.telemetry.metrics import MetricsWriter, peak_memory_bytes
@@ -130,21 +131,16 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------- step
 
-    def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def micro_step(self, batch: StepInput) -> torch.Tensor:
         timer = self.timer
         with timer.phase("encode_s"):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = batch.to(self.device, non_blocking=True)
             latents, cond = encode_batch(self.comps, batch)
         with timer.phase("forward_s"):
-            loss = self.comps.family.loss(
-                self.engine,
-                self.model_dtype,
-                self.comps.noise_scheduler,
-                latents,
-                cond,
-                batch,
-                self.objective,
+            inputs = LossInputs(
+                self.engine, self.model_dtype, self.comps.noise_scheduler, latents, cond, batch
             )
+            loss = self.comps.family.loss(inputs, self.objective)
         with timer.phase("backward_s"):
             self.engine.backward(loss)
         with timer.phase("optimizer_s"):
@@ -242,39 +238,15 @@ class Trainer:
 
     @classmethod
     def setup(cls, cfg: TrainConfig) -> Trainer:
-        """Everything before the first step, in the order that makes errors cheap (see inline notes)."""
-        # Everything that can be wrong with the input is checked before the process group exists.
-        ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
-        detect_family(cfg.model).check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
-        read_metadata(cfg.data)
-        check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
-        cache = None
-        if cfg.cache_dir is not None:  # a cache made for another model, size, precision or data: refused
-            cache = open_cache(
-                cfg.cache_dir,
-                cfg.model,
-                cfg.data,
-                cfg.resolution,
-                cfg.buckets,
-                ds.dtype,
-                cfg.random_flip,
-                cfg.max_sequence_length,
-            )
+        """Everything before the first step, in the order that makes errors cheap: the inputs are checked
+        before the process group exists, the slow parts (model, data, engine) come after it."""
+        ds, cache = check_inputs(cfg)
         extras = extra_callbacks()  # SDZERO_CALLBACKS: a wrong name fails before the slow start-up
         # Installed before the slow start-up, so that an early SIGTERM is honoured at the first step boundary.
         preemption = PreemptionFlag(cfg.preempt_timeout_s).install()
         share_cpu_threads()  # before any torch work: k ranks x all cores threads each thrash a node's CPUs
-
-        ranks = start_distributed(cfg.dist_timeout_s)
+        ranks, point = join_run(cfg, ds)
         rank, world, device = ranks.rank, ranks.world, ranks.device
-        quiet_libraries(rank)
-        check_shared_storage(cfg.output_dir, cfg.data, rank, world)  # a node without them: one clear error
-        point = find_resume(  # all ranks agree; on another world size with --resume-elastic, converted once
-            cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, world, cfg.resume_elastic, ds.raw
-        )
-        adopt_checkpoint_seed(cfg, point, rank)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
-        apply_backend_flags(cfg, device.type)  # TF32 (CUDA only)
 
         # From a cache, the VAE and text encoders are never loaded (validation/export load them when due).
         comps = load_components(
@@ -292,36 +264,11 @@ class Trainer:
         checkpoints = CheckpointCallback(
             Checkpointer(cfg.output_dir, cfg.keep_last, engine, ema, ident), cfg.checkpoint_every
         )
-        validator = Validator(
-            cfg.validation_prompts,
-            cfg.validation_every,
-            cfg.validation_inference_steps,
-            cfg.resolution or comps.native_resolution,
-            cfg.seed,
-            cfg.output_dir / "validation",
-        )
+        validator = make_validator(cfg, comps)
         state = checkpoints.restore(point)  # a collective when resuming
         writer = prepare_output(cfg, ds, config, rank, {"samples_dropped_per_epoch": dropped}, speed)
         if rank == 0:
-            log.info(
-                "ZeRO-%d %s | %d ranks x micro-batch %d x accumulation %d = global batch %d | lr %.3g (%s "
-                "scaling) | %d images (%d unreadable skipped) | %d samples per epoch left out by the batch "
-                "shape%s",
-                ds.zero_stage,
-                ds.dtype,
-                world,
-                ds.micro_batch,
-                ds.grad_accum,
-                ds.global_batch,
-                cfg.effective_lr(ds),
-                cfg.lr_scaling,
-                len(dataset),
-                n_bad,
-                dropped,
-                f" | from cache {cfg.cache_dir}" if cache is not None else "",
-            )
-            if isinstance(sampler, BucketBatchSampler):
-                log.info("aspect-ratio buckets (height x width: images): %s", sampler.describe())
+            log_run_shape(cfg, ds, world, len(dataset), n_bad, dropped, sampler, from_cache=cache is not None)
         late = LateFailures(len(dataset), n_bad, cfg.max_bad_fraction, cfg.data) if cache is None else None
         batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch, state.samples_in_epoch, late)
         # Order matters where two act on one event: validation before the checkpoint of the same step, the
@@ -348,6 +295,91 @@ class Trainer:
             ema=ema,
             skipped_images=n_bad,
         )
+
+
+# ----------------------------------------------------------------------------------- setup's parts
+
+
+def check_inputs(cfg: TrainConfig) -> tuple[DsSettings, CacheIndex | None]:
+    """(the DeepSpeed JSON's settings, the latent cache or None), after checking everything that can be
+    wrong with the input: run before the process group exists, so that a mistake is one clear line."""
+    ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
+    detect_family(cfg.model).check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
+    read_metadata(cfg.data)
+    check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
+    if cfg.cache_dir is None:
+        return ds, None
+    # A cache made for another model, size, precision or data: refused.
+    cache = open_cache(
+        cfg.cache_dir,
+        cfg.model,
+        cfg.data,
+        cfg.resolution,
+        cfg.buckets,
+        ds.dtype,
+        cfg.random_flip,
+        cfg.max_sequence_length,
+    )
+    return ds, cache
+
+
+def join_run(cfg: TrainConfig, ds: DsSettings) -> tuple[Ranks, ResumePoint | None]:
+    """Start the process group and agree on where the run starts: (this rank's place, the checkpoint to
+    resume from or None). Seeds torch for identical initial weights on every rank."""
+    ranks = start_distributed(cfg.dist_timeout_s)
+    quiet_libraries(ranks.rank)
+    # A node without the output or data folders: one clear error.
+    check_shared_storage(cfg.output_dir, cfg.data, ranks.rank, ranks.world)
+    point = find_resume(  # all ranks agree; on another world size with --resume-elastic, converted once
+        cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, ranks.world, cfg.resume_elastic, ds.raw
+    )
+    adopt_checkpoint_seed(cfg, point, ranks.rank)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
+    apply_backend_flags(cfg, ranks.device.type)  # TF32 (CUDA only)
+    return ranks, point
+
+
+def make_validator(cfg: TrainConfig, comps: Components) -> Validator:
+    return Validator(
+        cfg.validation_prompts,
+        cfg.validation_every,
+        cfg.validation_inference_steps,
+        cfg.resolution or comps.native_resolution,
+        cfg.seed,
+        cfg.output_dir / "validation",
+    )
+
+
+def log_run_shape(
+    cfg: TrainConfig,
+    ds: DsSettings,
+    world: int,
+    n_images: int,
+    n_bad: int,
+    dropped: int,
+    sampler: Any,
+    from_cache: bool,
+) -> None:
+    """Rank 0's start-up line: the batch shape, the learning rate, the data, and the buckets."""
+    log.info(
+        "ZeRO-%d %s | %d ranks x micro-batch %d x accumulation %d = global batch %d | lr %.3g (%s "
+        "scaling) | %d images (%d unreadable skipped) | %d samples per epoch left out by the batch "
+        "shape%s",
+        ds.zero_stage,
+        ds.dtype,
+        world,
+        ds.micro_batch,
+        ds.grad_accum,
+        ds.global_batch,
+        cfg.effective_lr(ds),
+        cfg.lr_scaling,
+        n_images,
+        n_bad,
+        dropped,
+        f" | from cache {cfg.cache_dir}" if from_cache else "",
+    )
+    if isinstance(sampler, BucketBatchSampler):
+        log.info("aspect-ratio buckets (height x width: images): %s", sampler.describe())
 
 
 def run(cfg: TrainConfig) -> RunSummary:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sdzero.models.step_input import StepInput
 from sdzero.training.callbacks import CALLBACKS_ENV, Callback
 
 SUPPORT = Path(__file__).resolve().parent
@@ -61,10 +62,10 @@ class Faults(Callback):
             while True:
                 time.sleep(3600)
 
-    def on_batch(self, trainer: Any, batch: dict[str, Any]) -> None:
+    def on_batch(self, trainer: Any, batch: StepInput) -> None:
         if self._log_path is not None:
             with open(self._log_path, "a") as f:
-                f.write(json.dumps({"epoch": trainer.batches.epoch, "index": batch["index"].tolist()}) + "\n")
+                f.write(json.dumps({"epoch": trainer.batches.epoch, "index": batch.index.tolist()}) + "\n")
 
     def on_checkpoint_staged(self, trainer: Any, step: int, folder: Path) -> None:
         if trainer.rank == 0 and step == self.kill_at:

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from torch.utils.data import default_collate
 from typer.testing import CliRunner
 
 from advisor.cli import app
@@ -17,10 +16,11 @@ from sdzero.data.cache import INDEX_NAME, CachedSamples, net_geometry, open_cach
 from sdzero.data.cache_build import BuildInterrupted, build_cache
 from sdzero.data.images import CaptionedImages, SampleSpec, read_metadata
 from sdzero.errors import UserError
+from sdzero.models.encoding import encode_batch
 from sdzero.models.families import Family
 from sdzero.models.loading import load_components, tokenize
-from sdzero.models.objectives import Objective
-from sdzero.models.step_input import encode_batch
+from sdzero.models.objectives import LossInputs, Objective
+from sdzero.models.step_input import StepInput
 
 # Where build_cache encodes: the GPU when there is one. Online encoding in these tests runs there too, so
 # cached and online latents come from the same kernels (a GPU-built cache against CPU encoding differed
@@ -40,10 +40,6 @@ def strict_fp32():
 @pytest.fixture(scope="module")
 def comps(tiny_model):
     return load_components(str(tiny_model), "fp32", DEVICE)
-
-
-def on_device(batch: dict) -> dict:
-    return {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +86,18 @@ def test_cached_items_equal_online_encoding(comps, tiny_model, synth_data, flip_
     online = CaptionedImages(records, spec_for(comps, True), lambda t: tokenize(comps, t))
     cached = CachedSamples(cache, spec_for(comps, True))
     keys = [(i, epoch) for i in (0, 7, 33, 63) for epoch in (0, 1)]
-    a = default_collate([online[k] for k in keys])
-    b = default_collate([cached[k] for k in keys])
+    a = StepInput.collate([online[k] for k in keys])
+    b = StepInput.collate([cached[k] for k in keys])
+    assert b.cached and not a.cached
     for name in ("noise", "latent_eps", "timestep", "index", "original_size", "crop_top_left", "target_size"):
-        assert torch.equal(a[name], b[name]), name
-    latents_a, cond_a = encode_batch(comps, on_device(a))
-    latents_b, cond_b = encode_batch(comps, on_device(b))
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    latents_a, cond_a = encode_batch(comps, a.to(DEVICE))
+    latents_b, cond_b = encode_batch(comps, b.to(DEVICE))
     # Tolerance: the cache encoded 8 images per VAE call, this check 8 others; fp32 convolutions may
     # round differently with the batch composition, nothing more.
     torch.testing.assert_close(latents_b, latents_a, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(
-        cond_b["encoder_hidden_states"], cond_a["encoder_hidden_states"], rtol=1e-5, atol=1e-6
+        cond_b.encoder_hidden_states, cond_a.encoder_hidden_states, rtol=1e-5, atol=1e-6
     )
     # Both orientations are served: the sample's own first draw decides, as it does online.
     from sdzero.data.images import sample_generator
@@ -111,7 +108,7 @@ def test_cached_items_equal_online_encoding(comps, tiny_model, synth_data, flip_
         stored = cached._shard(cache.raw["samples"][i]["shard"]).get_tensor(
             f"{i}/{'flip/' if flip else ''}mean"
         )
-        assert torch.equal(b["latent_mean"][j], stored)
+        assert torch.equal(b.posterior.mean[j], stored)
 
 
 def test_mismatched_cache_is_refused_with_what_differs(tiny_model, synth_data, flip_cache, tmp_path):
@@ -200,11 +197,11 @@ def test_bucketed_cache_follows_each_images_bucket(tiny_model, tmp_path):
     spec = spec_for(comps, False)
     for i, (h, w) in enumerate(expected):
         item = CachedSamples(cache, spec)[(i, 0)]
-        assert tuple(item["target_size"].tolist()) == (h, w)
+        assert tuple(item.target_size.tolist()) == (h, w)
         assert (
-            item["latent_mean"].shape[1:]
-            == item["noise"].shape[1:]
-            == item["latent_eps"].shape[1:]
+            item.posterior.mean.shape[1:]
+            == item.noise.shape[1:]
+            == item.latent_eps.shape[1:]
             == (h // 2, w // 2)
         )
 
@@ -220,11 +217,10 @@ def test_cached_training_path_needs_no_frozen_parts(tiny_model, synth_data, flip
     comps = load_components(str(tiny_model), "fp32", "cpu", frozen=False)
     assert comps.vae is None and comps.text_encoder is None and comps.frozen_modules() == ()
     cache = open_cache(flip_cache, str(tiny_model), synth_data, None, False, "fp32", False)
-    batch = default_collate([CachedSamples(cache, spec_for(comps, False))[(i, 0)] for i in range(4)])
+    batch = StepInput.collate([CachedSamples(cache, spec_for(comps, False))[(i, 0)] for i in range(4)])
     latents, cond = encode_batch(comps, batch)
-    loss = comps.family.loss(
-        comps.network, torch.float32, comps.noise_scheduler, latents, cond, batch, Objective("epsilon")
-    )
+    inputs = LossInputs(comps.network, torch.float32, comps.noise_scheduler, latents, cond, batch)
+    loss = comps.family.loss(inputs, Objective("epsilon"))
     assert torch.isfinite(loss) and loss > 0
 
 

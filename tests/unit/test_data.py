@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from step_input_fakes import tensors_of
 
 from sdzero.data.images import (
     CaptionedImages,
@@ -83,29 +84,30 @@ def spec(**kw) -> SampleSpec:
     return SampleSpec(resolution=32, latent_shape=(4, 16, 16), num_train_timesteps=1000, seed=7, **kw)
 
 
-def tokens(text: str) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.tensor([len(text)])}
+def tokens(text: str) -> tuple[torch.Tensor, ...]:
+    return (torch.tensor([len(text)]),)
 
 
 def test_samples_are_a_function_of_seed_epoch_and_index(tmp_path):
     folder = make_folder(tmp_path)
     ds = CaptionedImages(read_metadata(folder), spec(random_flip=True, random_crop=True), tokens)
     a, b = ds[(3, 0)], ds[(3, 0)]
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert len(tensors_of(a)) == 10  # pixels, tokens, the draws, the indices and the sizes
+    for key, value in tensors_of(a).items():
+        assert torch.equal(value, tensors_of(b)[key]), key
     other_epoch = ds[(3, 1)]
-    assert not torch.equal(a["noise"], other_epoch["noise"])
-    assert a["pixel_values"].shape == (3, 32, 32)
-    assert a["noise"].shape == a["latent_eps"].shape == (4, 16, 16)
-    assert float(a["pixel_values"].min()) >= -1.0 and float(a["pixel_values"].max()) <= 1.0
-    assert 0 <= int(a["timestep"]) < 1000
+    assert not torch.equal(a.noise, other_epoch.noise)
+    assert a.pixel_values.shape == (3, 32, 32)
+    assert a.noise.shape == a.latent_eps.shape == (4, 16, 16)
+    assert float(a.pixel_values.min()) >= -1.0 and float(a.pixel_values.max()) <= 1.0
+    assert 0 <= int(a.timestep) < 1000
 
 
 def test_noise_offset_shifts_channel_means(tmp_path):
     folder = make_folder(tmp_path)
     records = read_metadata(folder)
-    plain = CaptionedImages(records, spec(), tokens)[(0, 0)]["noise"]
-    offset = CaptionedImages(records, spec(noise_offset=0.5), tokens)[(0, 0)]["noise"]
+    plain = CaptionedImages(records, spec(), tokens)[(0, 0)].noise
+    offset = CaptionedImages(records, spec(noise_offset=0.5), tokens)[(0, 0)].noise
     delta = offset - plain
     # The same per-channel constant everywhere within a channel, differing between channels.
     assert torch.allclose(delta, delta[:, :1, :1].expand_as(delta))
@@ -115,15 +117,17 @@ def test_noise_offset_shifts_channel_means(tmp_path):
 def test_image_that_breaks_after_the_check_is_skipped_not_swapped(tmp_path):
     folder = make_folder(tmp_path)
     records = read_metadata(folder)
-    by_number = lambda text: {"input_ids": torch.tensor([int(text.split()[-1])])}  # noqa: E731
+    by_number = lambda text: (torch.tensor([int(text.split()[-1])]),)  # noqa: E731
     ds = CaptionedImages(records, spec(), by_number)
     expected = ds[(2, 0)]
     (folder / "1.png").write_bytes(b"")
     item = ds[(1, 0)]
     assert ds.late_failures == 1
     # Record 2 served whole: its caption with its image and its own noise, never image 2 under caption 1.
-    assert int(item["index"]) == 2 and int(item["input_ids"][0]) == 2
-    assert all(torch.equal(item[k], expected[k]) for k in ("pixel_values", "noise", "timestep"))
+    assert int(item.index) == 2 and int(item.token_ids[0][0]) == 2
+    assert all(
+        torch.equal(getattr(item, k), getattr(expected, k)) for k in ("pixel_values", "noise", "timestep")
+    )
     ds[(1, 1)]
     assert ds.late_failures == 1  # counted once, and not reopened on every later epoch
 
@@ -221,6 +225,7 @@ def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_p
     from torch.utils.data import DataLoader
 
     from sdzero.data.feed import Batches
+    from sdzero.models.step_input import StepInput
 
     folder = make_folder(tmp_path, n=12)
     records = read_metadata(folder)
@@ -230,7 +235,11 @@ def test_late_failures_in_dataloader_workers_count_toward_max_bad_fraction(tmp_p
     def epoch(max_bad_fraction: float) -> tuple[Batches, LateFailures]:
         sampler = EpochSampler(len(records), 0, 1, seed=1)
         loader = DataLoader(
-            CaptionedImages(records, spec(), tokens), batch_size=2, sampler=sampler, num_workers=2
+            CaptionedImages(records, spec(), tokens),
+            batch_size=2,
+            sampler=sampler,
+            num_workers=2,
+            collate_fn=StepInput.collate,  # as build_data's loader
         )
         late = LateFailures(len(records), 1, max_bad_fraction, folder)  # 1 more failed at start-up
         batches = Batches(loader, sampler, late=late)

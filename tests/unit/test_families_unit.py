@@ -13,6 +13,7 @@ import pytest
 import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 from launch import CONFIGS
+from step_input_fakes import step_input
 from typer.testing import CliRunner
 
 from advisor.cli import app
@@ -21,7 +22,8 @@ from sdzero.data.images import CaptionedImages, SampleSpec, flow_u, read_metadat
 from sdzero.errors import UserError
 from sdzero.models.families import as_family, family_named
 from sdzero.models.loading import detect_family, encode_prompts, ensure_frozen, load_components, tokenize
-from sdzero.models.objectives import FlowSettings, Objective, flow_matching_loss, flow_timesteps
+from sdzero.models.objectives import FlowSettings, LossInputs, Objective, flow_matching_loss, flow_timesteps
+from sdzero.models.step_input import PromptEmbeds
 from sdzero.models.tiny import write_tiny_model
 
 PROMPT = "a small red circle on a blue background"
@@ -65,7 +67,7 @@ def test_frozen_false_skips_encoders_but_keeps_the_geometry(family, models, comp
     ):
         assert getattr(bare, name) == getattr(full, name), name
     assert full.latent_shift_factor == (0.06 if family == "sd3" else 0.0)
-    batch = {k: v[None] for k, v in tokenize(bare, PROMPT).items()}
+    batch = tuple(ids[None] for ids in tokenize(bare, PROMPT))
     with pytest.raises(RuntimeError, match="frozen=False"):
         encode_prompts(bare, batch)
     from sdzero.checkpoint.export import build_pipeline
@@ -74,8 +76,8 @@ def test_frozen_false_skips_encoders_but_keeps_the_geometry(family, models, comp
     assert bare.frozen_loaded and pipe.vae is bare.vae and pipe.text_encoder_2 is bare.text_encoder_2
     ensure_frozen(bare, "cpu")  # loaded once: a second call keeps them
     assert pipe.vae is bare.vae
-    for key, value in encode_prompts(bare, batch).items():
-        torch.testing.assert_close(value, encode_prompts(full, batch)[key])
+    for key, value in encode_prompts(bare, batch).by_name().items():
+        torch.testing.assert_close(value, encode_prompts(full, batch).by_name()[key])
 
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3"])
@@ -85,17 +87,17 @@ def test_training_conditioning_equals_the_pipelines(family, comps):
 
     c = comps[family]
     pipe = build_pipeline(c, c.network)
-    batch = {k: v[None] for k, v in tokenize(c, PROMPT).items()}
-    assert set(batch) == ({"input_ids", "input_ids_2"} | ({"input_ids_3"} if family == "sd3" else set()))
+    batch = tuple(ids[None] for ids in tokenize(c, PROMPT))
+    assert len(batch) == (3 if family == "sd3" else 2)  # CLIP-L, CLIP-G (and T5)
     ours = encode_prompts(c, batch)
     extra = {"prompt_2": None, "prompt_3": None, "max_sequence_length": 8} if family == "sd3" else {}
     embeds, _, pooled, _ = pipe.encode_prompt(
         PROMPT, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False, **extra
     )
-    torch.testing.assert_close(ours["encoder_hidden_states"], embeds)
-    torch.testing.assert_close(ours["pooled_prompt_embeds"], pooled)
+    torch.testing.assert_close(ours.encoder_hidden_states, embeds)
+    torch.testing.assert_close(ours.pooled_prompt_embeds, pooled)
     if family == "sd3":
-        assert batch["input_ids_3"].shape == (1, 8)  # --max-sequence-length
+        assert batch[2].shape == (1, 8)  # --max-sequence-length
         assert embeds.shape[1] == 16 + 8  # CLIP tokens, then T5 tokens
 
 
@@ -108,20 +110,19 @@ def test_sdxl_micro_conditioning_reaches_the_unet():
 
     from diffusers import DDPMScheduler
 
-    batch = {
-        "noise": torch.randn(2, 4, 8, 8),
-        "timestep": torch.tensor([10, 900]),
-        "original_size": torch.tensor([[40, 50], [64, 48]]),
-        "crop_top_left": torch.tensor([[3, 9], [0, 8]]),
-        "target_size": torch.tensor([[32, 32], [32, 32]]),
-    }
-    cond = {"encoder_hidden_states": torch.randn(2, 16, 48), "pooled_prompt_embeds": torch.randn(2, 24)}
-    family_named("sdxl").loss(
-        model, torch.float32, DDPMScheduler(), torch.randn(2, 4, 8, 8), cond, batch, Objective("epsilon")
+    batch = step_input(
+        noise=torch.randn(2, 4, 8, 8),
+        timestep=torch.tensor([10, 900]),
+        original_size=torch.tensor([[40, 50], [64, 48]]),
+        crop_top_left=torch.tensor([[3, 9], [0, 8]]),
+        target_size=torch.tensor([[32, 32], [32, 32]]),
     )
+    cond = PromptEmbeds(torch.randn(2, 16, 48), pooled_prompt_embeds=torch.randn(2, 24))
+    inputs = LossInputs(model, torch.float32, DDPMScheduler(), torch.randn(2, 4, 8, 8), cond, batch)
+    family_named("sdxl").loss(inputs, Objective("epsilon"))
     expected = [[40, 50, 3, 9, 32, 32], [64, 48, 0, 8, 32, 32]]  # (orig h, w, crop top, left, target h, w)
     assert seen["time_ids"].tolist() == expected
-    assert torch.equal(seen["text_embeds"], cond["pooled_prompt_embeds"])
+    assert torch.equal(seen["text_embeds"], cond.pooled_prompt_embeds)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -164,15 +165,14 @@ def test_loss_weights_are_diffusers(scheme, flow_scheduler):
     torch.manual_seed(0)
     latents, noise = torch.randn(5, 4, 8, 8), torch.randn(5, 4, 8, 8)
     u = torch.tensor([0.02, 0.3, 0.5, 0.81, 0.999])
-    batch = {"noise": noise, "flow_u": u}
-    cond = {"encoder_hidden_states": torch.randn(5, 6, 64), "pooled_prompt_embeds": torch.randn(5, 48)}
+    batch = step_input(5, noise=noise, flow_u=u)
+    cond = PromptEmbeds(torch.randn(5, 6, 64), pooled_prompt_embeds=torch.randn(5, 48))
 
     def zero_model(hidden_states, **_):
         return (torch.zeros_like(hidden_states),)
 
-    loss = flow_matching_loss(
-        zero_model, torch.float32, flow_scheduler, latents, cond, batch, _settings(scheme)
-    )
+    inputs = LossInputs(zero_model, torch.float32, flow_scheduler, latents, cond, batch)
+    loss = flow_matching_loss(inputs, _settings(scheme))
     _, sigmas = flow_timesteps(flow_scheduler, u)
     # diffusers' SD3 scripts pick sigma = scheduler.sigmas[index of timesteps[int(u * N)]]
     assert torch.equal(sigmas, flow_scheduler.sigmas[(u * 1000).long()])
@@ -188,8 +188,8 @@ def test_flow_target_and_preconditioning(precondition, flow_scheduler):
     """The exact velocity scores 0 both ways: preconditioning turns it into x0 = x_s - sigma * v."""
     torch.manual_seed(1)
     latents, noise = torch.randn(3, 4, 8, 8), torch.randn(3, 4, 8, 8)
-    batch = {"noise": noise, "flow_u": torch.tensor([0.1, 0.5, 0.9])}
-    cond = {"encoder_hidden_states": torch.randn(3, 6, 64), "pooled_prompt_embeds": torch.randn(3, 48)}
+    batch = step_input(3, noise=noise, flow_u=torch.tensor([0.1, 0.5, 0.9]))
+    cond = PromptEmbeds(torch.randn(3, 6, 64), pooled_prompt_embeds=torch.randn(3, 48))
     seen = {}
 
     def oracle(hidden_states, timestep, **_):
@@ -197,9 +197,11 @@ def test_flow_target_and_preconditioning(precondition, flow_scheduler):
         return (noise - latents,)
 
     settings = FlowSettings(weighting_scheme="none", precondition_outputs=precondition)
-    loss = flow_matching_loss(oracle, torch.float32, flow_scheduler, latents, cond, batch, settings)
+    loss = flow_matching_loss(
+        LossInputs(oracle, torch.float32, flow_scheduler, latents, cond, batch), settings
+    )
     assert float(loss) < 1e-10
-    timesteps, sigmas = flow_timesteps(flow_scheduler, batch["flow_u"])
+    timesteps, sigmas = flow_timesteps(flow_scheduler, batch.flow_u)
     s = sigmas.view(-1, 1, 1, 1)
     torch.testing.assert_close(seen["noisy"], (1 - s) * latents + s * noise)
     torch.testing.assert_close(seen["timestep"], timesteps)
@@ -215,19 +217,19 @@ def test_sigma_is_a_function_of_seed_epoch_index(synth_data, comps, flow_schedul
     plain = CaptionedImages(
         records, SampleSpec(**{**spec.__dict__, "flow": None}), functools.partial(tokenize, c)
     )
-    u = {(i, e): float(ds[(i, e)]["flow_u"]) for i in range(6) for e in range(2)}
+    u = {(i, e): float(ds[(i, e)].flow_u) for i in range(6) for e in range(2)}
     again = CaptionedImages(records, spec, functools.partial(tokenize, c))
-    assert all(float(again[key]["flow_u"]) == value for key, value in u.items())  # same key, same draw
+    assert all(float(again[key].flow_u) == value for key, value in u.items())  # same key, same draw
     assert len(set(u.values())) == len(u)  # other index or epoch: another draw
     other_seed = CaptionedImages(
         records, SampleSpec(**{**spec.__dict__, "seed": 8}), functools.partial(tokenize, c)
     )
-    assert float(other_seed[(0, 0)]["flow_u"]) != u[(0, 0)]
+    assert float(other_seed[(0, 0)].flow_u) != u[(0, 0)]
     # The draw comes after the sample's other randomness, which stays what it is without SD3.
     item, base = ds[(3, 1)], plain[(3, 1)]
-    assert "flow_u" not in base
+    assert base.flow_u is None
     for key in ("noise", "latent_eps", "timestep", "pixel_values"):
-        assert torch.equal(item[key], base[key]), key
+        assert torch.equal(getattr(item, key), getattr(base, key)), key
     _, sigmas = flow_timesteps(flow_scheduler, torch.tensor([u[(3, 1)], u[(3, 1)]]))
     assert sigmas[0] == sigmas[1]
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from step_input_fakes import step_input
 
 from sdzero.models import families
 from sdzero.models.families import FAMILIES, Family, as_family, detect_family, family_named
-from sdzero.models.objectives import Objective
+from sdzero.models.objectives import LossInputs, Objective
+from sdzero.models.step_input import PromptEmbeds
 from sdzero.models.tiny import TINY_FAMILIES, write_tiny_model
 
 SDZERO = Path(families.__file__).parent
@@ -85,9 +87,14 @@ def test_detect_family_on_tiny_models_of_each_family(tiny, tiny_models):
     assert not hasattr(comps, "unet")  # the trained network is called what it is
     assert [type(m).__name__ for m in comps.frozen_modules()[1:]] == list(family.text_encoder_classes)
     tokens = comps.family.tokenize(comps, "a red circle")
-    assert list(tokens) == ["input_ids", "input_ids_2", "input_ids_3"][: len(family.text_encoders)]
-    cond = family.encode_prompts(comps, {k: v[None] for k, v in tokens.items()})
-    assert set(cond) == {"encoder_hidden_states"} | ({"pooled_prompt_embeds"} if len(tokens) > 1 else set())
+    # One token tensor per text encoder, in encoder order, each as long as that encoder's tokenizer makes.
+    assert [t.shape for t in tokens] == [
+        (family.token_length(comps, slot),) for slot in range(len(family.text_encoders))
+    ]
+    cond = family.encode_prompts(comps, tuple(t[None] for t in tokens))
+    assert set(cond.by_name()) == {"encoder_hidden_states"} | (
+        {"pooled_prompt_embeds"} if len(tokens) > 1 else set()
+    )
     # The pipeline carries the trained network under the family's attribute name.
     from sdzero.checkpoint.export import build_pipeline
 
@@ -116,33 +123,29 @@ def test_each_familys_loss_follows_its_objective():
 
     torch.manual_seed(0)
     latents = torch.randn(2, 4, 8, 8)
-    batch = {
-        "noise": torch.randn(2, 4, 8, 8),
-        "timestep": torch.tensor([10, 900]),
-        "flow_u": torch.tensor([0.2, 0.7]),
-        "original_size": torch.tensor([[40, 50], [64, 48]]),
-        "crop_top_left": torch.tensor([[3, 9], [0, 8]]),
-        "target_size": torch.tensor([[32, 32], [32, 32]]),
-    }
-    cond = {"encoder_hidden_states": torch.randn(2, 6, 16), "pooled_prompt_embeds": torch.randn(2, 8)}
+    batch = step_input(
+        noise=torch.randn(2, 4, 8, 8),
+        timestep=torch.tensor([10, 900]),
+        flow_u=torch.tensor([0.2, 0.7]),
+        original_size=torch.tensor([[40, 50], [64, 48]]),
+        crop_top_left=torch.tensor([[3, 9], [0, 8]]),
+        target_size=torch.tensor([[32, 32], [32, 32]]),
+    )
+    cond = PromptEmbeds(torch.randn(2, 6, 16), pooled_prompt_embeds=torch.randn(2, 8))
     scheduler = DDPMScheduler()
-    by_hand = F.mse_loss(
-        0.5 * scheduler.add_noise(latents, batch["noise"], batch["timestep"]), batch["noise"]
-    )
+    ddpm = LossInputs(model, torch.float32, scheduler, latents, cond, batch)
+    by_hand = F.mse_loss(0.5 * scheduler.add_noise(latents, batch.noise, batch.timestep), batch.noise)
     for name in ("sd", "sdxl"):
-        ours = family_named(name).loss(
-            model, torch.float32, scheduler, latents, cond, batch, Objective("epsilon")
-        )
+        ours = family_named(name).loss(ddpm, Objective("epsilon"))
         assert torch.allclose(ours, by_hand, rtol=1e-6), name
-    v = family_named("sd").loss(
-        model, torch.float32, scheduler, latents, cond, batch, Objective("v_prediction", snr_gamma=5.0)
-    )
+    v = family_named("sd").loss(ddpm, Objective("v_prediction", snr_gamma=5.0))
     assert torch.isfinite(v) and not torch.allclose(v, by_hand)
     flow = Objective("flow_matching", flow=FlowSettings())
     sd3 = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    assert torch.isfinite(family_named("sd3").loss(model, torch.float32, sd3, latents, cond, batch, flow))
+    flow_inputs = LossInputs(model, torch.float32, sd3, latents, cond, batch)
+    assert torch.isfinite(family_named("sd3").loss(flow_inputs, flow))
     with pytest.raises(ValueError, match="pass its FlowSettings"):
-        family_named("sd3").loss(model, torch.float32, scheduler, latents, cond, batch, Objective("x"))
+        family_named("sd3").loss(ddpm, Objective("x"))
 
 
 def test_objective_is_resolved_once_per_family(tmp_path, monkeypatch):

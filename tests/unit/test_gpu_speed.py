@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from step_input_fakes import step_input
 from trainer_fakes import FakeEngine, FakeEvent
 
 from sdzero.errors import UserError
@@ -104,7 +105,7 @@ def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, ste
     ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="bf16", micro_batch=2)
     comps = SimpleNamespace(family=family, noise_scheduler=None)
     batches = SimpleNamespace(
-        next=lambda: {}, epoch=0, batches_in_epoch=0, samples_in_epoch=0, check_late=lambda: 0
+        next=step_input, epoch=0, batches_in_epoch=0, samples_in_epoch=0, check_late=lambda: 0
     )
     writer = SimpleNamespace(write=hooks.lines.append, close=lambda: None)
     trainer = Trainer(

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from step_input_fakes import step_input
 from trainer_fakes import FakeEngine, FakeEvent
 
 from sdzero.errors import UserError
@@ -37,10 +38,10 @@ class Feed:
     def __init__(self) -> None:
         self.epoch, self.batches_in_epoch, self.samples_in_epoch = 0, 0, 0
 
-    def next(self) -> dict[str, torch.Tensor]:
+    def next(self):
         self.batches_in_epoch += 1
         self.samples_in_epoch += 2
-        return {"index": torch.tensor([self.samples_in_epoch - 2, self.samples_in_epoch - 1])}
+        return step_input(index=torch.tensor([self.samples_in_epoch - 2, self.samples_in_epoch - 1]))
 
     def check_late(self) -> int:
         return 0
@@ -62,7 +63,7 @@ class Recorder(Callback):
         self._add("begin", step)
 
     def on_batch(self, trainer, batch) -> None:
-        self._add("batch", batch["index"].tolist())
+        self._add("batch", batch.index.tolist())
 
     def on_optimizer_step(self, trainer, step) -> None:
         self._add("optimizer", step)
@@ -99,7 +100,7 @@ def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: in
     engine = FakeEngine()
     losses: list = []
 
-    def loss(model, dtype, scheduler, latents, cond, batch, objective):
+    def loss(inputs, objective):
         losses.append(objective)
         return torch.tensor(float(engine.global_samples // 2 + 1))  # the step number
 
