@@ -131,24 +131,22 @@ class Slurm:
             _reap(self.pids[name], 10)
         self.pids.clear()
 
-    def power_off(self, host: Host) -> None:
-        """What a node losing power does to a job: its slurmd, slurmstepds and ranks end at once (SIGKILL;
-        the host's sshd stays, for the cluster's teardown). Slurm learns of it only when told: see
-        `set_down`. Not the head node, whose slurmctld and munged the cluster needs."""
+    def lose_node(self, host: Host, reason: str) -> None:
+        """A node that dies under a job: it stops (its slurmd, slurmstepds and ranks are frozen, SIGSTOP:
+        the other ranks wait on it in their collectives, none fails first), it is set DOWN (`scontrol
+        update state=down`, what an administrator or a health check does; slurmctld itself would wait
+        SlurmdTimeout, 300 s), and it powers off (SIGKILL). The host's sshd stays, for the cluster's
+        teardown. Not the head node, whose slurmctld and munged the cluster needs."""
         assert host is not self.cluster.master, "the head node holds slurmctld and munged"
         slurmd = self.pids.pop(f"slurmd.{host.hostname}")
-        for pid in [slurmd, *_pids_in(host)]:
-            if pid != host.sshd_pid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        node = [p for p in {slurmd, *_pids_in(host)} if p != host.sshd_pid]
+        _signal_all(node, signal.SIGSTOP)
+        self.client("scontrol", "update", f"nodename={host.hostname}", "state=down", f"reason={reason}")
+        _signal_all(node, signal.SIGKILL)
         _reap(slurmd, 10)
 
-    def set_down(self, host: Host, reason: str) -> None:
-        """`scontrol update state=down`: what an administrator (or a health check) does."""
-        self.client("scontrol", "update", f"nodename={host.hostname}", "state=down", f"reason={reason}")
-
     def restore(self, timeout_s: float = 60) -> None:
-        """Every node back in service: a powered-off node's slurmd started again, a DOWN node resumed."""
+        """Every node back in service: a lost node's slurmd started again, a DOWN node resumed."""
         for h in self.cluster.members:
             if f"slurmd.{h.hostname}" not in self.pids:
                 self._start_slurmd(h)
@@ -342,6 +340,12 @@ def _wait_for(ready, timeout_s: float, what: str, log: Path | None) -> None:  # 
             tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
             raise RuntimeError(f"{what} within {timeout_s:g} s\n{tail}")
         time.sleep(0.2)
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _pids_in(host: Host) -> list[int]:
