@@ -27,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +95,8 @@ class Slurm:
         self._name_hosts_for_ssh()
         head = self.cluster.master
         key, sock = self.folder / "munge" / "munge.key", self.folder / "munge" / "munge.socket"
+        # --force: munged otherwise refuses folders it finds too open (a umask leaving /run/sdzero-cluster
+        # group-writable); the key is this cluster's own and lives only as long as it.
         self._start(
             "munged",
             head,
@@ -273,7 +275,7 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         _wait_for(
             lambda: self.node_states() == {n: "idle" for n in self.nodes},
             timeout_s,
-            f"not every node idle: {self.node_states()}",
+            lambda: f"not every node idle: {self.node_states()}",
             self.folder / "ctld" / "slurmctld.log",
         )
 
@@ -333,12 +335,16 @@ def running(cluster: Cluster) -> Iterator[Slurm]:
         slurm.down()
 
 
-def _wait_for(ready, timeout_s: float, what: str, log: Path | None) -> None:  # noqa: ANN001
+def _wait_for(
+    ready: Callable[[], bool], timeout_s: float, what: str | Callable[[], str], log: Path | None
+) -> None:
+    """Poll `ready` until it holds; else fail, saying `what` (called then, if a function) and the log's tail."""
     deadline = time.monotonic() + timeout_s
     while not ready():
         if time.monotonic() > deadline:
             tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
-            raise RuntimeError(f"{what} within {timeout_s:g} s\n{tail}")
+            said = what() if callable(what) else what
+            raise RuntimeError(f"{said} within {timeout_s:g} s\n{tail}")
         time.sleep(0.2)
 
 
