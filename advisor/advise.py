@@ -5,6 +5,8 @@
     <out>/trials.csv               the trials for the report (with its `dtype` column)
     <out>/predictions.csv, validation.csv, recommendation.json, recommended_ds_config.json,
     <out>/environment.json, <out>/report.html
+    <out>/plan_inputs.json         what `sdzero advise --replan <out>` needs besides the trials (advisor.plan)
+    <out>/advise.log               library chatter, kept off the terminal
 
 The files follow the data contract in advisor.report.build's docstring. Without --model/--data the embedded tiny
 model and synthetic data are written into <out>/ first, so `sdzero advise --max-nodes 32` runs anywhere.
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from advisor.inputs import default_inputs as default_inputs  # re-exported: bench/advisor_accuracy.py
+from advisor.plan import replan_stages, write_plan_inputs
 from advisor.request import CPU_GRID as CPU_GRID  # re-exported: bench/advisor_accuracy.py
 from advisor.request import AdviseRequest
 from advisor.stages.fit import fit
@@ -42,10 +45,24 @@ class AdviseResult:
 
 
 def run_advise(request: AdviseRequest) -> AdviseResult:
-    """The whole advise pipeline; bad input raises UserError before any trial starts."""
-    inputs = read_inputs(request)
-    hardware = measure_hardware(inputs)
-    measured = measure_trials(inputs, hardware)
+    """The whole advise pipeline; bad input raises UserError before any trial starts. With
+    `request.replan` the inputs and measurements are an earlier run's (advisor.plan)."""
+    from sdzero.checkpoint.output_lock import release_output_dir
+
+    try:
+        return _advise(request)
+    finally:
+        release_output_dir(request.out_dir)  # the inputs stage claimed it
+
+
+def _advise(request: AdviseRequest) -> AdviseResult:
+    if request.replan is not None:
+        inputs, hardware, measured = replan_stages(request)
+    else:
+        inputs = read_inputs(request)
+        hardware = measure_hardware(inputs)
+        measured = measure_trials(inputs, hardware)
+        write_plan_inputs(inputs, hardware, measured)
     fitted = fit(measured, hardware)
     notes = [*inputs.notes, *hardware.notes, *measured.notes, *fitted.notes]
     predictions = predict(inputs, hardware, measured, fitted, notes)

@@ -4,8 +4,10 @@ here and become one advisor.request.AdviseRequest, which advisor.advise.run_advi
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -40,8 +42,14 @@ DeepspeedConfig = Annotated[
     input_option("deepspeed_config", note="the base of every trial; default ds_configs/zero2_bf16.json"),
 ]
 Out = Annotated[
-    Path,
-    typer.Option("--out", "-o", help="folder for trials, benchmark, predictions, recommendation, report."),
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        help="folder for trials, benchmark, predictions, recommendation, report (default reports/advise; "
+        "with --replan, the replanned folder).",
+        show_default=False,
+    ),
 ]
 BudgetMinutes = Annotated[
     float | None,
@@ -106,10 +114,36 @@ LrReferenceBatch = Annotated[
         help="global batch the base LR was tuned for; default: the base config's on one node",
     ),
 ]
+Samples = Annotated[
+    int | None,
+    typer.Option(help="samples in one epoch, for the time to train (default: the images in --data)."),
+]
+Epochs = Annotated[float | None, typer.Option(help="epochs to train (default 1), for the time to train.")]
+GpuHourPrice = Annotated[
+    float | None, typer.Option(help="price of one GPU-hour: the cost to train beside the GPU-hours.")
+]
+DeadlineHours = Annotated[
+    float | None,
+    typer.Option(help="choose the node count with the fewest GPU-hours that finishes within these hours."),
+]
+MaxGpuHours = Annotated[
+    float | None, typer.Option(help="choose the node count that finishes soonest within these GPU-hours.")
+]
+Replan = Annotated[
+    Path | None,
+    typer.Option(
+        metavar="OUT",
+        help="answer again from OUT's trials, link probes and fits for other target, batch or training "
+        "options, measuring nothing (seconds, no process group).",
+        show_default=False,
+    ),
+]
 TrainArgs = Annotated[
     str, cli_option("train_args", note="also in the recommended launch; checked by the trainer's parser")
 ]
 
+ADVISE_LOG = "advise.log"
+"""In --out: the library chatter kept off the terminal, and the progress lines."""
 _ADVISE = AdviseRequest()
 """The request's defaults, which the command's options share."""
 
@@ -119,7 +153,7 @@ def advise_command(
     model: Model = _ADVISE.model,
     data: Data = _ADVISE.data,
     deepspeed_config: DeepspeedConfig = _ADVISE.deepspeed_config,
-    out: Out = _ADVISE.out_dir,
+    out: Out = None,
     budget_minutes: BudgetMinutes = _ADVISE.budget_minutes,
     hostfile: Hostfile = _ADVISE.hostfile,
     gpus_per_node: GpusPerNode = _ADVISE.gpus_per_node,
@@ -137,40 +171,86 @@ def advise_command(
     lr_scaling: LrScaling = _ADVISE.lr_scaling,
     lr_reference_batch: LrReferenceBatch = _ADVISE.lr_reference_batch,
     train_args: TrainArgs = DEFAULTS.train_args,
+    samples: Samples = _ADVISE.samples,
+    epochs: Epochs = _ADVISE.epochs,
+    gpu_hour_price: GpuHourPrice = _ADVISE.gpu_hour_price,
+    deadline_hours: DeadlineHours = _ADVISE.deadline_hours,
+    max_gpu_hours: MaxGpuHours = _ADVISE.max_gpu_hours,
+    replan: Replan = _ADVISE.replan,
 ) -> None:
-    """Measure a few trials and the network, predict 1..--max-nodes nodes, recommend a runnable config."""
+    """Measure a few trials and the network, predict 1..--max-nodes nodes with the time and GPU-hours to
+    train, recommend a runnable config (--replan: answer again from an earlier run's measurements)."""
+    import time
+
     from rich.console import Console
 
     from advisor.report.terminal import print_advice
+    from sdzero.library_logs import library_chatter_to
 
+    started = time.monotonic()
+    out_dir = Path(out or (replan if replan is not None else _ADVISE.out_dir))
     console = Console(stderr=True)
-    request = AdviseRequest(
-        max_nodes=max_nodes,
-        model=model,
-        data=data,
-        deepspeed_config=deepspeed_config,
-        out_dir=out,
-        budget_minutes=budget_minutes,
-        hostfile=hostfile,
-        gpus_per_node=gpus_per_node,
-        inter_node_gbps=inter_node_gbps,
-        inter_node_latency_us=inter_node_latency_us,
-        preset=preset,
-        nics_per_node=nics_per_node,
-        tune_buckets=tune_buckets,
-        global_batch=global_batch,
-        headroom=headroom,
-        device_memory_gib=device_memory_gib,
-        lr_scaling=lr_scaling,
-        log=lambda message: console.print(f"[dim]{message}[/dim]"),
-        train_args=check_train_args(train_args),
-        min_efficiency=min_efficiency,
-        nodes=nodes,
-        target_gpu=target_gpu,
-        lr_reference_batch=lr_reference_batch,
-    )
-    result = run_advise(request)
-    print_advice(result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report)
+    with library_chatter_to(out_dir / ADVISE_LOG) as log:
+
+        def say(message: str) -> None:
+            log.write(message)
+            console.print(f"[dim]{message}[/dim]", highlight=False)
+
+        request = AdviseRequest(
+            max_nodes=max_nodes,
+            model=model,
+            data=data,
+            deepspeed_config=deepspeed_config,
+            out_dir=out_dir,
+            budget_minutes=budget_minutes,
+            hostfile=hostfile,
+            gpus_per_node=gpus_per_node,
+            inter_node_gbps=inter_node_gbps,
+            inter_node_latency_us=inter_node_latency_us,
+            preset=preset,
+            nics_per_node=nics_per_node,
+            tune_buckets=tune_buckets,
+            global_batch=global_batch,
+            headroom=headroom,
+            device_memory_gib=device_memory_gib,
+            lr_scaling=lr_scaling,
+            log=say,
+            train_args=check_train_args(train_args),
+            min_efficiency=min_efficiency,
+            nodes=nodes,
+            target_gpu=target_gpu,
+            lr_reference_batch=lr_reference_batch,
+            samples=samples,
+            epochs=epochs,
+            gpu_hour_price=gpu_hour_price,
+            deadline_hours=deadline_hours,
+            max_gpu_hours=max_gpu_hours,
+            replan=replan,
+        )
+        result = run_advise(request)
+        print_advice(
+            result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report
+        )
+    if replan is not None:
+        console.print(
+            f"[dim]replanned in {time.monotonic() - started:.1f} s from {replan}; nothing measured[/dim]",
+            highlight=False,
+        )
+
+
+def chatter_to_out_log(command: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`command` with library chatter diverted into <its --out>/`name` (sdzero.library_logs) while it runs;
+    its signature, and so its options, unchanged."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from sdzero.library_logs import library_chatter_to
+
+        out = kwargs.get("out")
+        with library_chatter_to(Path(out) / name if out is not None else None):
+            return command(*args, **kwargs)
+
+    return run
 
 
 def _register_advisor_commands() -> None:
@@ -180,7 +260,7 @@ def _register_advisor_commands() -> None:
 
     trainer_cli.command("advise", app)(ends_children(advise_command))
     trainer_cli.command("comm", app)(ends_children(comm_command))
-    trainer_cli.command("profile", app)(ends_children(profile_command))
+    trainer_cli.command("profile", app)(ends_children(chatter_to_out_log(profile_command, "profile.log")))
     trainer_cli.command("report", app)(report_command)
 
 

@@ -1,13 +1,56 @@
-"""The advisor's inputs: the model and data (the embedded default when none is given) and the trainer
-options a user adds to every trial (--train-args)."""
+"""The advisor's inputs: the model and data (the embedded default when none is given), the fine-tune the
+embedded default stands for, and the trainer options a user adds to every trial (--train-args)."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sdzero.errors import UserError
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """A fine-tune described by its global batch and its dataset: what the embedded default plans for."""
+
+    global_batch: int
+    """Held at every node count (strong scaling); also the batch its base LR is taken as tuned for."""
+    dataset_images: int
+    """Samples in one epoch."""
+    synthetic_images: int
+    """Images of the synthetic stand-in written into --out: at least one global batch, so the
+    recommended launch trains on it as printed."""
+
+
+EMBEDDED_FINE_TUNE = FineTune(global_batch=256, dataset_images=100_000, synthetic_images=256)
+"""The embedded default plans a fine-tune of the kind the guides start from (a 100,000-image dataset,
+global batch 256): a batch that 1 to 32 nodes of up to 8 ranks all reach, accumulating where a node
+count has fewer ranks, so `sdzero advise --max-nodes 32` fills every row. Its trials still run the tiny
+model on the synthetic images."""
+
+
+def embedded_base(base: dict[str, Any], fine_tune: FineTune = EMBEDDED_FINE_TUNE) -> dict[str, Any]:
+    """The shipped base JSON with the fine-tune's global batch as DeepSpeed's own `train_batch_size`: the
+    one place the batch (and so the LR's reference batch, sdzero.config.lr_rule) is stated. Trials and the
+    recommended JSON drop it again (advisor.measure.grid.trial_ds_config), since their batch follows
+    micro-batch x accumulation x ranks."""
+    return {**base, "train_batch_size": fine_tune.global_batch}
+
+
+def dataset_images(data: Path) -> int:
+    """Images listed in the folder's metadata.jsonl (what one epoch trains on), 0 when unreadable: the
+    trainer checks the folder itself."""
+    meta = Path(data) / "metadata.jsonl"
+    try:
+        with meta.open() as f:
+            return sum(1 for line in f if line.strip() and isinstance(json.loads(line), dict))
+    except (OSError, ValueError):
+        return 0
+
 
 ADVISOR_OWNED = (
     "--deepspeed_config",
@@ -51,5 +94,5 @@ def default_inputs(out_dir: Path, model: str | None, data: Path | None) -> tuple
     if data is None:
         data = out_dir / "data"
         if not (data / "metadata.jsonl").exists():
-            write_synthetic_dataset(data, images=64, size=40)
+            write_synthetic_dataset(data, images=EMBEDDED_FINE_TUNE.synthetic_images, size=40)
     return model, Path(data)

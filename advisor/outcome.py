@@ -19,6 +19,8 @@ from advisor.model.predict import BatchTarget, Candidate
 from advisor.model.scaling_table import (
     MEASURED,
     MODELLED,
+    BatchReach,
+    NodeRule,
     choose_node_count,
     link_provenance,
     options_beside,
@@ -26,8 +28,12 @@ from advisor.model.scaling_table import (
     table_records,
 )
 from advisor.model.search import CHECK_TRIALS, SearchResult
-from sdzero.config.lr_rule import LrChoice
+from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
+from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
+
+GPU_HOURS = "GPU-h"
+"""The unit of the hours a run holds its devices (rank-hours when the ranks are CPU processes)."""
 
 
 @dataclass
@@ -40,8 +46,7 @@ class Outcome:
     trials: pd.DataFrame
     predictions: pd.DataFrame
     node_list: list[int]
-    min_efficiency: float
-    fixed_nodes: int | None
+    rule: NodeRule
     target: BatchTarget
     target_asked: bool
     base_batch: int
@@ -60,6 +65,19 @@ class Outcome:
     budget_s: float
     per_trial_s: float
     notes: list[str]
+    amount: TrainAmount
+    startup: StartUp
+    gpu_hour_price: float | None
+    micro_batches: tuple[int, ...]
+    """The candidates' micro-batches: which global batches a node count can reach."""
+    base_lr: float
+    lr_reference: int
+    lr_scaling: str
+    embedded: bool = False
+
+    @property
+    def min_efficiency(self) -> float:
+        return self.rule.min_efficiency
 
 
 def measured_ids(trials: pd.DataFrame) -> set[str]:
@@ -139,31 +157,98 @@ def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
 
 def node_choice(o: Outcome, table: pd.DataFrame) -> dict[str, Any]:
     knee = choose_node_count(table, o.min_efficiency)
-    rule = (
-        f"--nodes {o.fixed_nodes}"
-        if o.fixed_nodes is not None
-        else f"the largest node count keeping scaling efficiency >= {o.min_efficiency:.0%}"
-    )
+    chosen = int(o.best["node_count"])
+    beside = options_beside(table)
+    rows = table_records(table)
     return {
-        "rule": rule,
+        "rule": o.rule.describe(GPU_HOURS),
+        "rule_name": o.rule.name,
         "min_efficiency": o.min_efficiency,
-        "chosen": int(o.best["node_count"]),
+        "deadline_hours": o.rule.deadline_hours,
+        "max_gpu_hours": o.rule.max_gpu_hours,
+        "chosen": chosen,
         "knee": knee,
-        **options_beside(table),
+        **beside,
+        "trade": trade_line(rows, chosen, beside["fastest"], GPU_HOURS, o.gpu_hour_price),
     }
+
+
+def unreachable_notes(o: Outcome, table: pd.DataFrame) -> None:
+    """An unreachable row's way in: the smallest global batch that reaches it and what the one LR rule
+    (sdzero.config.lr_rule) would make of the LR there, written into the row."""
+    table["reach_note"] = table["reach_note"].astype(object)
+    for i in table.index[table["status"] == "unreachable"]:
+        batch = table.at[i, "smallest_batch"]
+        if pd.isna(batch):
+            continue
+        lr = choose_lr(o.base_lr, int(batch), o.lr_reference, o.lr_scaling)
+        table.at[i, "reach_note"] = (
+            f"needs a global batch of {int(batch)} or more: --global-batch {int(batch)} reaches it, "
+            f"at {lr.describe()}"
+        )
+
+
+def time_to_train(o: Outcome) -> dict[str, Any]:
+    """The recommended run's time, GPU-hours and cost to train, and what they rest on."""
+    best = o.best
+    gpu_hours = float(best["gpu_hours"])
+    return {
+        "samples": o.amount.samples,
+        "samples_per_epoch": o.amount.samples_per_epoch,
+        "epochs": o.amount.epochs,
+        "amount": o.amount.describe(),
+        "optimizer_steps": int(best["optimizer_steps"]),
+        "seconds": float(best["time_to_train_s"]),
+        "gpu_hours": gpu_hours,
+        "unit": GPU_HOURS,
+        "gpu_hour_price": o.gpu_hour_price,
+        "cost": cost_of(gpu_hours, o.gpu_hour_price),
+        "startup_s": o.startup.seconds,
+        "startup": o.startup.describe(),
+    }
+
+
+def verdict(o: Outcome, rec: dict[str, Any]) -> str:
+    """The answer in one line: nodes, config, time, GPU-hours (and cost), and where the figures come from."""
+    t = rec["time_to_train"]
+    n = rec["node_count"]
+    cost = f", {money(t['cost'])} at {t['gpu_hour_price']:g}/{GPU_HOURS}" if t["cost"] is not None else ""
+    measured = (
+        "measured config" if rec["measured"].get("recommended_config_measured") else "config not measured"
+    )
+    link = (
+        ""
+        if n == 1 or link_provenance(o.target_net.inter.source) == MEASURED
+        else ", inter-node link assumed"
+    )
+    held = rec["error"].get("step_time_mape")
+    error = f", held-out error {held:.0%}" if held is not None else ""
+    return (
+        f"{n} node{'s' if n != 1 else ''} x {rec['gpus_per_node']} ranks, {rec['config_id']} "
+        f"(micro-batch {rec['micro_batch']} x accumulation {rec['grad_accum']}, global batch "
+        f"{rec['global_batch']}): {hours(t['seconds'])}, {t['gpu_hours']:.3g} {GPU_HOURS}{cost} to train "
+        f"{t['samples']:,} samples ({MODELLED} from {rec['trials_run']} trials on "
+        f"{rec['provenance']['trials_ran_on']}, {measured}{link}{error}; node count by "
+        f"{'--nodes' if o.rule.name == 'nodes' else o.rule.name.replace('_', ' ') + ' rule'})"
+    )
 
 
 def build_recommendation(o: Outcome) -> dict[str, Any]:
     best = o.best
     measured = measured_ids(o.trials)
-    table = scaling_table(o.predictions, o.node_list, o.min_efficiency, o.target_net.inter.source, measured)
+    reach = BatchReach(o.micro_batches, o.target_net.gpus_per_node, o.target.lo)
+    table = scaling_table(
+        o.predictions, o.node_list, o.min_efficiency, o.target_net.inter.source, measured, reach
+    )
+    unreachable_notes(o, table)
+    whose = "the embedded default fine-tune's" if o.embedded else "the base config's"
     batch_rule = (
         f"{o.target.describe()} (--global-batch)"
         if o.target_asked
-        else f"{o.base_batch}, the base config's, held fixed (strong scaling; --global-batch changes it)"
+        else f"{o.base_batch}, {whose}, held fixed (strong scaling; --global-batch changes it)"
     )
     held_out = o.errors["held_out"]
-    return {
+    rec = {
         "config_id": best["config_id"],
         "node_count": int(best["node_count"]),
         "gpus_per_node": o.target_net.gpus_per_node,
@@ -205,4 +290,7 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "network": o.target_net.describe(),
         "runners_up": o.runners,
         "notes": o.notes,
+        "time_to_train": time_to_train(o),
     }
+    rec["verdict"] = verdict(o, rec)
+    return rec

@@ -78,3 +78,17 @@ class AdviseRequest:
     """The target's GPU by name (advisor.target.TARGET_GPUS), for its memory."""
     lr_reference_batch: int | None = DEFAULTS.lr_reference_batch
     """Global batch the base LR was tuned for; None: the base config's on one target node."""
+    samples: int | None = None
+    """Samples in one epoch of the fine-tune; None: the images in `data` (the embedded default: its
+    fine-tune's, advisor.inputs.EMBEDDED_FINE_TUNE)."""
+    epochs: float | None = None
+    """Epochs to train, for the time, GPU-hours and cost to train; None: one."""
+    gpu_hour_price: float | None = None
+    """Price of one GPU-hour (any currency): the cost to train beside the GPU-hours."""
+    deadline_hours: float | None = None
+    """Choose the node count with the fewest GPU-hours that finishes within this many hours."""
+    max_gpu_hours: float | None = None
+    """Choose the node count that finishes soonest within this many GPU-hours."""
+    replan: Path | None = None
+    """Answer again from this earlier run's trials, link probes and fits, measuring nothing
+    (advisor.plan); its answer is written into `out_dir`."""

@@ -350,35 +350,44 @@ def demo(
 ) -> None:
     """Train the tiny default model on synthetic data with 2 ranks under ZeRO-2 bf16."""
     from sdzero.cluster.launch_command import deepspeed_command, shipped_config
+    from sdzero.library_logs import ChatterFilter, library_chatter_to
     from sdzero.models.tiny import write_synthetic_dataset, write_tiny_model
 
     model, data, run_dir = out / "model", out / "data", out / "run"
-    if not (model / "model_index.json").exists():
-        write_tiny_model(model)
-    if not (data / "metadata.jsonl").exists():
-        write_synthetic_dataset(data, images=256)
-    ds_config = config or shipped_config("zero2_bf16.json")
-    args = [
-        "--deepspeed_config",
-        str(ds_config),
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--output-dir",
-        str(run_dir),
-        "--max-steps",
-        str(steps),
-        "--lr",
-        "3e-4",
-        "--num-workers",
-        "1",
-    ]
-    code = subprocess.call(deepspeed_command(args, num_gpus=ranks))
+    # Library chatter (accelerator detection, the launcher's INFO lines, deprecation warnings, weights
+    # written and loaded) goes to <out>/demo.log; the run's own lines and any error show.
+    with library_chatter_to(out / "demo.log") as log:
+        if not (model / "model_index.json").exists():
+            write_tiny_model(model)
+        if not (data / "metadata.jsonl").exists():
+            write_synthetic_dataset(data, images=256)
+        ds_config = config or shipped_config("zero2_bf16.json")
+        args = [
+            "--deepspeed_config",
+            str(ds_config),
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--output-dir",
+            str(run_dir),
+            "--max-steps",
+            str(steps),
+            "--lr",
+            "3e-4",
+            "--num-workers",
+            "1",
+        ]
+        launcher = subprocess.Popen(
+            deepspeed_command(args, num_gpus=ranks), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        assert launcher.stdout is not None
+        ChatterFilter(log, sys.stdout).pump(launcher.stdout)
+        code = launcher.wait()
     if code == 0:
         typer.echo(
             f"demo done: metrics in {run_dir / 'metrics.jsonl'}, effective DeepSpeed config in "
-            f"{run_dir / 'ds_config.json'}"
+            f"{run_dir / 'ds_config.json'}; library messages in {out / 'demo.log'}"
         )
     raise typer.Exit(code)
 

@@ -1,12 +1,14 @@
-"""The scaling table (one row per node count), the node count chosen by efficiency, and where each figure
+"""The scaling table (one row per node count), the rule that chooses the node count, and where each figure
 comes from.
 
 Per node count the row is the fastest config that fits and reaches the global batch; its scaling
-efficiency is its samples/s per node over the smallest node count's (1.0 is linear). The recommended node
-count is the largest one that keeps --min-efficiency: past it, each added node buys less than that
-fraction of a node's worth of throughput. The knee is that node count. A node count where no config
-reaches the global batch (strong scaling: more ranks than samples) or fits in memory is kept as a row
-that says so.
+efficiency is its samples/s per node over the smallest node count's (1.0 is linear), and its time and
+GPU-hours to train are advisor.model.time_to_train's. The knee is the largest node count that keeps
+--min-efficiency: past it, each added node buys less than that fraction of a node's worth of throughput.
+The node count is chosen by one of the rules of NodeRule: the knee (the default), the fewest GPU-hours
+that finish within --deadline-hours, the soonest finish within --max-gpu-hours, or --nodes. A node count
+where no config reaches the global batch (strong scaling: more ranks than samples) or fits in memory is
+kept as a row that says so; an unreachable one also says the smallest global batch that would reach it.
 
 Provenance labels, the same words in the terminal, recommendation.json and the report:
 ``measured`` (a trial ran it), ``modelled`` (fitted to trials and the measured links), ``assumed`` (a preset
@@ -15,9 +17,13 @@ or a figure the user gave, e.g. the inter-node link when no hostfile was benchma
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+
+from sdzero.errors import UserError
 
 DEFAULT_MIN_EFFICIENCY = 0.8
 """80% parallel efficiency: below it, the last nodes added cost more than a fifth of their price for
@@ -33,11 +39,16 @@ COLUMNS = (
     "global_batch",
     "samples_per_s",
     "step_time_s",
+    "time_to_train_s",
+    "gpu_hours",
+    "optimizer_steps",
     "efficiency",
     "exposed_comm_share",
     "limiting_link",
     "provenance",
     "knee",
+    "smallest_batch",
+    "reach_note",
 )
 
 
@@ -80,8 +91,10 @@ def scaling_table(
     min_efficiency: float,
     inter_source: str,
     measured_ids: set[str],
+    reach: BatchReach | None = None,
 ) -> pd.DataFrame:
-    """One row per node count (see the module doc); `measured_ids` are the config_ids a trial ran."""
+    """One row per node count (see the module doc); `measured_ids` are the config_ids a trial ran; `reach`
+    gives an unreachable row the smallest global batch that would reach it."""
     rows: list[dict[str, Any]] = []
     for n in nodes:
         mine = predictions[predictions["node_count"] == n] if not predictions.empty else predictions
@@ -90,20 +103,12 @@ def scaling_table(
         if status == "ok":
             fits = mine[mine["feasible"].astype(bool)]
             best = fits.loc[fits["samples_per_s"].idxmax()]
-            row |= {
-                k: best[k]
-                for k in (
-                    "config_id",
-                    "micro_batch",
-                    "grad_accum",
-                    "global_batch",
-                    "samples_per_s",
-                    "step_time_s",
-                )
-            }
+            row |= {k: best[k] for k in _BEST_COLUMNS if k in best}
             row["exposed_comm_share"] = float(best["exposed_comm_s"] / best["step_time_s"])
             row["limiting_link"] = limiting_link(best)
             row["provenance"] = row_provenance(n, str(best["config_id"]), inter_source, measured_ids)
+        elif status == "unreachable" and reach is not None:
+            row["smallest_batch"] = reach.smallest_batch(n)
         rows.append(row)
     table = pd.DataFrame(rows).reindex(columns=list(COLUMNS))
     ok = table[table["status"] == "ok"]
@@ -118,12 +123,34 @@ def scaling_table(
     return table
 
 
-def row_provenance(nodes: int, config_id: str, inter_source: str, measured_ids: set[str]) -> str:
-    """Throughput at this node count: modelled; from a measured config or not; across an assumed link."""
-    parts = [MODELLED + (" from a measured config" if config_id in measured_ids else ", config not measured")]
-    if nodes > 1 and link_provenance(inter_source) != MEASURED:
-        parts.append(f"inter-node link {link_provenance(inter_source)}")
-    return "; ".join(parts)
+_BEST_COLUMNS = (
+    "config_id",
+    "micro_batch",
+    "grad_accum",
+    "global_batch",
+    "samples_per_s",
+    "step_time_s",
+    "time_to_train_s",
+    "gpu_hours",
+    "optimizer_steps",
+)
+
+
+@dataclass(frozen=True)
+class BatchReach:
+    """What global batches a node count can run: micro-batch x accumulation x ranks, from the candidates'
+    micro-batches."""
+
+    micro_batches: tuple[int, ...]
+    gpus_per_node: int
+    lo: int
+    """The global batch asked for (the lower end of a range)."""
+
+    def smallest_batch(self, nodes: int) -> int:
+        """The smallest global batch at or above the one asked for that `nodes` nodes reach: a multiple of
+        micro-batch x ranks for some micro-batch."""
+        world = nodes * self.gpus_per_node
+        return min(math.ceil(self.lo / (m * world)) * m * world for m in self.micro_batches)
 
 
 def choose_node_count(table: pd.DataFrame, min_efficiency: float) -> int | None:
@@ -132,20 +159,127 @@ def choose_node_count(table: pd.DataFrame, min_efficiency: float) -> int | None:
     return int(ok["node_count"].max()) if not ok.empty else None
 
 
+@dataclass(frozen=True)
+class NodeRule:
+    """How the node count is chosen: --nodes, else --deadline-hours, else --max-gpu-hours, else the knee."""
+
+    min_efficiency: float = DEFAULT_MIN_EFFICIENCY
+    nodes: int | None = None
+    deadline_hours: float | None = None
+    max_gpu_hours: float | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            f
+            for f, v in (
+                ("--nodes", self.nodes),
+                ("--deadline-hours", self.deadline_hours),
+                ("--max-gpu-hours", self.max_gpu_hours),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            raise UserError(f"{' and '.join(given)}: give one rule for the node count, not several")
+        for flag, value in (
+            ("--deadline-hours", self.deadline_hours),
+            ("--max-gpu-hours", self.max_gpu_hours),
+        ):
+            if value is not None and not value > 0:
+                raise UserError(f"{flag} {value}: must be a positive number of hours")
+
+    @property
+    def name(self) -> str:
+        if self.nodes is not None:
+            return "nodes"
+        if self.deadline_hours is not None:
+            return "deadline"
+        return "gpu_hours" if self.max_gpu_hours is not None else "efficiency"
+
+    def describe(self, unit: str = "GPU-h") -> str:
+        if self.nodes is not None:
+            return f"--nodes {self.nodes}"
+        if self.deadline_hours is not None:
+            return f"the fewest {unit} that finish within --deadline-hours {self.deadline_hours:g}"
+        if self.max_gpu_hours is not None:
+            return f"the soonest finish within --max-gpu-hours {self.max_gpu_hours:g}"
+        return f"the largest node count keeping scaling efficiency >= {self.min_efficiency:.0%} (the knee)"
+
+    def choose(self, table: pd.DataFrame) -> tuple[int | None, str | None]:
+        """(node count, why the rule could not be kept as asked, or None)."""
+        ok = table[table["status"] == "ok"]
+        if self.nodes is not None:
+            return self.nodes, None
+        if self.name == "efficiency" or ok.empty or "time_to_train_s" not in ok:
+            knee = choose_node_count(table, self.min_efficiency)
+            if knee is None and not ok.empty:
+                first = int(ok["node_count"].min())
+                return (
+                    first,
+                    f"no node count keeps {self.min_efficiency:.0%} efficiency: the smallest is chosen",
+                )
+            return knee, None
+        seconds = pd.to_numeric(ok["time_to_train_s"])
+        gpu_hours = pd.to_numeric(ok["gpu_hours"])
+        if self.deadline_hours is not None:
+            within = ok[seconds <= self.deadline_hours * 3600]
+            if within.empty:
+                soonest = ok.loc[seconds.idxmin()]
+                return int(soonest["node_count"]), (
+                    f"no node count finishes within {self.deadline_hours:g} h: the soonest "
+                    f"({int(soonest['node_count'])} nodes, {float(soonest['time_to_train_s']) / 3600:.3g} h) "
+                    "is chosen"
+                )
+            pick = within.sort_values(["gpu_hours", "node_count"]).iloc[0]
+            return int(pick["node_count"]), None
+        assert self.max_gpu_hours is not None
+        within = ok[gpu_hours <= self.max_gpu_hours]
+        if within.empty:
+            cheapest = ok.sort_values(["gpu_hours", "node_count"]).iloc[0]
+            return int(cheapest["node_count"]), (
+                f"no node count trains within {self.max_gpu_hours:g} GPU-hours: the fewest "
+                f"({int(cheapest['node_count'])} nodes, {float(cheapest['gpu_hours']):.3g}) is chosen"
+            )
+        pick = within.sort_values(["time_to_train_s", "node_count"]).iloc[0]
+        return int(pick["node_count"]), None
+
+
+def row_provenance(nodes: int, config_id: str, inter_source: str, measured_ids: set[str]) -> str:
+    """Throughput at this node count: modelled; from a measured config or not; across an assumed link."""
+    parts = [MODELLED + (" from a measured config" if config_id in measured_ids else ", config not measured")]
+    if nodes > 1 and link_provenance(inter_source) != MEASURED:
+        parts.append(f"inter-node link {link_provenance(inter_source)}")
+    return "; ".join(parts)
+
+
 def options_beside(table: pd.DataFrame) -> dict[str, int | None]:
-    """The fastest and the most efficient node counts (the smallest one on a tie), for the terminal."""
+    """The fastest (soonest to finish), the most efficient and the cheapest (fewest GPU-hours) node
+    counts, the smallest one on a tie, for the terminal."""
     ok = table[table["status"] == "ok"]
     if ok.empty:
-        return {"fastest": None, "most_efficient": None}
-    fastest = ok.loc[ok["samples_per_s"].idxmax(), "node_count"]
+        return {"fastest": None, "most_efficient": None, "fewest_gpu_hours": None}
+    timed = "time_to_train_s" in ok and ok["time_to_train_s"].notna().all()
+    by_time = ok.sort_values(["time_to_train_s", "node_count"]) if timed else None
+    fastest = by_time.iloc[0] if by_time is not None else ok.loc[ok["samples_per_s"].idxmax()]
     efficient = ok.sort_values(["efficiency", "node_count"], ascending=[False, True]).iloc[0]["node_count"]
-    return {"fastest": int(fastest), "most_efficient": int(efficient)}
+    cheapest = ok.sort_values(["gpu_hours", "node_count"]).iloc[0]["node_count"] if timed else None
+    return {
+        "fastest": int(fastest["node_count"]),
+        "most_efficient": int(efficient),
+        "fewest_gpu_hours": None if cheapest is None else int(cheapest),
+    }
 
 
 def table_records(table: pd.DataFrame) -> list[dict[str, Any]]:
     """JSON-ready rows (NaN -> None, numpy scalars -> plain)."""
     out = []
-    whole = ("node_count", "micro_batch", "grad_accum", "global_batch")  # ints, not NaN-widened floats
+    whole = (
+        "node_count",
+        "micro_batch",
+        "grad_accum",
+        "global_batch",
+        "optimizer_steps",
+        "smallest_batch",
+    )  # ints, not NaN-widened floats
     for record in table.to_dict("records"):
         record = {k: (int(v) if k in whole and pd.notna(v) else v) for k, v in record.items()}
         out.append(

@@ -17,6 +17,7 @@ import pandas as pd
 
 from advisor.model.alphabeta import AlphaBetaFit, bus_factor, load_fits
 from advisor.model.prediction_error import ERROR_EXPLAINED, is_check
+from advisor.model.time_to_train import hours
 from advisor.report import figures
 from advisor.report.answer import (
     held_out_sentence,
@@ -24,6 +25,8 @@ from advisor.report.answer import (
     provenance_section,
     recommendation_notes,
     scaling_table_item,
+    time_to_train_item,
+    verdict_sentence,
 )
 from advisor.report.page import (
     CodeItem,
@@ -176,8 +179,9 @@ def recommendation_section(folder: Path, rec: dict[str, Any] | None) -> Section:
     rows += [_summary_row(other, str(i)) for i, other in enumerate(rec.get("runners_up") or [], start=2)]
     caption = CAPTIONS["recommendation"] + " " + held_out_sentence(rec)
     table_item = scaling_table_item(rec)  # the answer first: how it scales, where the knee is
+    answer = [item for item in (table_item, time_to_train_item(rec)) if item]
     items: list[Item] = [
-        *([table_item] if table_item else []),
+        *answer,
         frame_table("recommendation", "Recommended config and runners-up", caption, pd.DataFrame(rows)),
     ]
     why = dict(recommendation_notes(rec))
@@ -211,6 +215,7 @@ def recommendation_section(folder: Path, rec: dict[str, Any] | None) -> Section:
         "scaling_table",
         "provenance",
         "error_explained",
+        "verdict",
     }
     details = {k: v for k, v in rec.items() if k not in shown}
     items.append(
@@ -513,6 +518,10 @@ def advise_facts(rec: dict[str, Any] | None, trials: pd.DataFrame | None) -> lis
             out.append(("nodes", str(rec["node_count"])))
         if isinstance(rec.get("samples_per_s"), (int, float)):
             out.append(("predicted samples/s", f"{rec['samples_per_s']:.4g}"))
+        t = rec.get("time_to_train") or {}
+        if isinstance(t.get("seconds"), (int, float)):
+            out.append(("time to train", hours(float(t["seconds"]))))
+            out.append((str(t.get("unit", "GPU-h")), f"{float(t['gpu_hours']):.3g}"))
         error = rec.get("error") or {}
         for name in ("step_time_mape", "memory_mape"):
             if error.get(name) is not None:
@@ -541,7 +550,8 @@ def build_advise_report(folder: Path) -> Report:
     ]
     return Report(
         title=f"Advisor report: {folder.resolve().name}",
-        subtitle="Which DeepSpeed config to run, how it scales, and how far the predictions can be trusted.",
+        subtitle=verdict_sentence(rec)
+        or "Which DeepSpeed config to run, how it scales, and how far the predictions can be trusted.",
         source=str(folder.resolve()),
         facts=advise_facts(rec, trials),
         sections=sections,

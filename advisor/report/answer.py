@@ -8,7 +8,8 @@ from typing import Any
 import pandas as pd
 
 from advisor.model.scaling_table import short_provenance
-from advisor.report.page import Item, NoteItem, Section, frame_table, mapping_table
+from advisor.model.time_to_train import hours, money
+from advisor.report.page import FigureItem, Item, NoteItem, Section, frame_table, mapping_table
 
 SCALING_CAPTION = (
     "Per node count, the fastest config that fits and keeps the global batch; efficiency is "
@@ -58,6 +59,11 @@ def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
                 str(rec["lr_rule"]) + (f". Warning: {rec['lr_warning']}" if rec.get("lr_warning") else ""),
             )
         )
+    t = rec.get("time_to_train") or {}
+    if t:
+        notes.append(("time to train", f"{t.get('amount')}; {t.get('startup')}"))
+    if choice.get("trade"):
+        notes.append(("trade", str(choice["trade"])))
     measured = rec.get("measured") or {}
     if measured:
         notes.append(
@@ -96,6 +102,8 @@ SCALING_SHOWN = (
     "accum",
     "samples/s",
     "step (s)",
+    "time to train",
+    "GPU-h",
     "efficiency",
     "comm",
     "link",
@@ -106,7 +114,11 @@ SCALING_SHOWN = (
 def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
     n = row["node_count"]
     if row["status"] != "ok":
-        why = "global batch unreachable" if row["status"] == "unreachable" else "out of memory"
+        why = (
+            row.get("reach_note") or "global batch unreachable"
+            if row["status"] == "unreachable"
+            else "out of memory"
+        )
         return [n, why, *[""] * (len(SCALING_SHOWN) - 2)]
     marks = [
         m
@@ -123,6 +135,8 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         int(row["grad_accum"]),
         row["samples_per_s"],
         row["step_time_s"],
+        hours(float(row["time_to_train_s"])) if row.get("time_to_train_s") is not None else "",
+        row.get("gpu_hours", ""),
         _percent(row.get("efficiency")),
         _percent(row.get("exposed_comm_share")),
         row.get("limiting_link", ""),
@@ -144,5 +158,43 @@ def scaling_table_item(rec: dict[str, Any] | None) -> Item | None:
     if not rec or not rows:
         return None
     table = pd.DataFrame([_scaling_cells(row, rec) for row in rows], columns=list(SCALING_SHOWN))
+    price = (rec.get("time_to_train") or {}).get("gpu_hour_price")
+    if price is not None:
+        table.insert(
+            7, "cost", [money(g * price) if isinstance(g, (int, float)) else "" for g in table["GPU-h"]]
+        )
     title = f"Scaling table (global batch {rec.get('global_batch_rule', '')})"
-    return frame_table("scaling-table", title, SCALING_CAPTION, table)
+    amount = (rec.get("time_to_train") or {}).get("amount")
+    caption = SCALING_CAPTION + (f" Time to train: {amount}; {TIME_CAPTION}" if amount else "")
+    return frame_table("scaling-table", title, caption, table)
+
+
+TIME_CAPTION = (
+    "the predicted step time x the optimizer steps, plus the start-up the trials measured; GPU-h are "
+    "that time x the ranks held."
+)
+
+
+def verdict_sentence(rec: dict[str, Any] | None) -> str | None:
+    """The answer in one line, as the terminal leads with it: the page's subtitle."""
+    if not rec or not rec.get("verdict"):
+        return None
+    return f"Answer: {rec['verdict']}."
+
+
+def time_to_train_item(rec: dict[str, Any] | None) -> Item | None:
+    """Hours and GPU-hours to train against node count, the knee and the recommendation marked."""
+    from advisor.report.figures import time_to_train_figure
+
+    rows = [r for r in (rec or {}).get("scaling_table") or [] if r.get("time_to_train_s") is not None]
+    if not rec or not rows:
+        return None
+    frame = pd.DataFrame(rows)
+    choice = rec.get("node_choice") or {}
+    caption = (
+        "Time to train (left, log) and GPU-hours (right) of the scaling table's rows: right of the knee each "
+        f"added node buys less than {choice.get('min_efficiency', 0.8):.0%} of a node's throughput, so the "
+        "time falls slower than the GPU-hours climb. " + TIME_CAPTION + modelled_note(rec)
+    )
+    svg = time_to_train_figure(frame, choice.get("knee"), rec.get("node_count"))
+    return FigureItem("time-to-train", "Time and GPU-hours to train vs nodes", caption, svg)

@@ -301,6 +301,63 @@ def efficiency_figure(best: pd.DataFrame) -> bytes:
     return to_svg(fig)
 
 
+def time_to_train_figure(
+    rows: pd.DataFrame, knee: int | None, chosen: int | None, unit: str = "GPU-h"
+) -> bytes:
+    """Hours to train (left axis) and GPU-hours (right axis) against nodes, the knee and the chosen node
+    count marked: the trade a team makes, on one plot.
+
+    `rows`: node_count, time_to_train_s, gpu_hours; optional time_lo_s/time_hi_s and gpu_hours_lo/hi for
+    a band (the prediction's interval)."""
+    fig, axes = new_figure(height_in=3.8)
+    ax = axes[0, 0]
+    rows = rows.sort_values("node_count")
+    x = rows["node_count"].to_numpy(float)
+    hours = rows["time_to_train_s"].to_numpy(float) / 3600
+    gpu_hours = rows["gpu_hours"].to_numpy(float)
+    time_colour, cost_colour = "#1f77b4", "#d62728"
+    ax.plot(x, hours, marker="o", markersize=4, linewidth=1.8, color=time_colour, label="time to train")
+    if {"time_lo_s", "time_hi_s"} <= set(rows.columns):
+        ax.fill_between(
+            x,
+            rows["time_lo_s"].to_numpy(float) / 3600,
+            rows["time_hi_s"].to_numpy(float) / 3600,
+            color=time_colour,
+            alpha=0.15,
+            linewidth=0,
+            label="time, interval",
+        )
+    right = ax.twinx()
+    right.plot(
+        x, gpu_hours, marker="s", markersize=4, linewidth=1.8, color=cost_colour, linestyle="--", label=unit
+    )
+    if {"gpu_hours_lo", "gpu_hours_hi"} <= set(rows.columns):
+        right.fill_between(
+            x,
+            rows["gpu_hours_lo"].to_numpy(float),
+            rows["gpu_hours_hi"].to_numpy(float),
+            color=cost_colour,
+            alpha=0.12,
+            linewidth=0,
+        )
+    right.grid(False)
+    right.spines["right"].set_visible(True)
+    for n, label, style in ((knee, "knee", (0, (4, 3))), (chosen, "recommended", "-")):
+        if n is not None and n in set(rows["node_count"].astype(int)):
+            ax.axvline(n, color="#6e7781", linewidth=1.2, linestyle=style, label=f"{label} ({n} nodes)")
+    _log2_axis(ax, rows["node_count"].tolist())
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
+    ax.set_xlabel("nodes (log2)")
+    ax.set_ylabel("time to train (h, log)", color=time_colour)
+    right.set_ylabel(f"{unit} (hours x ranks)", color=cost_colour)
+    right.set_ylim(0, float(np.nanmax(gpu_hours)) * 1.15 if len(gpu_hours) else 1)
+    handles, labels = ax.get_legend_handles_labels()
+    more, more_labels = right.get_legend_handles_labels()
+    ax.legend(handles + more, labels + more_labels, loc="upper center", ncol=3)
+    return to_svg(fig)
+
+
 def breakdown_figure(rows: pd.DataFrame) -> bytes:
     """Stacked bars per node count: compute and exposed communication seconds per optimizer step."""
     rows = rows.sort_values("node_count")

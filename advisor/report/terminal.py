@@ -1,6 +1,7 @@
-"""`sdzero advise` in the terminal: where the figures come from, the scaling table, the recommendation with
-its LR, the errors, and whether the recommended config was measured. Reads recommendation.json's payload
-(advisor.outcome) only, so it says what the JSON and the report say."""
+"""`sdzero advise` in the terminal, read in ten seconds: the verdict in one line (nodes, config, time and
+GPU-hours to train, where the figures come from), the scaling table, the trade and what to act on (LR,
+errors, launch), and last where the report is. Reads recommendation.json's payload (advisor.outcome)
+only, so it says what the JSON and the report say."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from advisor.model.scaling_table import short_provenance
+from advisor.model.time_to_train import cost_of, hours, money
 from sdzero.constants import GIB
 
 
@@ -18,49 +20,67 @@ def _percent(value: Any) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
+def _hours_cell(row: dict[str, Any]) -> str:
+    seconds = row.get("time_to_train_s")
+    return "" if seconds is None else hours(float(seconds))
+
+
 def scaling_rich_table(rec: dict[str, Any]) -> Table:
+    """The scaling table, one row per node count, time and GPU-hours to train beside the throughput."""
     choice = rec.get("node_choice", {})
-    table = Table(title=f"Scaling, global batch {rec.get('global_batch_rule', '')}", title_justify="left")
-    for name in (
-        "nodes",
-        "config",
-        "mb x accum",
-        "samples/s",
-        "step (s)",
-        "efficiency",
-        "exposed comm",
-        "limited by",
-        "",
-        "provenance",
-    ):
-        table.add_column(name, justify="right" if name in {"nodes", "samples/s", "step (s)"} else "left")
+    t = rec.get("time_to_train") or {}
+    price = t.get("gpu_hour_price")
+    unit = t.get("unit", "GPU-h")
+    title = f"Scaling, global batch {rec.get('global_batch_rule', '')}"
+    if t:
+        title += f"; time to train {t.get('amount', '')}"
+    table = Table(title=title, title_justify="left")
+    columns = ["nodes", "config", "mb x accum", "step (s)", "samples/s", "time", unit]
+    columns += ["cost"] if price is not None else []
+    columns += ["efficiency", "exposed comm", "link", "", "provenance"]
+    right = {"nodes", "step (s)", "samples/s", "time", unit, "cost"}
+    for name in columns:
+        table.add_column(name, justify="right" if name in right else "left")
     for row in rec.get("scaling_table", []):
         n = row["node_count"]
-        marks = []
-        if n == rec.get("node_count"):
-            marks.append("<- recommended")
-        if row.get("knee") and n != rec.get("node_count"):
-            marks.append(f"knee (>= {choice.get('min_efficiency', 0):.0%})")
-        if n == choice.get("fastest") and n != rec.get("node_count"):
-            marks.append("fastest")
         if row["status"] != "ok":
-            why = "global batch not reachable" if row["status"] == "unreachable" else "out of memory"
-            table.add_row(str(n), f"[dim]{why}[/dim]", *[""] * 8)
+            why = (
+                row.get("reach_note") or "global batch not reachable"
+                if row["status"] == "unreachable"
+                else "out of memory"
+            )
+            table.add_row(str(n), f"[dim]{why}[/dim]", *[""] * (len(columns) - 2))
             continue
+        cost = cost_of(float(row.get("gpu_hours") or 0.0), price)
         table.add_row(
             str(n),
             str(row["config_id"]),
             f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
-            f"{row['samples_per_s']:.4g}",
             f"{row['step_time_s']:.4g}",
+            f"{row['samples_per_s']:.4g}",
+            _hours_cell(row),
+            "" if row.get("gpu_hours") is None else f"{row['gpu_hours']:.3g}",
+            *([money(cost)] if cost is not None else []),
             _percent(row.get("efficiency")),
             _percent(row.get("exposed_comm_share")),
             str(row.get("limiting_link", "-")),
-            " ".join(marks),
+            " ".join(_marks(row, rec, choice)),
             short_provenance(str(row.get("provenance", ""))),
             style="bold" if n == rec.get("node_count") else None,
         )
     return table
+
+
+def _marks(row: dict[str, Any], rec: dict[str, Any], choice: dict[str, Any]) -> list[str]:
+    n = row["node_count"]
+    marks = []
+    if n == rec.get("node_count"):
+        marks.append("<- recommended")
+    if row.get("knee") and n != rec.get("node_count"):
+        marks.append(f"knee (>= {choice.get('min_efficiency', 0):.0%})")
+    if n == choice.get("fastest") and n != rec.get("node_count"):
+        marks.append("fastest")
+    return marks
 
 
 def print_advice(
@@ -71,27 +91,38 @@ def print_advice(
     report: Any,
     console: Console | None = None,
 ) -> None:
-    """Everything a user needs to act on, on stdout."""
+    """On stdout: the verdict in one line, the table, what to act on, and last where the report is."""
     # piped (CI logs, files): wide enough for the table instead of rich's 80 columns
     out = console or Console(width=None if sys.stdout.isatty() else 200)
     prov = rec.get("provenance", {})
+    if rec.get("verdict"):
+        out.print(f"[bold]answer:[/bold] {rec['verdict']}", highlight=False)
     if prov.get("headline"):
-        out.print(("[bold yellow]" if prov.get("target_differs") else "") + prov["headline"], highlight=False)
+        out.print(
+            ("[bold yellow]" if prov.get("target_differs") else "[dim]") + prov["headline"], highlight=False
+        )
     out.print(scaling_rich_table(rec))
     choice = rec.get("node_choice", {})
     out.print(
-        f"[bold]recommended:[/bold] {rec['config_id']} on {rec['node_count']} nodes x {rec['gpus_per_node']} ranks "
-        f"({choice.get('rule', '')}); micro-batch {rec['micro_batch']} x accumulation {rec['grad_accum']} = "
-        f"global batch {rec['global_batch']}; fastest: {choice.get('fastest')} nodes, most efficient: "
-        f"{choice.get('most_efficient')} nodes",
+        f"[bold]node count:[/bold] {rec['node_count']}, by {choice.get('rule', '')}; fastest "
+        f"{choice.get('fastest')}, most efficient {choice.get('most_efficient')}"
+        + (f", fewest GPU-h {choice['fewest_gpu_hours']}" if choice.get("fewest_gpu_hours") else ""),
         highlight=False,
     )
+    if choice.get("trade"):
+        out.print(f"[bold]trade:[/bold] {choice['trade']}", highlight=False)
     out.print(
         f"predicted {rec['samples_per_s']:.4g} samples/s, {rec['step_time_s']:.4g} s/step, "
         f"{rec['mem_per_rank_bytes'] / GIB:.3f} GiB per rank of {rec['usable_memory_bytes'] / GIB:.3g} usable "
         f"(device memory {prov.get('device_memory', '?')})",
         highlight=False,
     )
+    t = rec.get("time_to_train") or {}
+    if t:
+        out.print(
+            f"time to train: {t['amount']}, {t['optimizer_steps']:,} optimizer steps; {t['startup']}",
+            highlight=False,
+        )
     out.print(f"[bold]learning rate:[/bold] {rec.get('lr_rule', rec['lr'])}", highlight=False)
     if rec.get("lr_warning"):
         out.print(f"[bold red]warning:[/bold red] {rec['lr_warning']}", highlight=False)
@@ -104,7 +135,7 @@ def print_advice(
         + (f" ({len(rec['check_trials'])} of them to check the model)" if rec.get("check_trials") else ""),
         highlight=False,
     )
-    for runner in rec.get("runners_up", []):
+    for runner in rec.get("runners_up", [])[:RUNNERS_SHOWN]:
         out.print(
             f"  runner-up {runner['config_id']} @ {runner['node_count']} nodes: {runner['why_not']}",
             highlight=False,
@@ -112,7 +143,11 @@ def print_advice(
     out.print(f"config: {out_dir}/recommended_ds_config.json", highlight=False, soft_wrap=True)
     out.print(f"launch: {rec['launch_command']}", highlight=False, soft_wrap=True)
     if report:
-        out.print(f"report: {report}", highlight=False, soft_wrap=True)
+        out.print(f"[bold]report:[/bold] {report}", highlight=False, soft_wrap=True)
+
+
+RUNNERS_SHOWN = 3
+"""Runners-up in the terminal (recommendation.json and the report have them all)."""
 
 
 def error_line(rec: dict[str, Any]) -> str:

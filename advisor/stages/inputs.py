@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from advisor.inputs import check_train_args, default_inputs
+from advisor.inputs import EMBEDDED_FINE_TUNE, check_train_args, dataset_images, default_inputs, embedded_base
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config
 from advisor.measure.scaleout_check import prepare_hostfile
 from advisor.measure.trials import TrialSettings
 from advisor.model.network import build_network
 from advisor.model.predict import BatchTarget, check_reachable
+from advisor.model.scaling_table import NodeRule
+from advisor.model.time_to_train import TrainAmount, train_amount
 from advisor.request import CPU_GRID, AdviseRequest
 from advisor.target import check_options, target_differs, target_memory
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
@@ -67,6 +69,18 @@ class AdviseInputs:
     """The grid plan's notes: the first of the run's notes."""
     started: float
     """time.monotonic() once the inputs were ready: the budget counts from here."""
+    amount: TrainAmount
+    """How much training the time, GPU-hours and cost are for."""
+    rule: NodeRule
+    """How the node count is chosen."""
+    embedded: bool = False
+    """The embedded default's fine-tune (advisor.inputs.EMBEDDED_FINE_TUNE) sets the batch: no --model and
+    no --deepspeed-config."""
+
+    @property
+    def lr_reference(self) -> int:
+        """The global batch the base LR is for: --lr-reference-batch, else the base batch."""
+        return self.request.lr_reference_batch or self.base_batch
 
     @property
     def on_cpu(self) -> bool:
@@ -90,10 +104,14 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
 
     r = request
     say = r.log or (lambda message: None)
-    node_list, user_args, asked = _checked_options(r)
+    node_list, user_args, asked, rule = _checked_options(r)
     base = load_base_config(
         Path(r.deepspeed_config) if r.deepspeed_config else shipped_config("zero2_bf16.json")
     )
+    # No model and no JSON of the user's: the embedded default plans its realistic fine-tune's batch.
+    embedded = r.model is None and r.deepspeed_config is None
+    if embedded:
+        base = embedded_base(base)
     device = device_support()
     on_cpu = device["device"] == "cpu"
     ranks = default_ranks(device)
@@ -104,8 +122,9 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     base_batch = lr_reference_batch_of(base, target_gpus)
     target = asked or BatchTarget(base_batch, base_batch)
     out_dir = Path(r.out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_out(out_dir)  # one live run per folder, as the trainer's (issue #27); released at the end
     model, data = default_inputs(out_dir, r.model, r.data)
+    amount = amount_for(r, data, embedded)
     # With a hostfile the trials run on this host only; the hosts' link is measured by the benchmark, and
     # the recommended config is then run across the hosts to check the scale-out prediction.
     hosts = prepare_hostfile(r.hostfile, say)
@@ -135,11 +154,41 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
         plan=plan,
         notes=list(plan.notes),
         started=time.monotonic(),
+        amount=amount,
+        rule=rule,
+        embedded=embedded,
     )
 
 
-def _checked_options(r: AdviseRequest) -> tuple[list[int], tuple[str, ...], BatchTarget | None]:
-    """The checks that need nothing but the request: (node counts, --train-args, --global-batch)."""
+def claim_out(out_dir: Path) -> None:
+    """The trainer's one-live-run lock (sdzero.checkpoint.output_lock) on --out: two advise runs in one
+    folder would append to one trials.csv and overwrite each other's answer."""
+    from sdzero.checkpoint.output_lock import claim_output_dir
+
+    try:
+        claim_output_dir(out_dir)
+    except UserError as exc:
+        raise UserError(str(exc).replace("--output-dir", "--out")) from None
+
+
+def amount_for(r: AdviseRequest, data: Path, embedded: bool) -> TrainAmount:
+    """--samples x --epochs, an epoch being the data's images by default (see dataset_size)."""
+    return train_amount(r.samples, r.epochs, *dataset_size(r, data, embedded))
+
+
+def dataset_size(r: AdviseRequest, data: Path, embedded: bool) -> tuple[int, str]:
+    """(images in one epoch, where that figure comes from): the data folder's, or for the embedded default
+    its fine-tune's dataset, for which the synthetic images stand in."""
+    if embedded and r.data is None:
+        return EMBEDDED_FINE_TUNE.dataset_images, "the embedded default's fine-tune"
+    return dataset_images(data), f"the images in {data}"
+
+
+def _checked_options(
+    r: AdviseRequest,
+) -> tuple[list[int], tuple[str, ...], BatchTarget | None, NodeRule]:
+    """The checks that need nothing but the request: (node counts, --train-args, --global-batch, the
+    node-count rule)."""
     node_list = check_options(
         r.max_nodes,
         r.headroom,
@@ -162,7 +211,11 @@ def _checked_options(r: AdviseRequest) -> tuple[list[int], tuple[str, ...], Batc
         r.inter_node_latency_us,
         r.nics_per_node,
     )
-    return node_list, user_args, BatchTarget.parse(r.global_batch)
+    rule = NodeRule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
+    if r.gpu_hour_price is not None and not r.gpu_hour_price > 0:
+        raise UserError(f"--gpu-hour-price {r.gpu_hour_price}: must be a positive price per GPU-hour")
+    train_amount(r.samples, r.epochs, 1, "")  # their bounds, before anything runs
+    return node_list, user_args, BatchTarget.parse(r.global_batch), rule
 
 
 def _trial_settings(model: str, data: Path, on_cpu: bool, user_args: tuple[str, ...]) -> TrialSettings:

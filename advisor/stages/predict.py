@@ -12,6 +12,7 @@ from advisor.measure.grid import GridPlan
 from advisor.model.network import Network
 from advisor.model.predict import Candidate, predict_table
 from advisor.model.recommend import what_would_fit
+from advisor.model.time_to_train import StartUp, add_time_to_train, startup_s
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
@@ -24,7 +25,10 @@ class Predictions:
     candidates: list[Candidate]
     """The grid points left once out-of-memory trials have ruled out the micro-batches above them."""
     table: pd.DataFrame
-    """One row per candidate and node count the global batch reaches (predictions.csv)."""
+    """One row per candidate and node count the global batch reaches (predictions.csv), with its time,
+    GPU-hours and optimizer steps to train."""
+    startup: StartUp
+    """The start-up every run pays once, measured from the trials."""
 
 
 def predict(
@@ -50,6 +54,8 @@ def predict(
         raise UserError(
             f"--global-batch {inputs.target.describe()}: only micro-batches that ran out of memory reach it"
         )
+    startup = startup_s(measured.trials)
+    table = add_time_to_train(table, inputs.amount, startup)
     out_dir = inputs.out_dir
     write_csv_atomic(table, out_dir / "predictions.csv")
     trials = measured.trials
@@ -70,7 +76,7 @@ def predict(
             "nothing fits: "
             + what_would_fit(fitted.memory, candidates, inputs.node_list, inputs.target_gpus, usable)
         )
-    return Predictions(candidates, table)
+    return Predictions(candidates, table, startup)
 
 
 def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:

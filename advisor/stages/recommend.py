@@ -17,13 +17,14 @@ import pandas as pd
 from advisor.measure.scaleout_check import scaleout_check
 from advisor.model.prediction_error import ERROR_EXPLAINED, error_summary
 from advisor.model.recommend import launch_command, recommend
+from advisor.model.scaling_table import scaling_table
 from advisor.outcome import Outcome, build_recommendation
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.predict import Predictions
 from sdzero.atomic import write_json_atomic
-from sdzero.config.lr_rule import LrChoice
+from sdzero.config.lr_rule import LrChoice, base_lr_of
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Choice:
     """The other configs at the chosen node count, each with why it lost."""
     lr: LrChoice
     notes: list[str] = field(default_factory=list)
-    """--tune-buckets' findings, one a setting measured."""
+    """Why the node-count rule could not be kept as asked, and --tune-buckets' findings."""
 
 
 def recommend_config(
@@ -50,19 +51,24 @@ def recommend_config(
     fitted: FittedModels,
     predictions: Predictions,
 ) -> Choice:
-    """Choose the node count and the fastest config that fits there; measure its buckets if asked."""
+    """Choose the node count by the request's rule and the fastest config that fits there; measure its
+    buckets if asked."""
     r = inputs.request
-    reference = r.lr_reference_batch or inputs.base_batch
+    rule = inputs.rule
+    table = scaling_table(predictions.table, inputs.node_list, rule.min_efficiency, "", set())
+    nodes, rule_note = rule.choose(table)
     best, config, runners, lr = recommend(
         predictions.table,
         inputs.base,
         hardware.usable_bytes,
         r.lr_scaling,
-        reference,
-        r.nodes,
-        r.min_efficiency,
+        inputs.lr_reference,
+        nodes,
+        rule.min_efficiency,
     )
-    notes = tuned_buckets(inputs, hardware, measured, fitted, best) if r.tune_buckets else []
+    notes = [rule_note] if rule_note else []
+    if r.tune_buckets:
+        notes += tuned_buckets(inputs, hardware, measured, fitted, best)
     config_path = inputs.out_dir / "recommended_ds_config.json"
     write_json_atomic(config_path, config)
     return Choice(best, config, config_path, runners, lr, notes)
@@ -149,8 +155,7 @@ def _outcome(
         trials=measured.trials,
         predictions=predictions.table,
         node_list=inputs.node_list,
-        min_efficiency=r.min_efficiency,
-        fixed_nodes=r.nodes,
+        rule=inputs.rule,
         target=inputs.target,
         target_asked=inputs.target_asked,
         base_batch=inputs.base_batch,
@@ -169,4 +174,12 @@ def _outcome(
         budget_s=measured.budget_s,
         per_trial_s=measured.per_trial_s,
         notes=notes,
+        amount=inputs.amount,
+        startup=predictions.startup,
+        gpu_hour_price=r.gpu_hour_price,
+        micro_batches=tuple(sorted({c.micro_batch for c in predictions.candidates})),
+        base_lr=base_lr_of(inputs.base),
+        lr_reference=inputs.lr_reference,
+        lr_scaling=r.lr_scaling,
+        embedded=inputs.embedded,
     )

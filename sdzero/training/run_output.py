@@ -21,18 +21,29 @@ from sdzero.telemetry.metrics import MetricsWriter, rotate_previous
 log = logging.getLogger("sdzero")
 
 
-def quiet_libraries(rank: int) -> None:
-    """DeepSpeed, diffusers and transformers log a lot at INFO; keep warnings, and only on rank 0."""
+LIBRARY_LOG = "library.log"
+"""Rank 0's library chatter, in the run's output folder (sdzero.library_logs)."""
+
+
+def quiet_libraries(rank: int, output_dir: Path | None = None) -> None:
+    """DeepSpeed, diffusers and transformers log a lot at INFO; keep warnings, and only on rank 0. Their
+    chatter (deprecation warnings, torchvision fallbacks, progress bars of weights loaded and written) goes
+    to <output_dir>/library.log on rank 0 (dropped without `output_dir`, and on the other ranks); library
+    errors and sdzero's own warnings still show."""
     import diffusers
     import transformers
     from deepspeed.utils import logger as ds_logger
+
+    from sdzero.library_logs import ChatterLog, quiet_library_loggers
 
     level = logging.WARNING if rank == 0 else logging.ERROR
     ds_logger.setLevel(level)
     diffusers.utils.logging.set_verbosity(level)
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity(level)
+    transformers.utils.logging.disable_progress_bar()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[sdzero] %(message)s")
+    quiet_library_loggers(ChatterLog(output_dir / LIBRARY_LOG if rank == 0 and output_dir else None))
 
 
 def prepare_output(

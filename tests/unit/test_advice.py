@@ -98,7 +98,7 @@ def test_node_count_is_the_largest_that_keeps_the_efficiency():
     assert list(table["efficiency"].round(2))[:5] == [1.0, 0.95, 0.85, 0.7, 0.45]
     assert table.loc[table["node_count"] == 32, "status"].item() == "unreachable"
     assert choose_node_count(table, 0.8) == 4 and table.loc[table["knee"], "node_count"].tolist() == [4]
-    assert options_beside(table) == {"fastest": 16, "most_efficient": 1}
+    assert options_beside(table) == {"fastest": 16, "most_efficient": 1, "fewest_gpu_hours": None}
     best, *_ = recommend(predictions, BASE, 1e12, "sqrt", 64)
     assert int(best["node_count"]) == 4
     best, *_ = recommend(predictions, BASE, 1e12, "sqrt", 64, min_efficiency=0.6)

@@ -427,15 +427,8 @@ def advise_on_synthetic_trials(
     base_path = tmp_path / "base.json"
     base_path.write_text(json.dumps(base))
     options = {"max_nodes": 32, "device_memory_gib": 1.0} | options
-    return advise.run_advise(
-        advise.AdviseRequest(
-            model=str(tiny_model),
-            data=synth_data,
-            out_dir=tmp_path / "out",
-            deepspeed_config=base_path,
-            **options,
-        )
-    )
+    given = {"model": str(tiny_model), "data": synth_data, "out_dir": tmp_path / "out"}
+    return advise.run_advise(advise.AdviseRequest(**(given | {"deepspeed_config": base_path} | options)))
 
 
 def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_path, tiny_model, synth_data):
