@@ -74,6 +74,8 @@ class Outcome:
     lr_reference: int
     lr_scaling: str
     embedded: bool = False
+    noise_floor: float | None = None
+    """The reference config's repeat spread (drift.json's noise_floor, a fraction); None: not measured."""
 
     @property
     def min_efficiency(self) -> float:
@@ -291,6 +293,7 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "runners_up": o.runners,
         "notes": o.notes,
         "time_to_train": time_to_train(o),
+        "noise_floor": o.noise_floor,
     }
     rec["verdict"] = verdict(o, rec)
     return rec

@@ -48,7 +48,7 @@ TEXT_COLUMNS = ("trial_id", "setup_id", "status", "reason", "precision", "offloa
 REPORT_ONLY = ("dtype", "mem_per_rank_bytes")
 """Columns the predict stage adds to trials.csv for the report (advisor.stages.predict)."""
 PLAN_VERSION = 1
-COPIED = ("trials.csv", "comm/comm.csv", "comm/comm_fit.json", "validation.csv")
+COPIED = ("trials.csv", "comm/comm.csv", "comm/comm_fit.json", "validation.csv", "drift.json")
 """What a replan into another folder copies there, so that folder reports and replans on its own."""
 
 

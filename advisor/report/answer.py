@@ -25,13 +25,18 @@ def _percent(value: Any) -> str:
     return f"{100 * value:.1f} %" if isinstance(value, (int, float)) else str(value)
 
 
+def _floor(rec: dict[str, Any]) -> str:
+    floor = rec.get("noise_floor")
+    return f" (this machine's noise floor {_percent(floor)})" if isinstance(floor, (int, float)) else ""
+
+
 def held_out_sentence(rec: dict[str, Any]) -> str:
     """The one held-out error, as the terminal and recommendation.json give it."""
     error = rec.get("error") or {}
     if error.get("trials"):
         return (
             f"Held-out error on {error['trials']} configs run after the fit: step time "
-            f"{_percent(error.get('step_time_mape'))}, memory {_percent(error.get('memory_mape'))}."
+            f"{_percent(error.get('step_time_mape'))}{_floor(rec)}, memory {_percent(error.get('memory_mape'))}."
         )
     if error.get("step_time_mape") is not None:  # a recommendation.json from before the trial count
         return f"Prediction error on held-out trials: step time {_percent(error['step_time_mape'])}."

@@ -150,13 +150,19 @@ RUNNERS_SHOWN = 3
 """Runners-up in the terminal (recommendation.json and the report have them all)."""
 
 
+def floor_clause(rec: dict[str, Any]) -> str:
+    """' (this machine's noise floor 5.0%)' beside a step-time error, when the run measured one."""
+    floor = rec.get("noise_floor")
+    return f" (this machine's noise floor {floor:.1%})" if isinstance(floor, (int, float)) else ""
+
+
 def error_line(rec: dict[str, Any]) -> str:
     """The one held-out figure, and leave-one-out under its own name."""
     error, loo = rec.get("error", {}), rec.get("leave_one_out", {})
     if error.get("trials"):
         held = (
             f"held-out error on {error['trials']} configs run after the fit: step time "
-            f"{_percent(error.get('step_time_mape'))}, memory {_percent(error.get('memory_mape'))}"
+            f"{_percent(error.get('step_time_mape'))}{floor_clause(rec)}, memory {_percent(error.get('memory_mape'))}"
         )
     else:
         held = "held-out error: none (no check trial ran within the budget)"

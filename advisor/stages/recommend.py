@@ -182,4 +182,17 @@ def _outcome(
         lr_reference=inputs.lr_reference,
         lr_scaling=r.lr_scaling,
         embedded=inputs.embedded,
+        noise_floor=noise_floor(inputs.out_dir),
     )
+
+
+def noise_floor(out_dir: Path) -> float | None:
+    """The run's noise floor: the reference config's repeat spread the measure stage wrote into
+    <out>/drift.json (a fraction); None when the run has none (an older folder, a single measurement)."""
+    import json
+
+    try:
+        value = json.loads((out_dir / "drift.json").read_text()).get("noise_floor")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None

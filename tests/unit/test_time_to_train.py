@@ -338,3 +338,20 @@ def test_the_out_folder_is_refused_while_another_live_run_holds_it(
         holder.kill()
         holder.wait()
     advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data)  # free again: it runs
+
+
+def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_path, tiny_model, synth_data):
+    from advisor.report.terminal import error_line
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "drift.json").write_text(json.dumps({"noise_floor": 0.0512}))
+    rec = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
+    ).recommendation
+    assert rec["noise_floor"] == pytest.approx(0.0512) and rec["error"]["trials"] > 0
+    assert "(this machine's noise floor 5.1%)" in error_line(rec)
+    (tmp_path / "out" / "drift.json").unlink()
+    rec = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
+    ).recommendation
+    assert rec["noise_floor"] is None and "noise floor" not in error_line(rec)
