@@ -1,9 +1,12 @@
-"""`sdzero profile`: run the trial grid and append each trial's result to `<out>/trials.csv` as it ends.
+"""`sdzero profile`: run the trial grid and add each trial's result to `<out>/trials.csv` as it ends.
 
 Every trial is a short real run of sdzero/train.py through the `deepspeed` launcher (advisor.measure.trials), so
 local ranks, hostfiles and the launcher environment are exactly the user's. Rerunning with the same
 `--out` skips the trials already in trials.csv for the same setup (advisor.measure.grid.setup_id), so an
 interrupted profile resumes where it stopped. The command's options are in advisor.measure.profile_command.
+
+Trials run through advisor.measure.runner: with `bracket_every`, a reference config is measured again
+between them and every trial is corrected for the machine's drift (advisor.measure.drift, `<out>/drift.json`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -33,75 +35,27 @@ from advisor.measure.grid import (
     pending,
     plan_grid,
     setup_id,
-    write_trial_config,
 )
-from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, profile_columns, run_trial
+from advisor.measure.runner import BRACKET_EVERY_TRIALS, NO_BRACKETS, RunnerPolicy, TrialRunner
+from advisor.measure.trial_table import (  # noqa: F401  (re-exported: the table's readers import them here)
+    TEXT_COLUMNS,
+    TRIAL_COLUMNS,
+    append_row,
+    latest_rows,
+    read_trials,
+    trial_row,
+    write_trials,
+)
+from advisor.measure.trials import (
+    GIB,
+    MAX_MEASURE_S,
+    TARGET_REL_HALFWIDTH,
+    TrialOutcome,
+    TrialSettings,
+    run_trial,
+)
 from sdzero.cluster.launch_command import shipped_config
 from sdzero.errors import UserError
-
-TRIAL_COLUMNS: tuple[str, ...] = (
-    "trial_id",
-    "setup_id",
-    "status",
-    "reason",
-    "zero_stage",
-    "precision",
-    "micro_batch",
-    "offload",
-    "ranks_per_node",
-    "nodes",
-    "overlap_comm",
-    "reduce_bucket_size",
-    "allgather_bucket_size",
-    "grad_accum",
-    "world_size",
-    "global_batch",
-    "samples_per_s",
-    "step_time_s",
-    "step_time_median_s",
-    "data_s",
-    "encode_s",
-    "forward_s",
-    "backward_s",
-    "optimizer_s",
-    "ds_fwd_s",
-    "ds_bwd_s",
-    "ds_bwd_inner_s",
-    "ds_bwd_allreduce_s",
-    "ds_step_s",
-    "comm_s",
-    "comm_bytes",
-    "comm_ops",
-    "comm_min_s",
-    "comm_max_s",
-    "trained_params",
-    "params_bytes",
-    "grads_bytes",
-    "master_bytes",
-    "optimizer_bytes",
-    "model_state_bytes",
-    "model_state_bytes_per_rank",
-    "bucket_bytes",
-    "offloaded_bytes",
-    "frozen_bytes",
-    "activation_bytes",
-    "device_peak_bytes",
-    "peak_rss_bytes",
-    "cuda_peak_bytes",
-    "warmup_steps",
-    "measured_steps",
-    "wall_s",
-    "finished_at",
-    "trial_dir",
-    "notes",
-    "log_tail",
-)
-"""trials.csv, one row per finished trial. Bytes are per rank (the largest rank's where ranks differ);
-`model_state_bytes_per_rank` holds every rank's bytes by kind as JSON. Times are per optimizer step."""
-
-TEXT_COLUMNS: tuple[str, ...] = ("trial_id", "setup_id", "status", "reason", "precision", "offload", "notes")
-"""Read back as text: a setup hash such as '5e1234567890' would otherwise come back as a float (here
-inf), match no setup, and make a resumed profile forget every finished trial."""
 
 
 @dataclass
@@ -169,56 +123,6 @@ def _check_inputs(
         raise UserError(f"--stall-timeout {stall_timeout_s}: must be positive (omit it to disable)")
     if mem_cap_gib is not None and not mem_cap_gib > 0:
         raise UserError(f"--mem-cap-gib {mem_cap_gib}: must be a positive number of GiB")
-
-
-# --------------------------------------------------------------------------------------------------
-# trials.csv
-
-
-def read_trials(path: Path) -> pd.DataFrame:
-    """The rows so far; an empty table with the right columns when there is no file yet."""
-    if not path.exists():
-        return pd.DataFrame(columns=list(TRIAL_COLUMNS))
-    table = pd.read_csv(path, dtype={c: str for c in TEXT_COLUMNS})
-    if tuple(table.columns) != TRIAL_COLUMNS:
-        raise UserError(
-            f"{path}: its columns are not those this sdzero writes (another version made it); "
-            "move it away or choose another --out"
-        )
-    return table
-
-
-def append_row(path: Path, row: dict[str, Any]) -> None:
-    """Append one trial; the header goes in with the first row. One short write: a killed profile
-    leaves whole rows behind."""
-    frame = pd.DataFrame([row]).reindex(columns=list(TRIAL_COLUMNS))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(path, mode="a", header=not path.exists(), index=False)
-
-
-def trial_row(
-    spec: TrialSpec, outcome: TrialOutcome, setup: str, settings: TrialSettings, trial_dir: Path
-) -> dict[str, Any]:
-    return {
-        "trial_id": spec.trial_id,
-        "setup_id": setup,
-        "status": outcome.status,
-        "reason": outcome.reason,
-        **spec.as_row(),
-        "nodes": settings.hosts,
-        **profile_columns(outcome.profile),
-        "warmup_steps": settings.warmup_steps,
-        "wall_s": round(outcome.wall_s, 2),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "trial_dir": str(trial_dir),
-        "notes": "; ".join(outcome.notes),
-        "log_tail": outcome.log_tail if outcome.status != "ok" else "",
-    }
-
-
-def latest_rows(table: pd.DataFrame, setup: str) -> pd.DataFrame:
-    rows = table[table["setup_id"].astype(str) == setup]
-    return rows.drop_duplicates("trial_id", keep="last").reset_index(drop=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,9 +215,18 @@ def trial_settings(
     mem_cap_gib: float | None,
     hostfile: Path | None,
     train_args: Sequence[str],
+    target_rel_halfwidth: float | None = TARGET_REL_HALFWIDTH,
+    max_steps: int | None = None,
+    max_measure_s: float | None = MAX_MEASURE_S,
 ) -> TrialSettings:
-    """Check the run options and fix them for every trial (paths absolute: ranks may start elsewhere)."""
+    """Check the run options and fix them for every trial (paths absolute: ranks may start elsewhere).
+    With `target_rel_halfwidth` a trial measures `steps` steps at least and then until its interval is
+    that tight, `max_steps` or `max_measure_s` (advisor.measure.trials.TrialSettings)."""
     _check_inputs(str(model), data, steps, warmup_steps, trial_timeout_s, stall_timeout_s, mem_cap_gib)
+    if target_rel_halfwidth is not None and not 0 < target_rel_halfwidth < 1:
+        raise UserError(f"--target-halfwidth {target_rel_halfwidth}: a fraction of the median, in (0, 1)")
+    if max_steps is not None and max_steps < steps:
+        raise UserError(f"--max-steps {max_steps}: must be at least --steps {steps}")
     hosts = 1
     if hostfile is not None:
         from advisor.measure.collectives_launch import read_hostfile
@@ -330,6 +243,9 @@ def trial_settings(
         hostfile=Path(hostfile).resolve() if hostfile else None,
         hosts=hosts,
         train_args=tuple(train_args),
+        target_rel_halfwidth=target_rel_halfwidth,
+        max_steps=max_steps,
+        max_measure_s=max_measure_s,
     )
 
 
@@ -345,6 +261,7 @@ def trial_setup_id(base: dict[str, Any], settings: TrialSettings) -> str:
             "warmup": settings.warmup_steps,
             "train_args": list(settings.train_args),
             "hosts": settings.hosts,
+            "adaptive": [settings.target_rel_halfwidth, settings.step_cap, settings.max_measure_s],
         }
     )
 
@@ -372,13 +289,20 @@ def run_profile(
     trial_env: Callable[[TrialSpec], Mapping[str, str]] | None = None,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    target_rel_halfwidth: float | None = TARGET_REL_HALFWIDTH,
+    max_steps: int | None = None,
+    max_measure_s: float | None = MAX_MEASURE_S,
+    bracket_every: int = BRACKET_EVERY_TRIALS,
 ) -> ProfileResult:
     """Run every pending trial of the grid; return the table of this setup's trials.
 
     `grid` None means ZeRO 1-3 x bf16/fp16 x the micro-batch ladder x no offload x the default ranks.
     `trial_env` adds environment variables to one trial's ranks (per-trial NCCL settings; the tests
     inject failures with it). Failed trials are rows, not exceptions; bad input raises UserError before
-    any trial starts.
+    any trial starts. `target_rel_halfwidth`, `max_steps`, `max_measure_s`: adaptive trials (see
+    trial_settings; a None target measures exactly `steps`); `bracket_every` > 0 measures the first
+    trial's config again every that many trials and corrects every row for the drift
+    (advisor.measure.runner, `<out>/drift.json`; 0: no brackets).
     """
     say = log or (lambda message: None)
     out_dir = Path(out_dir).resolve()
@@ -392,7 +316,12 @@ def run_profile(
         mem_cap_gib,
         hostfile,
         train_args,
+        target_rel_halfwidth,
+        max_steps,
+        max_measure_s,
     )
+    if bracket_every < 0:
+        raise UserError(f"--bracket-every {bracket_every}: 0 (no brackets) or a number of trials")
     base = load_base_config(Path(base_config) if base_config else shipped_config("zero2_bf16.json"))
     plan = plan_for_device(grid or GridRequest(), device_support())
     for note in plan.notes:
@@ -406,16 +335,24 @@ def run_profile(
         say(f"{len(skipped)} trials already in {csv_path}: not run again")
     past = [float(w) for w in latest_rows(table, setup)["wall_s"].dropna()]
     ran: list[str] = []
+    runner = TrialRunner(
+        settings,
+        base,
+        out_dir,
+        setup,
+        say,
+        policy=RunnerPolicy(bracket_every=bracket_every) if bracket_every else NO_BRACKETS,
+        trial_env=trial_env,
+        run_trial=lambda *args: run_trial(*args),  # looked up when called: tests stand in for it here
+    )
     with _sigterm_as_interrupt(), _Progress(progress, _remaining(plan, done), past) as bar:
         for spec in pending(plan, done):
-            trial_dir = out_dir / "trials" / spec.trial_id
             bar.starting(spec.trial_id)
-            ds_config = write_trial_config(base, spec, trial_dir, spec.ranks_per_node * settings.hosts)
-            env = dict(trial_env(spec)) if trial_env else None
-            outcome = run_trial(spec, settings, ds_config, trial_dir, env)
-            append_row(csv_path, trial_row(spec, outcome, setup, settings, trial_dir))
+            outcome = runner.run_one(spec)
             done[spec.trial_id] = outcome.status
             ran.append(spec.trial_id)
             bar.finished(outcome, _remaining(plan, done), spec.trial_id)
-            say(f"{spec.trial_id}: {outcome.status}" + (f" ({outcome.reason})" if outcome.reason else ""))
+        runner.close()
+    if bracket_every and runner.drift.brackets:
+        say(runner.drift.summary_line())
     return ProfileResult(csv_path, latest_rows(read_trials(csv_path), setup), ran, skipped, plan.notes)

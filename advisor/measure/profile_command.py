@@ -13,6 +13,8 @@ import typer
 
 from advisor.measure.grid import OFFLOADS, STAGES, GridRequest
 from advisor.measure.profile import run_profile
+from advisor.measure.runner import BRACKET_EVERY_TRIALS
+from advisor.measure.trials import MAX_MEASURE_S, TARGET_REL_HALFWIDTH
 from sdzero.config.options import DEFAULTS, cli_option, input_option
 from sdzero.errors import UserError
 
@@ -59,7 +61,30 @@ AllgatherBucketSize = Annotated[
 GradAccum = Annotated[
     list[int] | None, typer.Option(help="gradient accumulation steps; repeat. [default: as in the base JSON]")
 ]
-Steps = Annotated[int, typer.Option(help="measured optimizer steps per trial.")]
+Steps = Annotated[
+    int, typer.Option(help="measured optimizer steps per trial (the least, with --target-halfwidth).")
+]
+TargetHalfwidth = Annotated[
+    float,
+    typer.Option(
+        help="measure each trial until the 95% interval of its median step is within this fraction of it "
+        "(0: exactly --steps steps)."
+    ),
+]
+MaxTrialSteps = Annotated[
+    int | None,
+    typer.Option(help="with --target-halfwidth, the most steps a trial measures. [default: 4 x --steps]"),
+]
+MaxMeasureSeconds = Annotated[
+    float, typer.Option(help="with --target-halfwidth, the most seconds of steps a trial measures (0: any).")
+]
+BracketEvery = Annotated[
+    int,
+    typer.Option(
+        help="measure the first trial's config again every this many trials and correct every trial for "
+        "the machine's drift (<out>/drift.json; 0: never)."
+    ),
+]
 WarmupSteps = Annotated[int, typer.Option(help="steps per trial before measuring (not counted).")]
 TrialTimeout = Annotated[float, typer.Option(help="seconds a trial may take in all, start-up included.")]
 StallTimeout = Annotated[
@@ -95,6 +120,10 @@ def profile_command(
     allgather_bucket_size: AllgatherBucketSize = None,
     grad_accum: GradAccum = None,
     steps: Steps = 5,
+    target_halfwidth: TargetHalfwidth = TARGET_REL_HALFWIDTH,
+    max_trial_steps: MaxTrialSteps = None,
+    max_measure_seconds: MaxMeasureSeconds = MAX_MEASURE_S,
+    bracket_every: BracketEvery = BRACKET_EVERY_TRIALS,
     warmup_steps: WarmupSteps = 2,
     trial_timeout: TrialTimeout = 900.0,
     stall_timeout: StallTimeout = 300.0,
@@ -133,6 +162,10 @@ def profile_command(
             hostfile=hostfile,
             train_args=shlex.split(train_args),
             retry_failed=retry_failed,
+            target_rel_halfwidth=target_halfwidth or None,
+            max_steps=max_trial_steps,
+            max_measure_s=max_measure_seconds or None,
+            bracket_every=bracket_every,
             progress=True,
             log=lambda message: console.print(f"[dim]{message}[/dim]"),
         )
@@ -187,12 +220,16 @@ def parse_switch(text: str, flag: str) -> bool:
 def results_table(table: pd.DataFrame) -> Any:
     from rich.table import Table
 
-    view = Table(title="trials (bytes per rank; MiB = 2^20 bytes)")
+    view = Table(
+        title="trials (bytes per rank; MiB = 2^20 bytes; step s: the median step, drift-corrected, +- its "
+        "95% interval, ! contended)"
+    )
     for name in (
         "trial",
         "status",
         "samples/s",
         "step s",
+        "+-",
         "comm s",
         "states MiB",
         "activ. MiB",
@@ -209,7 +246,8 @@ def results_table(table: pd.DataFrame) -> Any:
             str(row["trial_id"]),
             str(row["status"]),
             num(row["samples_per_s"], ".2f"),
-            num(row["step_time_s"], ".3f"),
+            num(row.get("step_time_median_s"), ".3f"),
+            _halfwidth(row),
             num(row["comm_s"], ".3f"),
             num(row["model_state_bytes"], ".1f", 2**20),
             num(row["activation_bytes"], ".1f", 2**20),
@@ -217,3 +255,13 @@ def results_table(table: pd.DataFrame) -> Any:
             "" if pd.isna(row["reason"]) else str(row["reason"])[:80],
         )
     return view
+
+
+def _halfwidth(row: pd.Series) -> str:
+    """The median step's interval as +-% of it (drift correction included), '-' where there is none."""
+    lo, hi, step = (
+        pd.to_numeric(row.get(c), errors="coerce") for c in ("step_s_lo", "step_s_hi", "step_time_median_s")
+    )
+    if pd.isna(lo) or pd.isna(hi) or not step > 0:
+        return "-"
+    return f"{(hi - lo) / 2 / step:.1%}" + (" !" if str(row.get("contended")).lower() == "true" else "")

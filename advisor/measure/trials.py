@@ -7,6 +7,11 @@ A trial runs `sdzero/train.py --profile-out` (see sdzero.training.probe) in its 
 - oom: the log shows an out-of-memory error, or the measured peak passed `--mem-cap-gib`;
 - timeout: no result within `--trial-timeout`, or no new training step for `--stall-timeout`;
 - crash: anything else; the reason is the error line, and the last lines of the log come with it.
+
+A trial measures at least `steps` steps and, with `target_rel_halfwidth`, goes on until the 95% interval
+of its median step is that tight (sdzero.telemetry.step_interval), or `max_steps` / `max_measure_s` is
+reached: the trainer's probe votes to stop (sdzero.training.probe). While it runs, the watcher samples the
+machine's CPU time and the trial's own (advisor.measure.contention): what others took over its window.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from advisor.measure.contention import CpuSample, others_cpu_share, sample
 from advisor.measure.grid import TrialSpec
 from sdzero.checkpoint.checkpointer import CHECKPOINTS
 from sdzero.cluster.launch_command import deepspeed_command, one_host_command
 from sdzero.constants import GIB
+from sdzero.telemetry.step_interval import StepInterval, median_interval
 
 POLL_S = 0.5
 # A rank that died is followed by the launcher's own clean-up; past this grace the whole session is
@@ -47,6 +54,16 @@ ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+(?:Error|Exception|Cras
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
+TARGET_REL_HALFWIDTH = 0.03
+"""A trial measures until its median step's 95% interval is within 3% of it on each side (or a cap): tight
+enough to tell apart configs 5% apart, which is where the search's choices and the ties lie."""
+MAX_MEASURE_S = 6.0
+"""...or until this many seconds of measured steps: the cap that keeps a slow config's trial within the
+budget (a 4-step-per-second tiny config reaches the step cap first)."""
+STEP_CAP_FACTOR = 6
+"""The step cap, in multiples of the least measured steps, where none is given."""
+
+
 @dataclass(frozen=True)
 class TrialSettings:
     """What every trial of one profile shares."""
@@ -55,7 +72,7 @@ class TrialSettings:
     """A local pipeline folder (absolute) or a hub id."""
     data: Path
     steps: int
-    """Measured optimizer steps (after the warm-up)."""
+    """Measured optimizer steps (after the warm-up): all of them, or the least with `target_rel_halfwidth`."""
     warmup_steps: int
     trial_timeout_s: float
     stall_timeout_s: float | None
@@ -65,6 +82,21 @@ class TrialSettings:
     hosts: int = 1
     train_args: tuple[str, ...] = ()
     crash_grace_s: float = CRASH_GRACE_S
+    target_rel_halfwidth: float | None = None
+    """Measure until the median step's 95% interval is within this fraction of it (each side); None:
+    exactly `steps` steps."""
+    max_steps: int | None = None
+    """With a target: measure at most this many steps (None: STEP_CAP_FACTOR x `steps`)."""
+    max_measure_s: float | None = None
+    """With a target: stop measuring after this many seconds of measured steps (None: no limit)."""
+
+    @property
+    def step_cap(self) -> int:
+        """The most steps a trial measures."""
+        if self.target_rel_halfwidth is None:
+            return self.steps
+        cap = self.max_steps if self.max_steps is not None else STEP_CAP_FACTOR * self.steps
+        return max(self.steps, cap)
 
 
 @dataclass
@@ -77,6 +109,10 @@ class TrialOutcome:
     log_path: Path
     log_tail: str = ""
     notes: list[str] = field(default_factory=list)
+    others_cpu_share: float | None = None
+    """Share of the machine's cores other processes took over the trial's window (contention module)."""
+    measured_at: float | None = None
+    """Epoch seconds, the middle of the window in which it measured (what the drift correction uses)."""
 
 
 def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
@@ -91,14 +127,30 @@ def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> l
         "--output-dir",
         str(trial_dir / "run"),
         "--max-steps",
-        str(settings.warmup_steps + settings.steps),
+        str(settings.warmup_steps + settings.step_cap),
         "--profile-out",
         str(trial_dir / "profile.json"),
         "--profile-warmup-steps",
         str(settings.warmup_steps),
+        *adaptive_args(settings),
         "--sync-timing",  # exact per-phase attribution for the step-time model (a GPU sync per phase)
         *settings.train_args,
     ]
+
+
+def adaptive_args(settings: TrialSettings) -> list[str]:
+    """The probe's stop rule: at least `steps`, then until the interval is tight or a cap is reached."""
+    if settings.target_rel_halfwidth is None:
+        return []
+    args = [
+        "--profile-min-steps",
+        str(settings.steps),
+        "--profile-target-halfwidth",
+        f"{settings.target_rel_halfwidth:g}",
+    ]
+    if settings.max_measure_s:
+        args += ["--profile-max-seconds", f"{settings.max_measure_s:g}"]
+    return args
 
 
 def trial_command(spec: TrialSpec, settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
@@ -115,7 +167,9 @@ def trial_command(spec: TrialSpec, settings: TrialSettings, ds_config: Path, tri
 class _Watch:
     """Reads the growing log and the metrics file of a running trial."""
 
-    def __init__(self, log_path: Path, metrics_path: Path, profile_path: Path) -> None:
+    def __init__(
+        self, log_path: Path, metrics_path: Path, profile_path: Path, session: int | None = None
+    ) -> None:
         self.log_path, self.metrics_path, self.profile_path = log_path, metrics_path, profile_path
         self._offset = 0
         self._carry = ""
@@ -124,8 +178,14 @@ class _Watch:
         self.metrics_size = 0
         self.last_progress_at: float | None = None
         self.steps_logged = 0
+        self.session = session
+        self.samples: list[CpuSample] = []
+        """The machine's and the trial's CPU time at each poll (advisor.measure.contention)."""
+        self.window: list[int | None] = [None, None]
+        """Indexes into `samples`: the first poll that saw a step logged, the poll that saw the profile."""
 
     def poll(self, now: float) -> None:
+        self._sample()
         with self.log_path.open("rb") as f:
             f.seek(self._offset)
             chunk = f.read()
@@ -141,6 +201,35 @@ class _Watch:
         if size != self.metrics_size:
             self.metrics_size, self.last_progress_at = size, now
             self.steps_logged = self.metrics_path.read_text().count("\n")
+        last = len(self.samples) - 1
+        if self.window[0] is None and self.steps_logged > 0 and last >= 0:
+            self.window[0] = last
+        if self.window[1] is None and self.profile_seen_at is not None and last >= 0:
+            self.window[1] = last
+
+    def _sample(self) -> None:
+        if self.session is not None:
+            taken = sample(self.session)
+            if taken is not None:
+                self.samples.append(taken)
+
+    def measured_window(self) -> tuple[CpuSample, CpuSample] | None:
+        """The samples around the training steps (first step logged to profile written); the whole
+        trial where that window holds fewer than two polls (a trial of a few short steps).
+
+        Only samples while the trial's CPU time still grows count: once its processes exit, their time
+        leaves the session's sum and would pass for someone else's."""
+        alive = 1
+        while alive < len(self.samples) and self.samples[alive].trial_s >= self.samples[alive - 1].trial_s:
+            alive += 1
+        samples = self.samples[:alive]
+        start, end = self.window
+        end = min(end if end is not None else len(samples) - 1, len(samples) - 1)
+        if start is not None and end - start >= 1:
+            return samples[start], samples[end]
+        if len(samples) >= 2:
+            return samples[0], samples[-1]
+        return None
 
 
 def run_trial(
@@ -167,15 +256,25 @@ def run_trial(
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        watch = _Watch(log_path, metrics, profile_path, session=process.pid)
         try:
-            killed_for = _wait(process, settings, _Watch(log_path, metrics, profile_path), started)
+            killed_for = _wait(process, settings, watch, started)
         finally:
             if process.poll() is None:  # interrupted (Ctrl-C) or an error here: leave no ranks behind
                 kill_session(process)
             # A killed trial's ranks save a preemption checkpoint on SIGTERM: no result, only disk used.
             shutil.rmtree(trial_dir / "run" / CHECKPOINTS, ignore_errors=True)
     wall_s = time.monotonic() - started
-    return classify_trial(process.returncode, killed_for, log_path, profile_path, settings, wall_s)
+    outcome = classify_trial(process.returncode, killed_for, log_path, profile_path, settings, wall_s)
+    window = watch.measured_window()
+    if window is not None:
+        first, last = window
+        outcome.others_cpu_share = others_cpu_share(first, last)
+        # monotonic -> epoch: the window's middle on the wall clock (brackets of other runs compare)
+        outcome.measured_at = time.time() - (time.monotonic() - (first.at + last.at) / 2)
+    else:
+        outcome.measured_at = time.time()
+    return outcome
 
 
 def _wait(
@@ -292,10 +391,48 @@ def classify_trial(
 # A profile's figures as one table row
 
 
-def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
+def trial_step_times(profile: dict[str, Any] | None, trial_dir: Path, warmup_steps: int) -> list[float]:
+    """The trial's measured step times (rank 0's): from its profile, or, for a profile written before
+    the probe recorded them, from the metrics lines after the warm-up."""
+    if profile is not None and profile.get("step_times_s"):
+        return [float(t) for t in profile["step_times_s"]]
+    metrics = trial_dir / "run" / "metrics.jsonl"
+    times = []
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if int(record.get("step", 0)) > warmup_steps and record.get("step_time_s") is not None:
+            times.append(float(record["step_time_s"]))
+    return times
+
+
+def interval_columns(interval: StepInterval) -> dict[str, Any]:
+    """A trial's median step and its interval as measured (before any drift correction, which
+    advisor.measure.runner applies once the brackets around the trial are known)."""
+    if interval.steps == 0:
+        return {}
+    return {
+        "step_s_raw": interval.median_s,
+        "step_s_raw_lo": interval.lo_s,
+        "step_s_raw_hi": interval.hi_s,
+        "step_s_lo": interval.lo_s,
+        "step_s_hi": interval.hi_s,
+        "drift_factor": 1.0,
+        "drift_uncertainty": 0.0,
+    }
+
+
+def profile_columns(profile: dict[str, Any] | None, step_times: list[float] | None = None) -> dict[str, Any]:
     """Flatten the trainer's profile into trials.csv columns (per-rank detail as JSON text)."""
     if profile is None:
         return {}
+    interval = median_interval(step_times or [])
     ranks = profile["ranks"]
     states = [r["model_state_bytes"] for r in ranks]
     phases = profile.get("phases_s") or {}
@@ -329,7 +466,11 @@ def profile_columns(profile: dict[str, Any] | None) -> dict[str, Any]:
         "peak_rss_bytes": profile["peak_rss_bytes"],
         "cuda_peak_bytes": max((r["cuda_peak_bytes"] or 0) for r in ranks) or None,
         "measured_steps": profile["measured_steps"],
+        "stopped_by": profile.get("stopped_by"),
+        **interval_columns(interval),
     }
+    if interval.steps:  # the median of the very steps the interval is about
+        row["step_time_median_s"] = interval.median_s
     return row
 
 

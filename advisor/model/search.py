@@ -9,12 +9,18 @@ not to fit (in the trial or at the target), those above an out-of-memory trial o
 predicted more than DOMINATED_MARGIN slower than the best prediction; measure the fastest of the rest.
 It stops when nothing is left: the best predicted config is then measured.
 
+Noise: configs are compared by measurements corrected for the machine's drift (advisor.measure.runner
+brackets the trials with a reference config). When the two fastest measured configs are within each
+other's intervals (`contenders`), the search has them measured again back to back (`rematch`, when the
+runner offers it and the budget has room), so that a slow minute does not decide between them.
+
 `run_specs` is injected: `sdzero advise` runs real trials, bench/advisor_accuracy.py replays a measured
 full grid through the very same choices.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -192,8 +198,52 @@ def run_search(
             break
         result.chosen_by_model.append(spec.trial_id)
         trials = run_specs([spec])
+    trials = _rematch(run_specs, trials, result, budget_s - (time.monotonic() - started), say)
     result.trials = trials
     return result
+
+
+def contenders(trials: pd.DataFrame) -> list[str]:
+    """The fastest measured config (samples/s here) and the fastest other one whose interval overlaps
+    its own; only the fastest when none does (or the trials carry no intervals)."""
+    if "step_s_lo" not in trials or "step_s_hi" not in trials:
+        return []
+    ok = trials[(trials["status"] == "ok")].copy()
+    for column in ("global_batch", "step_time_median_s", "step_s_lo", "step_s_hi"):
+        ok[column] = pd.to_numeric(ok[column], errors="coerce")
+    ok = ok.dropna(subset=["global_batch", "step_time_median_s", "step_s_lo", "step_s_hi"])
+    if ok.empty:
+        return []
+    rate = ok["global_batch"] / ok["step_time_median_s"]
+    best = rate.idxmax()
+    best_lo = ok.at[best, "global_batch"] / ok.at[best, "step_s_hi"]
+    rival_hi = ok["global_batch"] / ok["step_s_lo"]
+    rivals = rate[(rival_hi >= best_lo) & (ok.index != best)]
+    picked = [best] if rivals.empty else [best, rivals.idxmax()]
+    return [str(ok.at[i, "trial_id"]) for i in picked]
+
+
+def _rematch(
+    run_specs: Callable[[list[TrialSpec]], pd.DataFrame],
+    trials: pd.DataFrame,
+    result: SearchResult,
+    left_s: float,
+    say: Callable[[str], None],
+) -> pd.DataFrame:
+    """The two closest contenders measured again back to back, when the runner can and time allows."""
+    rematch = getattr(run_specs, "rematch", None)
+    pair = contenders(trials)
+    if rematch is None or len(pair) < 2:
+        return trials
+    walls = pd.to_numeric(trials.get("wall_s", pd.Series(dtype=float)), errors="coerce").dropna()
+    per_trial = float(walls.mean()) if len(walls) else math.inf
+    if 2 * per_trial > left_s:
+        result.log.append(f"no rematch: {pair[0]} and {pair[1]} overlap, but the budget has no room")
+        return trials
+    line = f"rematch: {pair[0]} and {pair[1]} are within each other's intervals; measured again back to back"
+    result.log.append(line)
+    say(line)
+    return rematch(pair)
 
 
 CHECK_TRIALS = 2

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.measure.grid import TrialSpec, accumulation_check, finished_trials, write_trial_config
+from advisor.measure.grid import TrialSpec, accumulation_check
 from advisor.measure.trials import TrialSettings
 from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import Network, build_network
@@ -137,8 +137,16 @@ def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredT
     """The trials the search picks within the budget, then the check trials if the budget leaves room."""
     numels = trained_numels(inputs.model)
     zero = ZeroSettings.from_config(inputs.base)
-    runner = trial_runner(inputs.settings, inputs.base, inputs.out_dir / "profile", inputs.setup, inputs.say)
     total_s = (inputs.request.budget_minutes or (5.0 if inputs.on_cpu else 30.0)) * 60
+    runner = trial_runner(
+        inputs.settings,
+        inputs.base,
+        inputs.out_dir / "profile",
+        inputs.setup,
+        inputs.say,
+        inputs.out_dir / "drift.json",  # the reference's brackets and the noise floor
+        inputs.started + total_s,  # brackets and re-runs only while the budget has room
+    )
     budget_s = total_s - (time.monotonic() - inputs.started)
     # The search judges each config at every node count the global batch reaches (beyond them nothing runs).
     reach = [
@@ -172,7 +180,8 @@ def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredT
         runner=runner,
         budget_s=total_s,
         per_trial_s=check.per_trial_s,
-        notes=check.notes,
+        # the machine's drift and any trial left contended (advisor.measure.runner), in one line each
+        notes=[*check.notes, *getattr(runner, "answer_lines", list)()],
     )
 
 
@@ -212,28 +221,16 @@ def check_model(
 
 
 def trial_runner(
-    settings: TrialSettings, base: dict[str, Any], profile_dir: Path, setup: str, say: Callable[[str], None]
+    settings: TrialSettings,
+    base: dict[str, Any],
+    profile_dir: Path,
+    setup: str,
+    say: Callable[[str], None],
+    drift_path: Path | None = None,
+    deadline: float | None = None,
 ) -> TrialRunner:
-    """Run specs not yet in <profile_dir>/trials.csv with advisor.measure.profile's own pieces; return the table."""
-    from advisor.measure.profile import append_row, latest_rows, read_trials, trial_row
-    from advisor.measure.trials import run_trial
+    """Run specs not yet in <profile_dir>/trials.csv; return the table. advisor.measure.runner brackets
+    them with the reference config, corrects them for drift and runs contended ones again."""
+    from advisor.measure.runner import TrialRunner as Runner
 
-    csv_path = profile_dir / "trials.csv"
-
-    def run(specs: list[TrialSpec]) -> pd.DataFrame:
-        done = finished_trials(read_trials(csv_path), setup)
-        for spec in specs:
-            if spec.trial_id in done:
-                continue
-            trial_dir = profile_dir / "trials" / spec.trial_id
-            ds_config = write_trial_config(base, spec, trial_dir, spec.ranks_per_node * settings.hosts)
-            say(f"trial {spec.trial_id} ...")
-            outcome = run_trial(spec, settings, ds_config, trial_dir)
-            append_row(csv_path, trial_row(spec, outcome, setup, settings, trial_dir))
-            say(
-                f"trial {spec.trial_id}: {outcome.status} in {outcome.wall_s:.0f} s"
-                + (f" ({outcome.reason})" if outcome.reason else "")
-            )
-        return latest_rows(read_trials(csv_path), setup)
-
-    return run
+    return Runner(settings, base, profile_dir, setup, say, drift_path=drift_path, deadline=deadline)

@@ -215,10 +215,22 @@ class ProfileOptions:
     """profiling (the advisor's trials; sdzero/training/probe.py)"""
 
     profile_out: Path | None = option(
-        None, "write a trial profile (throughput, memory by kind, DeepSpeed breakdown) to this JSON file"
+        None,
+        "write a trial profile (throughput, memory by kind, DeepSpeed breakdown) to this JSON file; a "
+        "profiled run is an advisor trial: a stop (SIGTERM, its measurement done) ends it without a "
+        "checkpoint unless --checkpoint-every asks for them",
     )
     profile_warmup_steps: int = option(
         1, "steps left out of the profile's figures (allocations, JIT builds, worker start-up)"
+    )
+    profile_target_halfwidth: float = option(
+        0.0,
+        "stop once the 95% interval of the median measured step is within this fraction of it on each "
+        "side (a bootstrap over the steps; 0: measure until --max-steps)",
+    )
+    profile_min_steps: int = option(3, "with --profile-target-halfwidth: measure at least this many steps")
+    profile_max_seconds: float = option(
+        0.0, "with --profile-target-halfwidth: stop after this many seconds of measured steps (0: no limit)"
     )
     sync_timing: bool = option(
         False, "synchronize the GPU after every phase: exact per-phase times, lower throughput"

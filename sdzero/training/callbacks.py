@@ -179,6 +179,15 @@ class ValidationCallback(Callback):
             self._run(trainer, trainer.state.step)
 
 
+def ends_as_a_trial(trainer: TrainerView) -> bool:
+    """A profiled run without --checkpoint-every is an advisor trial (sdzero.training.probe): nothing resumes
+    it, so a stop (its probe's measurement is done, or the advisor ends it) ends it as its last step would:
+    no checkpoint (a real model's states would cost more than the trial), no preemption exit, the profile
+    written. The same on every rank: the options are."""
+    cfg = getattr(trainer, "cfg", None)
+    return getattr(cfg, "profile_out", None) is not None and not getattr(cfg, "checkpoint_every", 0)
+
+
 class CheckpointCallback(Callback):
     """Checkpoints every --checkpoint-every steps, at the end, and when stopping; and the resume."""
 
@@ -209,7 +218,8 @@ class CheckpointCallback(Callback):
             self.save(trainer)
 
     def on_stop(self, trainer: TrainerView, step: int) -> None:
-        self.save(trainer)
+        if not ends_as_a_trial(trainer):
+            self.save(trainer)
 
     def on_finish(self, trainer: TrainerView) -> None:
         """The final checkpoint, unless the last step already has one."""
@@ -219,7 +229,8 @@ class CheckpointCallback(Callback):
 
 class PreemptionCallback(Callback):
     """SIGTERM/SIGUSR1 on any rank: every rank stops at the same step, saves (CheckpointCallback, which
-    must come before this one) and exits with 143 (sdzero.process.preemption)."""
+    must come before this one) and exits with 143 (sdzero.process.preemption); an advisor trial just ends
+    (`ends_as_a_trial`)."""
 
     def __init__(self, flag: PreemptionFlag) -> None:
         self.flag = flag
@@ -229,6 +240,8 @@ class PreemptionCallback(Callback):
 
     def on_stop(self, trainer: TrainerView, step: int) -> None:
         self.flag.disarm()
+        if ends_as_a_trial(trainer):
+            return  # the loop ends here and the run finishes as after its last step
         if trainer.rank == 0:
             log.warning(
                 "preempted: checkpoint of step %d committed; exiting with 143 (continue with --resume auto)",

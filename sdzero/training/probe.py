@@ -16,12 +16,20 @@ The memory meters live in sdzero.telemetry.memory; DeepSpeed's timers and commun
 
 Rank 0 writes FILE as JSON once every rank has reported. Without `--profile-out` the Trainer runs no
 probe at all.
+
+With `--profile-target-halfwidth` the trial's length adapts to its noise (`StopRule`): after
+`--profile-min-steps` measured steps, the probe votes to stop once the 95% interval of the median step
+(sdzero.telemetry.step_interval) is within that fraction of it, or `--profile-max-seconds` of steps are
+measured; `--max-steps` stays the cap. The vote travels with the step's statistics, so every rank stops at
+the same step; a trial's stop saves nothing (sdzero.training.callbacks.ends_as_a_trial). The profile
+records every measured step (`step_times_s`), the interval and what stopped it (`stopped_by`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from sdzero.atomic import write_json_atomic
+from sdzero.errors import UserError
 from sdzero.telemetry.memory import (
     STATE_KINDS,
     ActivationMeter,
@@ -40,6 +49,7 @@ from sdzero.telemetry.memory import (
     peak_rss_bytes,
     trained_param_count,
 )
+from sdzero.telemetry.step_interval import interval_is_tight, median_interval
 from sdzero.training.callbacks import Callback
 
 PROFILE_VERSION = 1
@@ -207,14 +217,44 @@ stages 1 and 2 all-gather the updated partitions inside `step`."""
 # The probe
 
 
+@dataclass(frozen=True)
+class StopRule:
+    """When a trial has measured enough: its interval is tight, or its time is up (--max-steps aside)."""
+
+    target_rel_halfwidth: float = 0.0
+    """0: no early stop, every step up to --max-steps is measured."""
+    min_steps: int = 3
+    max_seconds: float = 0.0
+    """0: no time limit."""
+
+    def verdict(self, step_times: list[float]) -> str | None:
+        """Why to stop after these measured steps ("interval", "time cap"), or None to go on."""
+        if not self.target_rel_halfwidth or len(step_times) < max(self.min_steps, 2):
+            return None
+        if interval_is_tight(median_interval(step_times), self.target_rel_halfwidth):
+            return "interval"
+        if self.max_seconds and sum(step_times) >= self.max_seconds:
+            return "time cap"
+        return None
+
+
 class Probe(Callback):
     """The Trainer's measurements for `--profile-out FILE`."""
 
     def __init__(
-        self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...], out: Path, warmup_steps: int
+        self,
+        engine: Any,
+        ds: Any,
+        frozen: tuple[torch.nn.Module, ...],
+        out: Path,
+        warmup_steps: int,
+        stop_rule: StopRule = StopRule(),
     ) -> None:
         self.engine, self.ds, self.frozen = engine, ds, frozen
         self.out, self.warmup_steps = out, warmup_steps
+        self.stop_rule = stop_rule
+        self.stopped_by: str | None = None
+        """Why this rank voted to stop (None: it never did)."""
         # Instruments run on the last uncounted step (or step 1 without warm-up), so their own overhead
         # (a Python call per saved tensor) stays out of the measured window.
         self.instrument_step = max(1, warmup_steps)
@@ -253,9 +293,15 @@ class Probe(Callback):
             self.ds_timers.append({k: cache[k] / 1e3 for k in DS_TIMERS if k in cache})
 
     def on_metrics(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
-        """The step's metrics line, once read back (on CUDA, a step after `on_step_queued`)."""
+        """The step's metrics line, once read back (on CUDA, a step after `on_step_queued`). The stop rule
+        is judged here, after the step's time was taken (on a CPU), so the bootstrap is not in it."""
         if self._nth(step) > self.warmup_steps:
             self.records.append(record)
+            if self.stopped_by is None:
+                self.stopped_by = self.stop_rule.verdict([r["step_time_s"] for r in self.records])
+
+    def wants_stop(self, trainer: Any) -> bool:
+        return self.stopped_by is not None
 
     def _nth(self, step: int) -> int:
         """1 for the first step this run takes (a resumed run starts after its checkpoint's step)."""
@@ -395,6 +441,9 @@ class Probe(Callback):
             "samples_per_s": ds.global_batch * steps / total_time if total_time > 0 else None,
             "step_time_s": total_time / steps if steps else None,
             "step_time_median_s": statistics.median(step_times) if steps else None,
+            "step_times_s": step_times,
+            **_interval_fields(step_times),
+            "stopped_by": self.stopped_by or ("step cap" if self.stop_rule.target_rel_halfwidth else "steps"),
             "phases_s": {k: statistics.fmean(r.get(k, 0.0) for r in self.records) for k in phases}
             if steps
             else None,
@@ -406,6 +455,28 @@ class Probe(Callback):
         }
 
 
+def _interval_fields(step_times: list[float]) -> dict[str, float | None]:
+    """The median step's 95% interval (rank 0's steps), None where fewer than two steps were measured."""
+    interval = median_interval(step_times)
+    if interval.steps < 2:
+        return {"step_s_lo": None, "step_s_hi": None}
+    return {"step_s_lo": interval.lo_s, "step_s_hi": interval.hi_s}
+
+
+def stop_rule(cfg: Any) -> StopRule:
+    """The trial's stop rule from its options, checked: one line for a value that cannot work."""
+    rule = StopRule(
+        float(getattr(cfg, "profile_target_halfwidth", 0.0) or 0.0),
+        int(getattr(cfg, "profile_min_steps", 3)),
+        float(getattr(cfg, "profile_max_seconds", 0.0) or 0.0),
+    )
+    if not 0 <= rule.target_rel_halfwidth < 1:
+        raise UserError(f"--profile-target-halfwidth {rule.target_rel_halfwidth}: a fraction in [0, 1)")
+    if rule.min_steps < 1 or rule.max_seconds < 0:
+        raise UserError("--profile-min-steps must be >= 1 and --profile-max-seconds >= 0")
+    return rule
+
+
 def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe | None:
     """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost)."""
     out = getattr(cfg, "profile_out", None)
@@ -413,4 +484,4 @@ def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe | None:
         return None
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
     # Every frozen module the family loaded (VAE, one to three text encoders; none when training from a cache).
-    return Probe(engine, ds, comps.frozen_modules(), Path(out), warmup)
+    return Probe(engine, ds, comps.frozen_modules(), Path(out), warmup, stop_rule(cfg))

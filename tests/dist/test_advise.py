@@ -90,6 +90,21 @@ def test_advise_end_to_end_writes_the_contract_files(advised):
     assert rec["config_id"] in html
 
 
+def test_trials_measure_to_an_interval_and_the_reference_is_recorded(advised):
+    out = advised["out"]
+    ok = pd.read_csv(out / "profile" / "trials.csv").query("status == 'ok'")
+    # at least 5 measured steps, then until the interval is tight or a cap (30 steps, 6 s of steps)
+    assert set(ok["stopped_by"]) <= {"interval", "time cap", "step cap"}
+    assert ok["measured_steps"].between(5, 31).all()
+    tight = ok[ok["stopped_by"] == "interval"]
+    assert ((tight["step_s_raw_hi"] - tight["step_s_raw_lo"]) / 2 <= 0.05 * tight["step_s_raw"]).all()
+    assert (ok["step_s_lo"] <= ok["step_time_median_s"]).all()
+    assert (ok["step_time_median_s"] <= ok["step_s_hi"]).all()
+    drift = json.loads((out / "drift.json").read_text())
+    assert drift["reference"] == ok["trial_id"].iloc[0] and drift["reference_step_s"]
+    assert ok["contended"].dtype == bool
+
+
 def test_memory_model_matches_the_real_trials(advised):
     out = advised["out"]
     trials = pd.read_csv(out / "profile" / "trials.csv")

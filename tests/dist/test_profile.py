@@ -60,6 +60,10 @@ def profile_kwargs(tiny_model: Path, synth_data: Path, out: Path) -> dict:
         "trial_timeout_s": TRIAL_TIMEOUT_S,
         "stall_timeout_s": 120.0,
         "train_args": ["--num-workers", "1"],
+        # exactly STEPS steps and no reference brackets: the adaptive trials and the brackets are
+        # tested by test_advise.py's run and tests/unit/test_measurement_noise.py
+        "target_rel_halfwidth": None,
+        "bracket_every": 0,
     }
 
 
@@ -145,6 +149,11 @@ def test_one_row_per_trial_with_the_fields(profiled):
         "frozen_bytes",
     ):
         assert (table[column] > 0).all(), column
+    # each median step with its interval, uncorrected without brackets, and what ended the measuring
+    assert (table["step_s_lo"] <= table["step_time_median_s"]).all()
+    assert (table["step_time_median_s"] <= table["step_s_hi"]).all()
+    assert (table["step_s_raw"] == table["step_time_median_s"]).all() and (table["drift_factor"] == 1).all()
+    assert set(table["stopped_by"]) == {"steps"} and table["contended"].dtype == bool
     # throughput is what the step times say: global batch / mean step time
     expected = table["global_batch"] / table["step_time_s"]
     assert ((table["samples_per_s"] - expected).abs() < 1e-6 * expected).all()

@@ -317,7 +317,9 @@ def test_speed_options_parse_from_the_command_line(tmp_path):
 
 
 def test_advisor_trials_ask_for_exact_phase_times():
-    from advisor.measure.trials import trainer_args
+    from advisor.measure.trials import TrialSettings, trainer_args
 
-    settings = SimpleNamespace(model="m", data="d", warmup_steps=1, steps=2, train_args=[])
+    settings = TrialSettings(
+        model="m", data=Path("d"), steps=2, warmup_steps=1, trial_timeout_s=60, stall_timeout_s=None
+    )
     assert "--sync-timing" in trainer_args(settings, "ds.json", Path("/tmp/t"))

@@ -1,0 +1,444 @@
+"""Noise in the measurements: a trial's interval, the drift correction between reference brackets, the
+contention check, whole-row reading of trials.csv, and the runner that puts them together (with a stand-in
+trial on a simulated machine whose speed changes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from advisor.measure import contention
+from advisor.measure.contention import CpuSample, is_contended, others_cpu_share, session_cpu_s
+from advisor.measure.csv_tables import read_whole_rows
+from advisor.measure.drift import (
+    Bracket,
+    Correction,
+    Drift,
+    corrected_interval,
+    read_drift,
+    write_drift,
+)
+from advisor.measure.grid import TrialSpec
+from advisor.measure.runner import RunnerPolicy, TrialRunner
+from advisor.measure.trial_table import TRIAL_COLUMNS, append_row, read_trials
+from advisor.measure.trials import TrialOutcome, TrialSettings, trainer_args
+from advisor.model.search import contenders
+from sdzero.telemetry.step_interval import interval_is_tight, median_interval
+
+# --------------------------------------------------------------------------------------------------
+# The interval of one trial's median step
+
+
+def test_the_interval_covers_the_true_median_about_95_percent_of_the_time():
+    rng = np.random.default_rng(1)
+    hits = 0
+    for _ in range(300):  # trials of 10 steps, scattered 10% around a median step of 1 s
+        interval = median_interval(np.exp(rng.normal(0.0, 0.1, 10)))
+        hits += interval.lo_s <= 1.0 <= interval.hi_s
+    assert 0.90 <= hits / 300 <= 0.99
+
+
+def test_more_steps_give_a_tighter_interval_and_one_slow_step_does_not_move_it():
+    rng = np.random.default_rng(2)
+    steps = np.exp(rng.normal(0.0, 0.1, 40))
+    few, many = median_interval(steps[:8]), median_interval(steps)
+    assert many.rel_halfwidth < few.rel_halfwidth
+    calm = [0.100, 0.101, 0.099, 0.100, 0.102, 0.100, 0.098, 0.100, 0.101]
+    slowed = median_interval([*calm, 0.9])  # one step while another process ran
+    assert slowed.median_s == pytest.approx(0.100, abs=1e-3) and slowed.hi_s < 0.103
+    assert interval_is_tight(slowed, 0.03) and not interval_is_tight(median_interval(steps[:8]), 0.03)
+
+
+def test_one_step_has_no_interval_and_the_same_steps_give_the_same_interval():
+    single = median_interval([0.5])
+    assert single.median_s == 0.5 and math.isnan(single.lo_s) and single.rel_halfwidth == math.inf
+    steps = [0.31, 0.35, 0.29, 0.42, 0.33, 0.30]
+    assert median_interval(steps) == median_interval(list(steps))
+    assert median_interval([]).steps == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Drift between brackets
+
+
+def brackets(*points: tuple[float, float], width: float = 0.0) -> Drift:
+    return Drift("ref", "setup", [Bracket(at, s, s * (1 - width), s * (1 + width)) for at, s in points])
+
+
+def test_a_trial_between_two_brackets_is_corrected_by_the_interpolated_speed():
+    drift = brackets((0.0, 1.0), (100.0, 1.2))
+    mid = drift.correction_at(50.0)
+    assert mid.factor == pytest.approx(1.1) and mid.bracketed and mid.jump == pytest.approx(0.2)
+    # half the jump, relative to the speed there: where in the gap the change fell is unknown
+    assert mid.uncertainty == pytest.approx(0.1 / 1.1)
+    step, lo, hi = corrected_interval(0.55, 0.54, 0.56, mid)
+    assert step == pytest.approx(0.5)
+    assert lo < 0.5 * (1 - 0.09) and hi > 0.5 * (1 + 0.09)
+    assert drift.correction_at(0.0).factor == 1.0  # the first bracket is the base
+
+
+def test_after_the_last_bracket_its_speed_holds_with_the_typical_jump_as_uncertainty():
+    drift = brackets((0.0, 1.0), (60.0, 1.1), (120.0, 1.0))
+    after = drift.correction_at(150.0)
+    assert after.factor == pytest.approx(1.0) and not after.bracketed
+    assert after.uncertainty == pytest.approx(statistics_median([0.1, 1 / 1.1 - 1]), rel=1e-6)
+    assert Drift().correction_at(10.0) == Correction(1.0, 0.0, False)  # no reference yet: no correction
+
+
+def statistics_median(values: list[float]) -> float:
+    return float(np.median(np.abs(values)))
+
+
+def test_a_contended_bracket_is_left_out_of_the_drift():
+    drift = brackets((0.0, 1.0), (100.0, 1.0))
+    drift.brackets.insert(1, Bracket(50.0, 2.0, 1.9, 2.1, contended=True))
+    assert drift.correction_at(50.0).factor == pytest.approx(1.0)
+    assert drift.noise_floor() == pytest.approx(0.0)
+
+
+def test_noise_floor_is_the_references_repeat_spread():
+    drift = brackets((0.0, 1.0), (60.0, 1.1), (120.0, 0.9))
+    assert drift.noise_floor() == pytest.approx((0 + 0.1 + 0.1) / 3)
+    # a machine that slows steadily is all drift: the interpolation leaves nothing of it
+    assert brackets((0.0, 1.0), (60.0, 1.1), (120.0, 1.2)).corrected_floor() == pytest.approx(0.0)
+    assert brackets((0.0, 1.0)).noise_floor() is None
+
+
+def test_correcting_a_simulated_drifting_machine_brings_trials_back_to_their_true_speed():
+    """Configs of known step times on a machine whose speed wanders by +-25% over minutes (and wobbles by
+    3% within seconds, which no bracket can follow), measured one after another with the reference every
+    4 trials: the corrected times are far closer to the truth than the raw ones."""
+    rng = np.random.default_rng(3)
+
+    def slowness(t: float) -> float:
+        return 1.0 + 0.25 * math.sin(t / 120.0) + 0.03 * math.sin(t / 11.0)
+
+    t, points, trials = 0.0, [], []
+    for i in range(24):
+        t += 18.0
+        if i % 5 == 0:
+            points.append((t, 0.1 * slowness(t) * math.exp(rng.normal(0, 0.01))))
+        else:
+            true = 0.1 * (1 + i % 4)
+            trials.append((t, true, true * slowness(t) * math.exp(rng.normal(0, 0.01))))
+    drift = brackets(*points)
+    base = points[0][1] / 0.1  # the first bracket's slowness: what corrected times are relative to
+    raw_error = np.mean([abs(raw / (true * base) - 1) for _, true, raw in trials])
+    fixed_error = np.mean(
+        [abs(raw / drift.correction_at(at).factor / (true * base) - 1) for at, true, raw in trials]
+    )
+    # what is left is the wobble, in the trial and in the brackets around it: within twice its size
+    assert fixed_error < raw_error / 2 and fixed_error < 2 * 0.03
+
+
+def test_contended_trials_get_a_wider_lower_end(tmp_path):
+    clean = corrected_interval(1.0, 0.98, 1.02, Correction(1.0, 0.0, True))
+    lost = corrected_interval(1.0, 0.98, 1.02, Correction(1.0, 0.0, True), contended_share=0.3)
+    assert lost[0] == clean[0] and lost[2] == clean[2] and lost[1] < clean[1] - 0.25
+
+
+def test_drift_json_holds_the_floor_and_the_series_and_reads_back(tmp_path):
+    drift = brackets((1.7e9, 1.0), (1.7e9 + 60, 1.1), width=0.02)
+    write_drift(tmp_path / "drift.json", drift, {"reruns": []})
+    data = json.loads((tmp_path / "drift.json").read_text())
+    assert data["noise_floor"] == pytest.approx(drift.noise_floor())
+    assert data["reference_step_s"] == [1.0, 1.1] and [p["factor"] for p in data["series"]] == [1.0, 1.1]
+    assert read_drift(tmp_path / "drift.json", "setup").brackets == drift.brackets
+    assert read_drift(tmp_path / "drift.json", "another setup").brackets == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Contention
+
+
+def test_cpu_that_was_neither_the_trials_nor_ours_is_someone_elses():
+    first = CpuSample(at=0.0, machine_busy_s=100.0, trial_s=10.0, own_s=1.0)
+    alone = CpuSample(at=2.0, machine_busy_s=103.9, trial_s=13.8, own_s=1.05)
+    beside = CpuSample(at=2.0, machine_busy_s=105.0, trial_s=13.0, own_s=1.05)
+    assert others_cpu_share(first, alone, cores=2) == pytest.approx(0.05 / 4, abs=1e-9)
+    assert not is_contended(others_cpu_share(first, alone, cores=2))
+    # a one-rank training beside a 2-rank trial on 2 cores: it took about one core of the two
+    assert others_cpu_share(first, beside, cores=2) == pytest.approx(1.95 / 4)
+    assert is_contended(others_cpu_share(first, beside, cores=2))
+    assert others_cpu_share(first, first) is None
+
+
+def test_proc_stat_and_a_sessions_processes_are_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(contention, "_ticks", lambda: 100.0)
+    (tmp_path / "stat").write_text("cpu  100 5 50 9000 20 3 2 40 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert contention.machine_busy_s(tmp_path) == pytest.approx((100 + 5 + 50 + 3 + 2 + 40) / 100)
+    for pid, session, comm in ((11, 11, "deepspeed"), (12, 11, "python (rank 0)"), (13, 99, "other")):
+        (tmp_path / str(pid)).mkdir()
+        # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
+        fields = [
+            "S",
+            "1",
+            str(pid),
+            str(session),
+            "0",
+            "0",
+            "0",
+            "0",
+            "0",
+            "0",
+            "0",
+            "200",
+            "100",
+            "30",
+            "20",
+        ]
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + " 0 0\n")
+    assert session_cpu_s(11, tmp_path) == pytest.approx(2 * 350 / 100)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="Linux /proc")
+def test_a_real_processs_cpu_time_counts_as_its_sessions():
+    burn = (
+        "import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.3: pass\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while session_cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_cpu_s(child.pid) >= 0.3
+        assert session_cpu_s(os.getsid(0)) < session_cpu_s(os.getsid(0)) + 1  # ours is readable too
+    finally:
+        child.kill()
+        child.wait()
+
+
+# --------------------------------------------------------------------------------------------------
+# trials.csv survives a torn last row
+
+
+def row(trial_id: str, **extra) -> dict:
+    return {"trial_id": trial_id, "setup_id": "s", "status": "ok", "zero_stage": 1, **extra}
+
+
+def test_a_row_cut_short_by_a_killed_writer_is_left_out(tmp_path):
+    path = tmp_path / "trials.csv"
+    append_row(path, row("a"))
+    append_row(path, row("b", log_tail="line one\nline two"))
+    whole = path.read_text()
+    for torn in ("c,s,ok,,1,bf1", 'c,s,crash,"Traceback\n  File x\n', 'c,s,crash,"Trace'):
+        path.write_text(whole + torn)
+        table = read_trials(path)
+        assert list(table["trial_id"]) == ["a", "b"] and table.attrs["torn_rows"] == 1
+        assert table.loc[1, "log_tail"] == "line one\nline two"
+    append_row(path, row("c"))  # the next write leaves a whole table again
+    assert list(read_trials(path)["trial_id"]) == ["a", "b", "c"] and path.read_text().endswith("\n")
+    assert read_whole_rows(path).attrs["torn_rows"] == 0
+
+
+def test_a_header_cut_short_reads_as_no_trials(tmp_path):
+    path = tmp_path / "trials.csv"
+    path.write_text("trial_id,setu")
+    assert read_trials(path).empty and tuple(read_trials(path).columns) == TRIAL_COLUMNS
+
+
+# --------------------------------------------------------------------------------------------------
+# The runner on a simulated machine
+
+
+SETTINGS = TrialSettings(
+    model="/m", data=Path("/d"), steps=5, warmup_steps=1, trial_timeout_s=60, stall_timeout_s=None
+)
+
+
+def fake_profile(steps: list[float], global_batch: int) -> dict:
+    rank = {
+        "rank": 0,
+        "device_peak_bytes": 1,
+        "model_state_bytes": {k: 1 for k in ("params", "grads", "master", "optimizer")},
+        "model_state_total_bytes": 4,
+        "bucket_bytes": 0,
+        "offloaded_bytes": 0,
+        "frozen_bytes": 0,
+        "activation_bytes": 1,
+        "cuda_peak_bytes": None,
+        "comm_s": 0.0,
+    }
+    mean = sum(steps) / len(steps)
+    return {
+        "grad_accum": 1,
+        "world_size": 2,
+        "global_batch": global_batch,
+        "samples_per_s": global_batch / mean,
+        "step_time_s": mean,
+        "step_time_median_s": float(np.median(steps)),
+        "ranks": [rank, {**rank, "rank": 1}],
+        "trained_params": 1,
+        "device_peak_bytes": 1,
+        "peak_rss_bytes": 1,
+        "measured_steps": len(steps),
+        "step_times_s": steps,
+        "stopped_by": "interval",
+    }
+
+
+class Machine:
+    """A stand-in trial: config step time x the machine's slowness at the (fake) clock, contended on
+    request; every call advances the clock by 20 s."""
+
+    def __init__(self, slowness, contended: dict[str, int] | None = None) -> None:
+        self.slowness, self.contended = slowness, dict(contended or {})
+        self.clock, self.calls = 1.7e9, []
+
+    def __call__(self, spec: TrialSpec, settings, config: Path, trial_dir: Path, env=None) -> TrialOutcome:
+        self.clock += 20.0
+        self.calls.append((spec.trial_id, trial_dir.name))
+        true = 0.1 * spec.micro_batch * (1 + 0.2 * spec.zero_stage)
+        slow = self.slowness(self.clock)
+        share = 0.0
+        if self.contended.get(spec.trial_id, 0) > 0:
+            self.contended[spec.trial_id] -= 1
+            share, slow = 0.45, slow * 1.8
+        steps = [true * slow * (1 + 0.01 * ((i % 3) - 1)) for i in range(8)]
+        return TrialOutcome(
+            "ok",
+            "",
+            fake_profile(steps, spec.micro_batch * 2),
+            20.0,
+            0,
+            trial_dir / "log.txt",
+            others_cpu_share=share,
+            measured_at=self.clock,
+        )
+
+
+def make_runner(tmp_path: Path, machine: Machine, **policy) -> TrialRunner:
+    return TrialRunner(
+        SETTINGS,
+        {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "train_micro_batch_size_per_gpu": 1},
+        tmp_path / "profile",
+        "setup",
+        say=lambda line: None,
+        drift_path=tmp_path / "drift.json",
+        policy=RunnerPolicy(**policy),
+        run_trial=machine,
+    )
+
+
+SPECS = [TrialSpec(stage, "bf16", mb, "none", 2) for stage in (1, 2) for mb in (1, 2, 4, 8)]
+
+
+@pytest.fixture
+def no_config_check(monkeypatch):
+    monkeypatch.setattr("advisor.measure.runner.write_trial_config", lambda base, spec, d, w: d / "ds.json")
+
+
+def test_the_reference_brackets_the_trials_and_the_rows_are_corrected(tmp_path, no_config_check):
+    slow_from = 1.7e9 + 70  # the machine computes 30% slower from the fourth call on
+    machine = Machine(lambda t: 1.3 if t > slow_from else 1.0)
+    runner = make_runner(tmp_path, machine, bracket_every=3, rerun_jump=math.inf)
+    runner(SPECS[:4])  # the seeds
+    table = runner(SPECS[4:7])  # a batch (the check trials): a bracket closes it
+    names = [name for _, name in machine.calls]
+    assert names.count("bracket-1") == 1 and names.count("bracket-2") == 1  # after 3 trials, and closing
+    assert names[-1] == "bracket-2"
+    assert len(table) == 7 and set(table["trial_id"]) == {s.trial_id for s in SPECS[:7]}  # no bracket rows
+    true = {s.trial_id: 0.1 * s.micro_batch * (1 + 0.2 * s.zero_stage) for s in SPECS}
+    late = table[table["measured_at"] > slow_from + 30]  # well inside the slow spell, after a bracket
+    assert len(late) and (late["drift_factor"] > 1.25).all()
+    error = (table["step_time_median_s"] / table["trial_id"].map(true) - 1).abs()
+    raw_error = (table["step_s_raw"] / table["trial_id"].map(true) - 1).abs()
+    assert error[late.index].max() < 0.02 and raw_error[late.index].min() > 0.25
+    assert (table["step_s_lo"] <= table["step_time_median_s"]).all()
+    assert (table["step_time_median_s"] <= table["step_s_hi"]).all()
+    drift = json.loads((tmp_path / "drift.json").read_text())
+    assert drift["reference"] == SPECS[0].trial_id and len(drift["reference_step_s"]) == 3
+    assert drift["noise_floor"] == pytest.approx((1 - 1 / 1.3) / 3)  # repeats at 1.0, 1.3, 1.3 x
+
+
+def test_a_contended_trial_is_run_again_once_and_flagged_if_it_stays_so(tmp_path, no_config_check):
+    once, twice = SPECS[1].trial_id, SPECS[2].trial_id
+    machine = Machine(lambda t: 1.0, contended={once: 1, twice: 2})
+    runner = make_runner(tmp_path, machine, bracket_every=0)
+    table = runner(SPECS[:4]).set_index("trial_id")
+    ran = [trial for trial, _ in machine.calls]
+    assert ran.count(once) == 2 and ran.count(twice) == 2 and ran.count(SPECS[3].trial_id) == 1
+    assert not table.loc[once, "contended"] and table.loc[twice, "contended"]
+    assert table.loc[twice, "step_s_lo"] < table.loc[twice, "step_time_median_s"] * 0.6  # widened
+    every_row = read_trials(tmp_path / "profile" / "trials.csv")
+    assert (every_row["trial_id"] == once).sum() == 2  # the contended attempt stays in the history
+    assert any("flagged" in line for line in runner.answer_lines())
+
+
+def test_a_gap_with_too_much_drift_is_measured_again(tmp_path, no_config_check):
+    machine = Machine(lambda t: 1.0 if t < 1.7e9 + 50 else 1.5)  # a jump inside the first gap
+    runner = make_runner(tmp_path, machine, bracket_every=3, rerun_jump=0.2)
+    runner(SPECS[:5])
+    ran = [trial for trial, name in machine.calls if not name.startswith("bracket")]
+    assert ran.count(SPECS[1].trial_id) + ran.count(SPECS[2].trial_id) + ran.count(SPECS[3].trial_id) >= 4
+    assert json.loads((tmp_path / "drift.json").read_text())["reruns"]
+
+
+def test_a_resumed_run_runs_nothing_again(tmp_path, no_config_check):
+    machine = Machine(lambda t: 1.0)
+    make_runner(tmp_path, machine, bracket_every=3)(SPECS[:3])
+    again = Machine(lambda t: 1.0)
+    table = make_runner(tmp_path, again, bracket_every=3)(SPECS[:3])
+    assert again.calls == [] and len(table) == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# The search's rematch and the trial's own stop rule
+
+
+def rates_table(rows: list[tuple[str, float, float, float]]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {
+                "trial_id": t,
+                "status": "ok",
+                "global_batch": 8,
+                "step_time_median_s": s,
+                "step_s_lo": lo,
+                "step_s_hi": hi,
+            }
+            for t, s, lo, hi in rows
+        ]
+    )
+
+
+def test_contenders_are_the_fastest_and_the_best_config_within_its_interval():
+    close = rates_table([("a", 1.00, 0.97, 1.03), ("b", 1.02, 0.99, 1.06), ("c", 1.5, 1.45, 1.55)])
+    assert contenders(close) == ["a", "b"]
+    apart = rates_table([("a", 1.00, 0.99, 1.01), ("b", 1.10, 1.08, 1.12)])
+    assert contenders(apart) == ["a"]
+    assert contenders(pd.DataFrame({"trial_id": ["a"], "status": ["ok"]})) == []
+
+
+def test_an_adaptive_trial_asks_the_trainer_for_its_stop_rule(tmp_path):
+    adaptive = TrialSettings(**{**SETTINGS.__dict__, "target_rel_halfwidth": 0.03, "max_measure_s": 8.0})
+    args = trainer_args(adaptive, tmp_path / "ds.json", tmp_path)
+    assert args[args.index("--max-steps") + 1] == str(1 + 6 * 5)  # warm-up + the step cap
+    assert args[args.index("--profile-min-steps") + 1] == "5"
+    assert args[args.index("--profile-target-halfwidth") + 1] == "0.03"
+    assert args[args.index("--profile-max-seconds") + 1] == "8"
+    fixed = trainer_args(SETTINGS, tmp_path / "ds.json", tmp_path)
+    assert "--profile-target-halfwidth" not in fixed and fixed[fixed.index("--max-steps") + 1] == "6"
+
+
+def test_the_probes_stop_rule_waits_for_a_tight_interval_or_its_time():
+    from sdzero.training.probe import StopRule
+
+    rule = StopRule(target_rel_halfwidth=0.03, min_steps=5, max_seconds=2.0)
+    steady = [0.100, 0.101, 0.099, 0.100, 0.100, 0.101]
+    assert rule.verdict(steady[:4]) is None  # fewer than the least steps
+    assert rule.verdict(steady) == "interval"
+    ragged = [0.1, 0.2, 0.13, 0.3, 0.11, 0.25, 0.15]
+    assert rule.verdict(ragged) is None
+    assert rule.verdict([*ragged] * 2) == "time cap"  # 2.7 s of steps, still not tight
+    assert StopRule().verdict(steady * 5) is None  # no target: every step up to --max-steps
