@@ -17,11 +17,13 @@ from typing import NoReturn
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+from sdzero.checkpoint.output_lock import claim_output_dir, release_output_dir  # noqa: E402
 from sdzero.cluster.launch_command import decode_argv  # noqa: E402
 from sdzero.config.train_config import parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, AgreedError, UserError  # noqa: E402
 from sdzero.process.exit import freeze_heap_for_exit  # noqa: E402
 from sdzero.process.preemption import Preempted, exit_now  # noqa: E402
+from sdzero.process.rendezvous import world_of_one  # noqa: E402
 
 
 def crash_exit() -> NoReturn:
@@ -75,11 +77,22 @@ def report_agreed_error(exc: AgreedError, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Without a launcher, rank 0 of a world of one, before anything reads the world size from the
+    # environment; the process says so when its group forms (after the inputs are checked, so that a bad
+    # one is still one line).
+    world_of_one()
     try:
         cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
+        if rank_from_env() == 0:
+            # A live run in the folder stops this one before any process group or model exists. Rank 0
+            # holds the lock for the run's life (find_resume takes it again: a no-op in the same process).
+            claim_output_dir(cfg.output_dir)
         from sdzero.training import trainer
 
-        summary = trainer.run(cfg)
+        try:
+            summary = trainer.run(cfg)
+        finally:
+            release_output_dir(cfg.output_dir)
     except Preempted as stop:
         exit_now(int(stop.code))  # the checkpoint is committed; no teardown that could hang
     except UserError as exc:

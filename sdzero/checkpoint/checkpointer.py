@@ -23,12 +23,13 @@ every file's size and sha256, and falls back to the previous checkpoint with a w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ from sdzero.checkpoint.manifest import (
     verify_files,
 )
 from sdzero.checkpoint.output_lock import claim_output_dir
-from sdzero.checkpoint.universal import universal_for
+from sdzero.checkpoint.safe_load import UnsafeFileError, check_safetensors, guarded_loads, inside
+from sdzero.checkpoint.universal import universal_files, universal_for
 from sdzero.errors import UserError
 
 log = logging.getLogger("sdzero.checkpoint.checkpointer")
@@ -201,6 +203,35 @@ def restore_rng(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])
+
+
+# ------------------------------------------------------------------------------------------ EMA files
+
+
+def check_ema_files(path: Path, manifest: Manifest) -> None:
+    """Every file under `ema/` is one the manifest lists and a readable safetensors file: the EMA loaders
+    glob the folder, so a file planted beside the listed ones would otherwise be read."""
+    folder = path / EMA_DIR
+    listed = {name for name in manifest.files if name.startswith(f"{EMA_DIR}/")}
+    if folder.is_dir():
+        for found in sorted(folder.iterdir()):
+            if f"{EMA_DIR}/{found.name}" not in listed:
+                raise UnsafeFileError(
+                    f"{found}: not one of the files the checkpoint's manifest lists; refused (remove it, or "
+                    "get the checkpoint again from whoever wrote it)"
+                )
+    for name in sorted(listed):
+        check_safetensors(path / name)
+
+
+@contextlib.contextmanager
+def ema_errors_as_user_errors(path: Path) -> Iterator[None]:
+    """The EMA readers' ValueErrors (metadata that is not sdzero's, fragments that do not cover a tensor)
+    describe the checkpoint, not a bug: one line."""
+    try:
+        yield
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise UserError(f"checkpoint {path}: its EMA cannot be read ({exc})") from None
 
 
 # ------------------------------------------------------------------------------------ collective parts
@@ -415,9 +446,14 @@ class Checkpointer:
         elastic = point.universal is not None
         check_compatible(path, point.manifest, asdict(self.ident), elastic=elastic)  # same on every rank
         load_from = point.universal if elastic else path.parent
-        load_path, client_state = self.engine.load_checkpoint(
-            str(load_from), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        check_ema_files(path, point.manifest)
+        # DeepSpeed's checkpoint engine (and its universal loader) calls torch.load(weights_only=False):
+        # inside the guard that is the weights-only load, of the listed files only (sdzero.checkpoint.safe_load).
+        allowed = universal_files(point.universal) if elastic else inside(path, point.manifest.files)
+        with guarded_loads(allowed):
+            load_path, client_state = self.engine.load_checkpoint(
+                str(load_from), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         if load_path is None or not client_state or "sdzero" not in client_state:
             raise UserError(
                 f"--resume {path}: DeepSpeed found no model states there; is it an sdzero checkpoint?"
@@ -428,7 +464,8 @@ class Checkpointer:
         restore_rng(saved["rng"][self.rank % len(saved["rng"])])
         if self.ema is not None:
             if saved.get("ema"):
-                self.ema.load(path / EMA_DIR, self.rank)
+                with ema_errors_as_user_errors(path):
+                    self.ema.load(path / EMA_DIR, self.rank)
             elif self.rank == 0:
                 log.warning("%s has no EMA; the EMA starts from the resumed weights", path)
         elif saved.get("ema") and self.rank == 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import logging
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from sdzero.atomic import publish_dir
+from sdzero.checkpoint.manifest import load_manifest
+from sdzero.checkpoint.safe_load import guarded_loads, inside, load_tensors
 from sdzero.errors import UserError
 
 log = logging.getLogger("sdzero.checkpoint.export")
@@ -83,6 +86,7 @@ def write_pipeline(
     comps: Any,
     dtype: torch.dtype = torch.float32,
     extra_unets: dict[str, dict[str, torch.Tensor]] | None = None,
+    marker: dict[str, Any] | None = None,
 ) -> Path:
     """A complete pipeline folder of the model's family: the trained network from `network_state` (the
     UNet, or SD3's transformer) plus the frozen parts, every component in `dtype`.
@@ -95,6 +99,9 @@ def write_pipeline(
     `extra_unets` (e.g. {"unet_ema": state}) are written as further folders beside it, "unet" in the name
     becoming the family's folder ("transformer_ema" for SD3); the pipeline's model_index.json does not list
     them, so `from_pretrained(out)` loads the trained network and ignores them.
+
+    The folder holds EXPORT_MARKER (with `marker` in it): what `sdzero export --overwrite` requires of a
+    folder before it replaces one.
     """
     cls, config = type(comps.network), comps.network.config
     trained = network_from_state(config, network_state, dtype, cls)
@@ -110,6 +117,8 @@ def write_pipeline(
             network_from_state(config, state, dtype, cls).save_pretrained(
                 tmp / folder, safe_serialization=True
             )
+        mark = {"written_by": "sdzero", "dtype": str(dtype).removeprefix("torch."), **(marker or {})}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(mark, indent=1) + "\n")
         publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -126,30 +135,84 @@ class ExportResult:
 
 
 def consolidated_weights(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
-    """Full fp32 weights from one checkpoint's shards, by DeepSpeed's own zero_to_fp32 (ZeRO 1-3)."""
+    """Full fp32 weights from one checkpoint's shards, by DeepSpeed's own zero_to_fp32 (ZeRO 1-3).
+
+    Only the files the manifest lists are read, weights-only (sdzero.checkpoint.safe_load): zero_to_fp32
+    globs the folder and calls torch.load(weights_only=False) itself, so it runs inside the guard."""
+    files = load_manifest(path).files
     if zero_stage == 0:
-        # No partitions: the module's full state sits in DeepSpeed's model file. sdzero puts only tensors
-        # and plain types there, so it loads with weights_only=True (no arbitrary unpickling).
-        states = torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
-        return {k: v.float() for k, v in states["module"].items()}
+        # No partitions: the module's full state sits in DeepSpeed's model file.
+        name = "mp_rank_00_model_states.pt"
+        if name not in files:
+            raise UserError(f"{path}: the manifest does not list {name}; not a ZeRO stage 0 checkpoint")
+        states = load_tensors(path / name)
+        module = states.get("module") if isinstance(states, dict) else None
+        if not isinstance(module, dict) or not all(isinstance(v, torch.Tensor) for v in module.values()):
+            raise UserError(
+                f"{path / name}: holds no module state dict of tensors; not a DeepSpeed checkpoint"
+            )
+        return {k: v.float() for k, v in module.items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard
+    quiet = io.StringIO()  # it prints a line and a progress bar per shard
+    with (
+        guarded_loads(inside(path, files)),
+        contextlib.redirect_stdout(quiet),
+        contextlib.redirect_stderr(quiet),
+    ):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
     return {k: v.contiguous() for k, v in state.items()}
+
+
+EXPORT_MARKER = ".sdzero-export.json"
+"""Written into every pipeline folder sdzero exports: `--overwrite` replaces a folder only if it holds one."""
+
+
+def check_export_target(source: Path, checkpoint: Path | None, out: Path, overwrite: bool) -> None:
+    """OUT must be a folder apart from what it is exported from, and --overwrite may replace only an export.
+
+    `sdzero export RUN RUN --overwrite` once deleted the run's checkpoints and metrics: OUT equal to, inside
+    or holding the source (or the chosen checkpoint), compared after resolving symlinks, is refused."""
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"{out} is a file, not a folder; choose a folder for the pipeline (it is left as it is)"
+        )
+    target = out.resolve()
+    for protected in filter(None, (source, checkpoint)):
+        real = Path(protected).resolve()
+        if target == real or target.is_relative_to(real) or real.is_relative_to(target):
+            how = "is" if target == real else "is inside" if target.is_relative_to(real) else "holds"
+            raise UserError(
+                f"{out} {how} {protected}, which the export reads; choose a folder outside it (nothing was "
+                "written)"
+            )
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"{out} exists and is not empty; choose a new folder or pass --overwrite")
+        if not (out / EXPORT_MARKER).is_file():
+            raise UserError(
+                f"{out} is not a pipeline sdzero exported (it has no {EXPORT_MARKER}); --overwrite replaces "
+                "only those: choose a new folder, or remove it yourself"
+            )
 
 
 def export_checkpoint(
     source: Path, out: Path, model: str | None = None, dtype: str | None = None, overwrite: bool = False
 ) -> ExportResult:
     """`sdzero export`: a checkpoint (or the newest complete one in a folder / run) -> diffusers pipeline."""
-    from sdzero.checkpoint.checkpointer import EMA_DIR, first_verified, locate, verify_files
+    from sdzero.checkpoint.checkpointer import (
+        EMA_DIR,
+        check_ema_files,
+        ema_errors_as_user_errors,
+        first_verified,
+        locate,
+        verify_files,
+    )
     from sdzero.models.ema import assemble
     from sdzero.models.loading import DTYPES, load_components
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not empty; choose a new folder or pass --overwrite")
+    check_export_target(Path(source), None, out, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     candidates, _ = locate(Path(source))
@@ -161,6 +224,8 @@ def export_checkpoint(
     if chosen is None:
         raise UserError(f"{source}: every checkpoint there is damaged (see the warnings above)")
     path, manifest = chosen
+    check_export_target(Path(source), path, out, overwrite)
+    check_ema_files(path, manifest)
     model = model or manifest.model
     try:
         # The frozen parts are loaded by write_pipeline, in fp32, then cast with the rest to `dtype`.
@@ -172,7 +237,9 @@ def export_checkpoint(
     weights = consolidated_weights(path, manifest.zero_stage)
     extra = None
     if manifest.ema:
-        ema_state, _ = assemble(path / EMA_DIR)
+        with ema_errors_as_user_errors(path):
+            ema_state, _ = assemble(path / EMA_DIR)
         extra = {"unet_ema": ema_state}
-    write_pipeline(out, weights, comps, DTYPES[dtype or "fp32"], extra_unets=extra)
+    marker = {"checkpoint": str(path.resolve()), "step": manifest.step}
+    write_pipeline(out, weights, comps, DTYPES[dtype or "fp32"], extra_unets=extra, marker=marker)
     return ExportResult(out=out, checkpoint=path, step=manifest.step, with_ema=extra is not None)

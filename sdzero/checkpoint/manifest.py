@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
+import typing
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -108,25 +110,87 @@ class ManifestError(ValueError):
     pass
 
 
+_JSON_TYPES: dict[Any, tuple[type, ...]] = {
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+    bool: (bool,),
+    dict: (dict,),
+}
+
+
+def _wrong_type(cls: type, raw: dict[str, Any]) -> str | None:
+    """The first field of `raw` whose JSON value is not of the type `cls` declares, as a phrase."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.name not in raw:
+            continue
+        value, hint = raw[f.name], hints[f.name]
+        options = (
+            typing.get_args(hint) if typing.get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+        )
+        allowed = tuple(t for o in options for t in _JSON_TYPES.get(typing.get_origin(o) or o, ()))
+        if value is None and type(None) in options:
+            continue
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            return f'"{f.name}" is {type(value).__name__} {value!r:.40}, not {" or ".join(t.__name__ for t in allowed)}'
+    return None
+
+
+def safe_relative(name: str) -> bool:
+    """A file name a manifest may list: relative, POSIX, no `..` or empty parts, no NUL."""
+    parts = name.split("/")
+    return (
+        bool(name)
+        and "\0" not in name
+        and not name.startswith("/")
+        and all(p not in ("", ".", "..") for p in parts)
+    )
+
+
 def load_manifest(folder: Path) -> Manifest:
-    """The folder's manifest, or ManifestError saying why it is missing or invalid."""
-    path = Path(folder) / MANIFEST
+    """The folder's manifest, or ManifestError saying why it is missing or invalid.
+
+    Each value must have the type the field declares (a hand-edited or hostile manifest would otherwise
+    fail later, far from here), and each listed file must be a plain relative path that stays inside the
+    folder once symlinks are resolved: nothing outside a checkpoint is ever hashed or loaded as part of it.
+    """
+    folder = Path(folder)
+    path = folder / MANIFEST
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError as exc:
         raise ManifestError(f"{path} is missing (the save never committed)") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path} is unreadable ({exc})") from exc
-    try:
-        manifest = Manifest(**raw)
-        if manifest.format != MANIFEST_FORMAT:
-            raise ManifestError(f"{path}: format {manifest.format}, this sdzero reads {MANIFEST_FORMAT}")
-        if not manifest.files or not all(
-            isinstance(v, dict) and {"bytes", "sha256"} <= set(v) for v in manifest.files.values()
-        ):
-            raise ManifestError(f"{path}: the file list is empty or malformed")
-    except TypeError as exc:
-        raise ManifestError(f"{path}: not an sdzero manifest ({exc})") from exc
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ManifestError(f"{path} is unreadable ({str(exc).splitlines()[0][:120]})") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path}: not an sdzero manifest (a JSON {type(raw).__name__}, not an object)")
+    unknown = sorted(set(raw) - {f.name for f in fields(Manifest)})
+    missing = sorted(f.name for f in fields(Manifest) if f.name not in raw and f.default is MISSING)
+    if unknown or missing:
+        what = "; ".join(filter(None, [unknown and f"unknown {unknown}", missing and f"missing {missing}"]))
+        raise ManifestError(f"{path}: not an sdzero manifest ({what})")
+    wrong = _wrong_type(Manifest, raw)
+    if wrong:
+        raise ManifestError(f"{path}: not an sdzero manifest ({wrong})")
+    manifest = Manifest(**raw)
+    if manifest.format != MANIFEST_FORMAT:
+        raise ManifestError(f"{path}: format {manifest.format}, this sdzero reads {MANIFEST_FORMAT}")
+    if not manifest.files or not all(
+        isinstance(v, dict)
+        and isinstance(v.get("bytes"), int)
+        and not isinstance(v.get("bytes"), bool)
+        and isinstance(v.get("sha256"), str)
+        for v in manifest.files.values()
+    ):
+        raise ManifestError(f"{path}: the file list is empty or malformed")
+    root = folder.resolve()
+    for name in manifest.files:
+        if not safe_relative(name) or not (root / name).resolve().is_relative_to(root):
+            raise ManifestError(
+                f"{path}: lists {name!r}, which is not a file inside the checkpoint folder (refused: a "
+                "checkpoint never reads beyond its own folder)"
+            )
     return manifest
 
 

@@ -8,7 +8,9 @@ optimizer state (`zero/<name>/fp32.pt, exp_avg.pt, ...`), which an engine config
 The conversion runs once, on rank 0, into `<checkpoints>/.universal-<tag>/<tag>/` beside the checkpoint:
 written under a temporary name and renamed when complete, so a crash leaves nothing that looks done; a
 later resume of the same checkpoint reuses it (`source.json` names the checkpoint it was made from, so a
-step saved again by another timeline is converted again). Retention deletes it with its checkpoint.
+step saved again by another timeline is converted again, and lists every file it wrote with its size and
+sha256: the engine loads only those, weights-only, see sdzero.checkpoint.safe_load). Retention deletes it
+with its checkpoint.
 
 What DeepSpeed 0.19 supports, read from its source (runtime/zero/stage_1_and_2.py, stage3.py,
 bf16_optimizer.py, checkpoint/ds_to_universal.py), and what sdzero therefore allows:
@@ -34,7 +36,15 @@ from pathlib import Path
 from typing import Any
 
 from sdzero.atomic import fsync_dir, write_text_atomic
-from sdzero.checkpoint.manifest import UNIVERSAL_PREFIX, UNIVERSAL_SOURCE, Manifest
+from sdzero.checkpoint.manifest import (
+    UNIVERSAL_PREFIX,
+    UNIVERSAL_SOURCE,
+    Manifest,
+    describe_file,
+    list_files,
+    safe_relative,
+)
+from sdzero.checkpoint.safe_load import Allow, guarded_loads, inside, under
 from sdzero.errors import UserError
 
 log = logging.getLogger("sdzero.checkpoint.checkpointer")
@@ -63,16 +73,61 @@ def source_of(path: Path, manifest: Manifest) -> dict[str, Any]:
     return {"tag": path.name, "serial": manifest.serial, "created_unix_s": manifest.created_unix_s}
 
 
+def recorded_files(target: Path) -> dict[str, dict[str, Any]] | None:
+    """The files a universal folder's source.json lists (written with the conversion), or None when it
+    lists none that are all plain paths inside the folder."""
+    try:
+        files = json.loads((target / UNIVERSAL_SOURCE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    root = target.resolve()
+    if not isinstance(files, dict) or not files:
+        return None
+    for name, entry in files.items():
+        if (
+            not safe_relative(name)
+            or not (root / name).resolve().is_relative_to(root)
+            or not isinstance(entry, dict)
+            or not isinstance(entry.get("bytes"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
+            return None
+    return files
+
+
+def reusable(target: Path, path: Path, manifest: Manifest) -> bool:
+    """A complete conversion of this very checkpoint whose files all still match what it recorded."""
+    try:
+        source = json.loads((target / UNIVERSAL_SOURCE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(source, dict) or {k: source.get(k) for k in source_of(path, manifest)} != source_of(
+        path, manifest
+    ):
+        return False
+    files = recorded_files(target)
+    if files is None:  # an older sdzero's conversion, or a hand-made one: converted again
+        return False
+    for name, entry in files.items():
+        file = target / name
+        if not file.is_file() or describe_file(file) != {"bytes": entry["bytes"], "sha256": entry["sha256"]}:
+            log.warning("--resume-elastic: %s does not match its conversion's record; converting again", file)
+            return False
+    return True
+
+
+def universal_files(target: Path) -> Allow:
+    """What the engine may load from a universal folder: the files its conversion recorded, nothing else."""
+    return inside(target, recorded_files(target) or {})
+
+
 def converted(path: Path, manifest: Manifest) -> Path:
     """The universal folder of `path` (made now unless a complete one for this checkpoint exists); no
     process group needed: run on one process."""
     target = path.parent / f"{UNIVERSAL_PREFIX}{path.name}"
-    try:
-        if json.loads((target / UNIVERSAL_SOURCE).read_text()) == source_of(path, manifest):
-            log.info("--resume-elastic: reusing the universal checkpoint %s", target)
-            return target
-    except (OSError, ValueError):
-        pass
+    if reusable(target, path, manifest):
+        log.info("--resume-elastic: reusing the universal checkpoint %s", target)
+        return target
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     temp = path.parent / f"{target.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -87,8 +142,16 @@ def converted(path: Path, manifest: Manifest) -> Path:
     )
     output = io.StringIO()
     try:
-        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        # It reads the checkpoint's listed files and its own temporary ones, weights-only (safe_load).
+        with (
+            guarded_loads(inside(path, manifest.files), under(temp)),
+            contextlib.redirect_stdout(output),
+            contextlib.redirect_stderr(output),
+        ):
             ds_to_universal(args)
+    except UserError:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     except Exception as exc:
         shutil.rmtree(temp, ignore_errors=True)
         last = output.getvalue().strip().splitlines()[-1:] or [""]
@@ -96,7 +159,11 @@ def converted(path: Path, manifest: Manifest) -> Path:
             f"--resume-elastic: DeepSpeed could not convert {path} to a universal checkpoint "
             f"({type(exc).__name__}: {exc}; {last[0]}); resume on the original number of ranks"
         ) from exc
-    write_text_atomic(temp / UNIVERSAL_SOURCE, json.dumps(source_of(path, manifest)) + "\n")
+    files = {
+        name: describe_file(temp / name, fsync=True) for name in list_files(temp) if name != UNIVERSAL_SOURCE
+    }
+    record = {**source_of(path, manifest), "files": files}
+    write_text_atomic(temp / UNIVERSAL_SOURCE, json.dumps(record) + "\n")
     shutil.rmtree(target, ignore_errors=True)  # a conversion of an earlier checkpoint of this step
     os.replace(temp, target)
     fsync_dir(path.parent)

@@ -8,12 +8,14 @@ import base64
 import json
 import re
 import shutil
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from sdzero.errors import UserError
+from sdzero.process.rendezvous import free_port
+
+__all__ = ["free_port"]  # re-exported: the launch commands' port, picked here
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train.py"
@@ -48,13 +50,6 @@ def decode_argv(argv: list[str]) -> list[str]:
     if not isinstance(decoded, list) or not all(isinstance(a, str) for a in decoded):
         raise UserError(f"{ARGV_FLAG}: not a list of options")
     return [*argv[:i], *decoded, *argv[i + 2 :]]
-
-
-def free_port() -> int:
-    """A port nobody listens on now (tests and the demo run side by side with other jobs)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deepspeed_executable() -> str:

@@ -228,6 +228,7 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
             raise UserError(
                 f"--data {self.data}: no such folder; point it at an image folder with metadata.jsonl"
             )
+        check_output_dir(self.output_dir)
         local = Path(self.model)
         if local.exists() and not (local / "model_index.json").is_file():
             raise UserError(
@@ -314,6 +315,17 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
 
     def effective_lr(self, ds: DsSettings) -> float:
         return self.lr_choice(ds).lr
+
+
+def check_output_dir(output_dir: Path, flag: str = "--output-dir") -> None:
+    """The folder, or the nearest part of its path that exists, must be a folder: a file there would
+    otherwise surface as a traceback from the first write, after the process group started."""
+    for part in (output_dir, *output_dir.parents):
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                what = "is" if part == output_dir else f"is under {part}, which is"
+                raise UserError(f"{flag} {output_dir} {what} a file, not a folder; choose another {flag}")
+            return
 
 
 def check_keep_last(keep_last: int) -> None:

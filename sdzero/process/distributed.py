@@ -7,7 +7,8 @@ kept its own copy:
 1. `deepspeed.init_distributed` with a timeout on every collective (when a host dies mid-run, the
    survivors raise instead of waiting for ever) and MPI discovery: under mpirun (no RANK/MASTER_* set)
    DeepSpeed finds the ranks through mpi4py and would use port 29500 unless told; a MASTER_PORT given to
-   mpirun (-x) is kept;
+   mpirun (-x) is kept; a process no launcher started is rank 0 of a world of one
+   (sdzero.process.rendezvous), and says so first;
 2. a barrier, after which every rank has mapped its peers' shared-memory buffers (CPU hosts), so that
    this rank's buffer name can be unlinked (sdzero.process.shm: else DeepSpeed leaks 69 MB of /dev/shm per rank);
 3. this rank's device: `init_distributed` does not pick it (the engine does, later), so without this every
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
+from sdzero.process.rendezvous import SINGLE_RANK_NOTICE, made_world_of_one, world_of_one
 from sdzero.process.shm import release_shm_buffer
 
 DEFAULT_MASTER_PORT = 29500
@@ -79,6 +82,8 @@ def start_distributed(
     accelerator's (nccl on CUDA, gloo on a CPU); `set_device` False leaves the current device alone (the
     cache build's group only carries CPU objects).
     """
+    if world_of_one() or made_world_of_one():  # no launcher: rank 0 of one, not MPI discovery
+        print(SINGLE_RANK_NOTICE, file=sys.stderr, flush=True)  # before DeepSpeed's first words
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator

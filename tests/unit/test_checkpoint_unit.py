@@ -381,7 +381,8 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
 def test_export_of_a_folder_without_checkpoints_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     from sdzero import cli
 
-    monkeypatch.setattr(sys, "argv", ["sdzero", "export", str(tmp_path), str(tmp_path / "out")])
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(sys, "argv", ["sdzero", "export", str(tmp_path / "run"), str(tmp_path / "out")])
     with pytest.raises(SystemExit) as exit_info:
         cli.main()
     assert exit_info.value.code == 2

@@ -29,7 +29,9 @@ STUCK_CHILD_THEN_PREEMPTED = textwrap.dedent("""
             raise Preempted()  # what the Trainer raises once the preemption checkpoint is committed
         sdzero.training.trainer.run = run
         import sdzero.train
-        sdzero.train.parse_train_args = lambda argv: None
+        from pathlib import Path
+        from types import SimpleNamespace
+        sdzero.train.parse_train_args = lambda argv: SimpleNamespace(output_dir=Path("out"))
         sys.exit(sdzero.train.main([]))
 """)
 

@@ -70,8 +70,10 @@ def test_cli_nonsense_values(tmp_path):
     assert not Path(tmp_path / "d").exists()
 
 
-def test_train_entrypoint_reports_bad_input_in_one_line(tmp_path, capsys):
+def test_train_entrypoint_reports_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
     from sdzero.train import main
+
+    monkeypatch.setenv("RANK", "0")  # as under a launcher: main leaves this process's environment alone
 
     code = main(
         [
