@@ -123,7 +123,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "reports" / "tiny-default-advise
 
 def test_the_example_advise_report_leads_with_provenance_and_the_scaling_table():
     """reports/tiny-default-advise.html (a real `sdzero advise --max-nodes 32` run): where the figures come
-    from at the top, the scaling table with its knee and unreachable node counts, the one held-out error
+    from at the top, the scaling table with its knee and every node count filled (with its time and
+    GPU-hours to train), the one held-out error
     and the LR with its rule, on a laptop's width without sideways scrolling."""
     with Chromium() as browser:
         browser.open(EXAMPLE.as_uri(), *LAPTOP)
@@ -132,7 +133,9 @@ def test_the_example_advise_report_leads_with_provenance_and_the_scaling_table()
     assert headings[:2] == ["Where the figures come from", "Recommendation"], headings
     text = facts["text"]
     assert "Trials ran on a CPU" in text and "assumed (preset ib-200)" in text
-    assert "Scaling table" in text and "knee" in text and "unreachable" in text and "limiting link" in text
+    assert "Scaling table" in text and "knee" in text and "limiting link" in text
+    # Every node count up to 32 reaches the embedded fine-tune's batch, and each row says its time to train.
+    assert "unreachable" not in text and "GPU-h" in text and "Time and GPU-hours to train vs nodes" in text
     assert "Held-out error" in text or "No held-out error" in text
     assert "Leave-one-out refits" in text and ("rule: global batch" in text or "base LR unchanged" in text)
     assert facts["overflow_x"] <= 0, "the page scrolls sideways at a laptop's width"
