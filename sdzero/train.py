@@ -83,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     world_of_one()
     try:
         cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
-        if rank_from_env() == 0:
+        if rank_from_env() == 0 and cfg.output_dir.is_dir():
             # A live run in the folder stops this one before any process group or model exists. Rank 0
             # holds the lock for the run's life (find_resume takes it again: a no-op in the same process).
+            # A folder that does not exist yet holds no live run, and is not created here: a run refused
+            # for a bad input must leave nothing behind.
             claim_output_dir(cfg.output_dir)
         from sdzero.training import trainer
 
