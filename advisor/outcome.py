@@ -9,6 +9,7 @@ nothing else, so the three show the same figures.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +18,14 @@ import pandas as pd
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate
 from advisor.model.scaling_table import (
+    INTERVAL_COLUMNS,
     MEASURED,
     MODELLED,
     BatchReach,
     NodeRule,
     choose_node_count,
     link_provenance,
+    node_confidence,
     options_beside,
     scaling_table,
     table_records,
@@ -76,6 +79,10 @@ class Outcome:
     embedded: bool = False
     noise_floor: float | None = None
     """The reference config's repeat spread (drift.json's noise_floor, a fraction); None: not measured."""
+    intervals: str = ""
+    """Where the predicted figures' 95% intervals come from (advisor.model.uncertainty.Spread.describe)."""
+    interval_notes: tuple[str, ...] = ()
+    """What the intervals leave out (no noise floor, an assumed link, no held-out errors)."""
 
     @property
     def min_efficiency(self) -> float:
@@ -172,7 +179,26 @@ def node_choice(o: Outcome, table: pd.DataFrame) -> dict[str, Any]:
         "knee": knee,
         **beside,
         "trade": trade_line(rows, chosen, beside["fastest"], GPU_HOURS, o.gpu_hour_price),
+        "confidence": node_confidence(o.rule, table, chosen),
     }
+
+
+def best_intervals(best: pd.Series) -> dict[str, list[float]]:
+    """The recommended row's 95% intervals, {figure: [lo, hi]}, where the predictions carry them."""
+    out = {}
+    for column in INTERVAL_COLUMNS[::2]:
+        figure = column.removesuffix("_lo")
+        lo, hi = best.get(f"{figure}_lo"), best.get(f"{figure}_hi")
+        if lo is not None and hi is not None and not (pd.isna(lo) or pd.isna(hi)):
+            out[figure] = [float(lo), float(hi)]
+    return out
+
+
+def span(value: float, bounds: list[float] | None, show: Callable[[float], str]) -> str:
+    """'4.1 h (3.6-4.7 h)': a figure and its interval in one format."""
+    if not bounds:
+        return show(value)
+    return f"{show(value)} ({show(bounds[0])}-{show(bounds[1])})"
 
 
 def unreachable_notes(o: Outcome, table: pd.DataFrame) -> None:
@@ -207,6 +233,8 @@ def time_to_train(o: Outcome) -> dict[str, Any]:
         "cost": cost_of(gpu_hours, o.gpu_hour_price),
         "startup_s": o.startup.seconds,
         "startup": o.startup.describe(),
+        "seconds_interval": best_intervals(best).get("time_to_train_s"),
+        "gpu_hours_interval": best_intervals(best).get("gpu_hours"),
     }
 
 
@@ -225,10 +253,12 @@ def verdict(o: Outcome, rec: dict[str, Any]) -> str:
     )
     held = rec["error"].get("step_time_mape")
     error = f", held-out error {held:.0%}" if held is not None else ""
+    took = span(t["seconds"], t.get("seconds_interval"), hours)
+    spent = span(t["gpu_hours"], t.get("gpu_hours_interval"), lambda v: f"{v:.3g}")
     return (
         f"{n} node{'s' if n != 1 else ''} x {rec['gpus_per_node']} ranks, {rec['config_id']} "
         f"(micro-batch {rec['micro_batch']} x accumulation {rec['grad_accum']}, global batch "
-        f"{rec['global_batch']}): {hours(t['seconds'])}, {t['gpu_hours']:.3g} {GPU_HOURS}{cost} to train "
+        f"{rec['global_batch']}): {took}, {spent} {GPU_HOURS}{cost} to train "
         f"{t['samples']:,} samples ({MODELLED} from {rec['trials_run']} trials on "
         f"{rec['provenance']['trials_ran_on']}, {measured}{link}{error}; node count by "
         f"{'--nodes' if o.rule.name == 'nodes' else o.rule.name.replace('_', ' ') + ' rule'})"
@@ -294,6 +324,10 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "notes": o.notes,
         "time_to_train": time_to_train(o),
         "noise_floor": o.noise_floor,
+        "intervals": best_intervals(best),
+        "intervals_from": o.intervals,
+        "interval_notes": list(o.interval_notes),
+        "tie": str(best.get("tie_note", "") or ""),
     }
     rec["verdict"] = verdict(o, rec)
     return rec

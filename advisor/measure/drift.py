@@ -191,6 +191,16 @@ def read_drift(path: Path, setup: str) -> Drift:
     return Drift.from_json(data)
 
 
+def read_noise_floor(path: Path) -> float | None:
+    """The noise floor a run recorded in its drift.json (a fraction); None when it has none (an older
+    folder, a single measurement of the reference)."""
+    try:
+        value = json.loads(Path(path).read_text()).get("noise_floor")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
 def write_drift(path: Path, drift: Drift, extra: dict[str, Any] | None = None) -> None:
     write_json_atomic(Path(path), drift.to_json(extra))
 

@@ -23,6 +23,7 @@ from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
 from advisor.model.predict import Candidate
 from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
+from advisor.model.uncertainty import TIE_RULE, is_tie, pick_config
 from sdzero.config.lr_rule import LrChoice, base_lr_of, check_rule, choose_lr
 from sdzero.constants import GIB
 from sdzero.errors import UserError
@@ -90,14 +91,18 @@ def launch_command(
 
 
 def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
-    """One line on why this config lost to the recommendation."""
+    """One line on why this config lost to the recommendation; "within noise" where the two cannot be told
+    apart (advisor.model.uncertainty.is_tie)."""
     if not bool(row["feasible"]):
         return (
             f"memory: needs {row['mem_per_rank_bytes'] / GIB:.2f} GiB per rank, over the "
             f"{usable_bytes / GIB:.2f} GiB usable"
         )
-    share = row["exposed_comm_s"] / row["step_time_s"]
     slower = 1 - row["samples_per_s"] / best["samples_per_s"]
+    if is_tie(row, best):
+        how = f"{-slower:.0%} faster predicted" if slower < 0 else f"{slower:.0%} slower predicted"
+        return f"within noise of the pick ({how}): {TIE_RULE}"
+    share = row["exposed_comm_s"] / row["step_time_s"]
     if share > COMM_BOUND_SHARE and share > best["exposed_comm_s"] / best["step_time_s"]:
         return (
             f"communication-bound: {share:.0%} of its step is exposed communication at "
@@ -158,7 +163,8 @@ def recommend(
     """(the winning row, its DeepSpeed JSON, runners-up with why_not, its LR and how it was reached).
 
     The node count is `node_count` (--nodes) if given, else the largest that keeps `min_efficiency`;
-    the winner is the fastest config that fits there; runners-up are the other configs at that count."""
+    the winner is the fastest config that fits there, or among configs tied with it within noise the one
+    TIE_RULE prefers (the row's `tie_note` says so); runners-up are the other configs at that count."""
     check_rule(lr_scaling)
     fits = predictions[predictions["feasible"].astype(bool)]
     if fits.empty:
@@ -174,7 +180,9 @@ def recommend(
             f"--nodes {node_count}: no config both fits in memory and reaches the global batch there "
             "(see the scaling table); choose another --nodes or --global-batch"
         )
-    best = here.loc[here["samples_per_s"].idxmax()]
+    pick = pick_config(here)
+    best = pick.row.copy()
+    best["tie_note"] = pick.describe()
     lr = choose_lr(base_lr_of(base_config), int(best["global_batch"]), reference_batch, lr_scaling)
     config = recommended_ds_config(base_config, best, lr.lr)
     others = predictions[

@@ -23,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.model.uncertainty import pick_config
 from sdzero.errors import UserError
 
 DEFAULT_MIN_EFFICIENCY = 0.8
@@ -30,6 +31,12 @@ DEFAULT_MIN_EFFICIENCY = 0.8
 nothing; the usual bar for strong scaling in HPC allocations, and well above the 32-node point where
 the source guides saw communication dominate."""
 MEASURED, MODELLED, ASSUMED = "measured", "modelled", "assumed"
+INTERVAL_COLUMNS = tuple(
+    f"{q}_{end}"
+    for q in ("samples_per_s", "step_time_s", "time_to_train_s", "gpu_hours", "mem_per_rank_bytes")
+    for end in ("lo", "hi")
+)
+"""A row's 95% intervals (advisor.model.uncertainty), where the predictions carry them."""
 COLUMNS = (
     "node_count",
     "status",
@@ -43,6 +50,12 @@ COLUMNS = (
     "gpu_hours",
     "optimizer_steps",
     "efficiency",
+    "efficiency_lo",
+    "efficiency_hi",
+    *INTERVAL_COLUMNS,
+    "compare_halfwidth",
+    "link_halfwidth",
+    "interval_source",
     "exposed_comm_share",
     "limiting_link",
     "provenance",
@@ -102,7 +115,7 @@ def scaling_table(
         row: dict[str, Any] = {"node_count": n, "status": status}
         if status == "ok":
             fits = mine[mine["feasible"].astype(bool)]
-            best = fits.loc[fits["samples_per_s"].idxmax()]
+            best = pick_config(fits).row  # the recommendation's own rule, ties included
             row |= {k: best[k] for k in _BEST_COLUMNS if k in best}
             row["exposed_comm_share"] = float(best["exposed_comm_s"] / best["step_time_s"])
             row["limiting_link"] = limiting_link(best)
@@ -116,6 +129,9 @@ def scaling_table(
         first = ok.iloc[0]
         per_node = float(first["samples_per_s"]) / int(first["node_count"])
         table["efficiency"] = table["samples_per_s"] / (per_node * table["node_count"])
+        half = efficiency_halfwidth(table, first)
+        table["efficiency_lo"] = table["efficiency"] * (1 - half)
+        table["efficiency_hi"] = table["efficiency"] * (1 + half)
     table["knee"] = False
     knee = choose_node_count(table, min_efficiency)
     if knee is not None:
@@ -133,7 +149,25 @@ _BEST_COLUMNS = (
     "time_to_train_s",
     "gpu_hours",
     "optimizer_steps",
+    *INTERVAL_COLUMNS,
+    "compare_halfwidth",
+    "link_halfwidth",
+    "interval_source",
 )
+
+
+def efficiency_halfwidth(table: pd.DataFrame, first: pd.Series) -> pd.Series:
+    """Relative 95% half-width of each row's efficiency against the first row: where both run the same
+    config its compute errs the same way at both counts and cancels, leaving the link's part; otherwise
+    the two configs' comparison half-widths in quadrature. 0 where the predictions carry no intervals."""
+    if "compare_halfwidth" not in table:
+        return pd.Series(0.0, index=table.index)
+    compare = pd.to_numeric(table["compare_halfwidth"], errors="coerce").fillna(0.0)
+    link = pd.to_numeric(table.get("link_halfwidth", 0.0), errors="coerce")
+    link = link.fillna(0.0) if isinstance(link, pd.Series) else pd.Series(0.0, index=table.index)
+    own = float(pd.to_numeric(pd.Series([first.get("compare_halfwidth")]), errors="coerce").fillna(0.0)[0])
+    same = table["config_id"] == first["config_id"]
+    return link.where(same, (compare**2 + own**2) ** 0.5)
 
 
 @dataclass(frozen=True)
@@ -241,6 +275,62 @@ class NodeRule:
             )
         pick = within.sort_values(["time_to_train_s", "node_count"]).iloc[0]
         return int(pick["node_count"]), None
+
+
+def _figure(row: pd.Series, column: str) -> tuple[float, float, float] | None:
+    """(value, lo, hi) of one scaling-table figure; None where the row has no interval for it."""
+    values = [
+        pd.to_numeric(pd.Series([row.get(c)]), errors="coerce")[0]
+        for c in (column, f"{column}_lo", f"{column}_hi")
+    ]
+    return None if any(pd.isna(v) for v in values) else tuple(float(v) for v in values)  # type: ignore[return-value]
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node{'s' if n != 1 else ''}"
+
+
+def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
+    """How sure the node-count choice is, in one line: whether the rule's bar falls inside the interval of
+    the chosen count or of its neighbours, and which count would be sure where the choice is not."""
+    ok = table[table["status"] == "ok"].set_index("node_count", drop=False)
+    if chosen not in ok.index or rule.name == "nodes":
+        return ""
+    row = ok.loc[chosen]
+    if rule.name == "efficiency":
+        bar = rule.min_efficiency
+        own = _figure(row, "efficiency")
+        larger = [int(n) for n in ok.index if int(n) > chosen]
+        after = _figure(ok.loc[larger[0]], "efficiency") if larger else None
+        if own is None:
+            return ""
+        text = f"{_nodes(chosen)} keep {own[0]:.0%} efficiency ({own[1]:.0%}-{own[2]:.0%})"
+        if after is not None:
+            text += f"; {_nodes(larger[0])} {after[0]:.0%} ({after[1]:.0%}-{after[2]:.0%})"
+        borderline = own[1] < bar or (after is not None and after[2] >= bar)
+        if not borderline:
+            return f"node count sure: {text}, the {bar:.0%} bar outside both intervals"
+        which = larger[0] if after is not None and after[2] >= bar else chosen
+        return f"node count borderline: {text}; the {bar:.0%} bar falls inside {_nodes(which)}' interval"
+    if rule.name == "deadline":
+        assert rule.deadline_hours is not None
+        limit, column, unit, scale = rule.deadline_hours * 3600, "time_to_train_s", "h", 1 / 3600
+    else:
+        assert rule.max_gpu_hours is not None
+        limit, column, unit, scale = rule.max_gpu_hours, "gpu_hours", "GPU-h", 1.0
+    own = _figure(row, column)
+    if own is None:
+        return ""
+    text = f"{_nodes(chosen)}: {own[0] * scale:.3g} {unit} ({own[1] * scale:.3g}-{own[2] * scale:.3g})"
+    if own[2] <= limit:
+        return f"node count sure: {text}, within {limit * scale:g} {unit} even at the interval's slow end"
+    sure = [int(n) for n in ok.index if (f := _figure(ok.loc[n], column)) is not None and f[2] <= limit]
+    fallback = f"; {_nodes(min(sure))} would be sure" if sure and rule.name == "deadline" else ""
+    if sure and rule.name == "gpu_hours":
+        fallback = f"; {_nodes(min(sure, key=lambda n: float(ok.loc[n, 'time_to_train_s'])))} would be sure"
+    return (
+        f"node count not sure: {text}, the {limit * scale:g} {unit} limit falls inside its interval{fallback}"
+    )
 
 
 def row_provenance(nodes: int, config_id: str, inter_source: str, measured_ids: set[str]) -> str:

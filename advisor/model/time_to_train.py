@@ -72,18 +72,24 @@ class StartUp:
 def startup_s(trials: pd.DataFrame) -> StartUp:
     """The median over ok trials of wall time less the steps measured and warmed up at their median step
     time: what a run of any length pays once (the first steps' excess over a steady one included)."""
+    rest = startup_rests(trials)
+    if rest.empty:
+        return StartUp(0.0, 0)
+    return StartUp(float(np.median(rest)), int(len(rest)))
+
+
+def startup_rests(trials: pd.DataFrame) -> pd.Series:
+    """Each ok trial's wall time less its steps: the start-up one run paid (its spread is the start-up's
+    interval, advisor.model.uncertainty)."""
     ok = trials[trials["status"] == "ok"] if "status" in trials else trials
     if ok.empty or "wall_s" not in ok:
-        return StartUp(0.0, 0)
+        return pd.Series(dtype=float)
     from advisor.model.step_time import measured_step_s
 
     step = measured_step_s(ok)
     steps = _column(ok, "measured_steps") + _column(ok, "warmup_steps")
     rest = pd.to_numeric(ok["wall_s"], errors="coerce") - steps * step
-    rest = rest[rest.notna() & (rest >= 0)]
-    if rest.empty:
-        return StartUp(0.0, 0)
-    return StartUp(float(np.median(rest)), int(len(rest)))
+    return rest[rest.notna() & (rest >= 0)]
 
 
 def _column(rows: pd.DataFrame, name: str) -> pd.Series:

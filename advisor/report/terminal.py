@@ -22,7 +22,15 @@ def _percent(value: Any) -> str:
 
 def _hours_cell(row: dict[str, Any]) -> str:
     seconds = row.get("time_to_train_s")
-    return "" if seconds is None else hours(float(seconds))
+    return "" if seconds is None else hours(float(seconds)) + _plus_minus(row, "time_to_train_s")
+
+
+def _plus_minus(row: dict[str, Any], figure: str) -> str:
+    """' ±12%': the 95% interval's half-width relative to the figure, where the row carries one."""
+    value, lo, hi = row.get(figure), row.get(f"{figure}_lo"), row.get(f"{figure}_hi")
+    if value is None or lo is None or hi is None or not float(value) > 0:
+        return ""
+    return f" ±{(float(hi) - float(lo)) / 2 / float(value):.0%}"
 
 
 def scaling_rich_table(rec: dict[str, Any]) -> Table:
@@ -57,7 +65,7 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
             str(row["config_id"]),
             f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
             f"{row['step_time_s']:.4g}",
-            f"{row['samples_per_s']:.4g}",
+            f"{row['samples_per_s']:.4g}{_plus_minus(row, 'samples_per_s')}",
             _hours_cell(row),
             "" if row.get("gpu_hours") is None else f"{row['gpu_hours']:.3g}",
             *([money(cost)] if cost is not None else []),
@@ -109,10 +117,18 @@ def print_advice(
         + (f", fewest GPU-h {choice['fewest_gpu_hours']}" if choice.get("fewest_gpu_hours") else ""),
         highlight=False,
     )
+    if choice.get("confidence"):
+        out.print(f"[bold]how sure:[/bold] {choice['confidence']}", highlight=False)
     if choice.get("trade"):
         out.print(f"[bold]trade:[/bold] {choice['trade']}", highlight=False)
+    if rec.get("tie"):
+        out.print(f"[bold]tie:[/bold] {rec['tie']}", highlight=False)
+    intervals = rec.get("intervals") or {}
+    rate = intervals.get("samples_per_s")
     out.print(
-        f"predicted {rec['samples_per_s']:.4g} samples/s, {rec['step_time_s']:.4g} s/step, "
+        f"predicted {rec['samples_per_s']:.4g} samples/s"
+        + (f" ({rate[0]:.4g}-{rate[1]:.4g})" if rate else "")
+        + f", {rec['step_time_s']:.4g} s/step, "
         f"{rec['mem_per_rank_bytes'] / GIB:.3f} GiB per rank of {rec['usable_memory_bytes'] / GIB:.3g} usable "
         f"(device memory {prov.get('device_memory', '?')})",
         highlight=False,
@@ -130,6 +146,10 @@ def print_advice(
     if measured and not measured.get("recommended_config_measured", True):
         out.print(f"[bold yellow]not measured:[/bold yellow] {measured['message']}", highlight=False)
     out.print(error_line(rec), highlight=False)
+    if rec.get("intervals_from"):
+        out.print(f"[dim]{rec['intervals_from']}[/dim]", highlight=False)
+    for note in rec.get("interval_notes", []):
+        out.print(f"[yellow]interval:[/yellow] {note}", highlight=False)
     out.print(
         f"trials run: {trials_run} of a full grid of {full_grid}"
         + (f" ({len(rec['check_trials'])} of them to check the model)" if rec.get("check_trials") else ""),

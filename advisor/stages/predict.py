@@ -12,7 +12,8 @@ from advisor.measure.grid import GridPlan
 from advisor.model.network import Network
 from advisor.model.predict import Candidate, predict_table
 from advisor.model.recommend import what_would_fit
-from advisor.model.time_to_train import StartUp, add_time_to_train, startup_s
+from advisor.model.time_to_train import StartUp, add_time_to_train, startup_rests, startup_s
+from advisor.model.uncertainty import Spread, add_intervals, estimate_spread, link_spread
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
@@ -29,6 +30,8 @@ class Predictions:
     GPU-hours and optimizer steps to train."""
     startup: StartUp
     """The start-up every run pays once, measured from the trials."""
+    spread: Spread
+    """Where the table's intervals come from (advisor.model.uncertainty)."""
 
 
 def predict(
@@ -56,6 +59,8 @@ def predict(
         )
     startup = startup_s(measured.trials)
     table = add_time_to_train(table, inputs.amount, startup)
+    spread = run_spread(inputs, hardware, measured)
+    table = add_intervals(table, spread)
     out_dir = inputs.out_dir
     write_csv_atomic(table, out_dir / "predictions.csv")
     trials = measured.trials
@@ -76,7 +81,26 @@ def predict(
             "nothing fits: "
             + what_would_fit(fitted.memory, candidates, inputs.node_list, inputs.target_gpus, usable)
         )
-    return Predictions(candidates, table, startup)
+    return Predictions(candidates, table, startup, spread)
+
+
+def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Spread:
+    """The run's own uncertainty: its trials' intervals, held-out errors, noise floor and link fits."""
+    from advisor.measure.drift import read_noise_floor
+    from advisor.model.alphabeta import load_fits
+
+    inter = hardware.target_net.inter
+    assumed = not inter.source.startswith("measured")
+    fits = load_fits(hardware.fit_path) if hardware.fit_path.is_file() else []
+    rel = link_spread(f.rel_rmse for f in fits if f.link_level == "inter")
+    return estimate_spread(
+        measured.trials,
+        measured.validation,
+        read_noise_floor(inputs.out_dir / "drift.json"),
+        rel,
+        assumed,
+        startup_rests(measured.trials),
+    )
 
 
 def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:

@@ -183,16 +183,13 @@ def _outcome(
         lr_scaling=r.lr_scaling,
         embedded=inputs.embedded,
         noise_floor=noise_floor(inputs.out_dir),
+        intervals=predictions.spread.describe(),
+        interval_notes=predictions.spread.notes,
     )
 
 
 def noise_floor(out_dir: Path) -> float | None:
-    """The run's noise floor: the reference config's repeat spread the measure stage wrote into
-    <out>/drift.json (a fraction); None when the run has none (an older folder, a single measurement)."""
-    import json
+    """The run's noise floor (drift.json), None when the run has none."""
+    from advisor.measure.drift import read_noise_floor
 
-    try:
-        value = json.loads((out_dir / "drift.json").read_text()).get("noise_floor")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(value) if isinstance(value, (int, float)) else None
+    return read_noise_floor(out_dir / "drift.json")

@@ -1,0 +1,306 @@
+"""Intervals on every predicted figure, and the tie rule that decides between configs the machine cannot
+tell apart.
+
+A predicted step time is uncertain for three reasons, each measured by the run itself:
+
+- **the measurement**: a config a trial ran is pinned by that trial, whose 95% interval (trials.csv
+  `step_s_lo`/`_hi`: the bootstrap over its steps and the drift correction's uncertainty) is its own;
+- **the fit**: a config nobody ran is as uncertain as the model is on configs it did not see. That is
+  the spread of the held-out errors in validation.csv (the check trials and the leave-one-out refits), less
+  the part of it that is the held-out trials' own measurement noise, and widened for the few errors it
+  rests on (Student's t, not 1.96, with as many degrees of freedom as errors);
+- **the link**, across nodes: the inter-node collectives are costed from alpha-beta fits whose relative
+  residuals (comm_fit.json `rel_rmse`) say how far one op's time strays from its line; that share of the
+  step's exposed inter-node time. A link that was assumed (a preset, a user figure) has no spread to give:
+  the note says the interval leaves it out.
+
+A figure is for a run of the config, which lands in some minute of this machine's own drift, so the
+**prediction interval** adds the run's noise floor (the reference's repeat spread, drift.json) to the
+above.
+
+A **tie** is a difference the measurements cannot resolve: two configs are tied when the 95% interval of
+their difference, from their measurement noise alone, holds zero. A measured config brings its trial's
+interval; one nobody ran brings the typical trial's (what measuring it would give). The fit's spread is
+left out on purpose: a config the model knows little about is not "as good as" the fastest, it is
+unknown, and the fastest prediction is still the best bet (its interval says how far to trust it). The
+machine's drift is left out too: the configs are compared on the same drift-corrected scale. The
+difference's interval is tighter than asking whether two intervals overlap, which calls ties up to 1.4x
+the difference's own half-width.
+
+Relative spreads are one-sigma fractions of the figure; halfwidths are the 95% ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+Z95 = 1.959964
+"""The two-sided 95% quantile of the normal distribution."""
+MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2)
+"""A normal spread's sigma over its mean absolute deviation: the noise floor is a mean |deviation|."""
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+_T975 |= {10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+MIN_MEMORY_SPREAD = 0.01
+"""Memory is measured to the byte but varies with allocator state: never claim better than 1%."""
+SIMILAR_MEMORY = 0.10
+"""Tied configs within this fraction of the least memory per rank count as needing the same memory."""
+KEY_COLUMNS = ("zero_stage", "precision", "micro_batch", "offload")
+
+
+def t_quantile(dof: int) -> float:
+    """Student's t 97.5% quantile for `dof` degrees of freedom (the table's next lower entry, which
+    errs wide; 1.96 beyond it)."""
+    if dof < 1:
+        return _T975[1]
+    known = [d for d in _T975 if d <= dof]
+    return _T975[max(known)] if dof <= max(_T975) else Z95
+
+
+ConfigKey = tuple[int, str, int, str]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """What the run measured about its own uncertainty (see the module doc); fractions, one sigma."""
+
+    measured: dict[ConfigKey, float] = field(default_factory=dict)
+    """Per config a trial ran (at its ranks on one node): its step's own relative sigma."""
+    typical_measured: float = 0.0
+    """The median of `measured`: the noise a trial of an unmeasured config would have."""
+    model: float = 0.0
+    """The fit's relative sigma on configs it did not see (measurement noise taken out)."""
+    model_dof: int = 0
+    """How many held-out errors `model` rests on."""
+    noise: float = 0.0
+    """This machine's repeat spread as a sigma (the noise floor x sqrt(pi/2)); 0 when not measured."""
+    link: float = 0.0
+    """Relative sigma of an inter-node op's cost; 0 for an assumed link."""
+    memory: float = MIN_MEMORY_SPREAD
+    memory_dof: int = 0
+    startup_s: float = 0.0
+    """Sigma of the start-up's seconds over the trials."""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def model_halfwidth(self) -> float:
+        return t_quantile(self.model_dof) * self.model
+
+    def describe(self) -> str:
+        """One line for the answer: where the intervals come from."""
+        parts = [
+            f"{len(self.measured)} measured config(s) by their own trial",
+            f"the others by the fit's held-out spread ({self.model:.1%} sigma over {self.model_dof} errors)",
+        ]
+        parts.append(f"noise floor {self.noise / MEAN_ABS_TO_SIGMA:.1%}" if self.noise else "no noise floor")
+        if self.link:
+            parts.append(f"link {self.link:.1%} per op")
+        return "95% intervals: " + "; ".join(parts)
+
+
+def _sigma_of_interval(step: float, lo: float, hi: float) -> float:
+    if not (step > 0) or math.isnan(lo) or math.isnan(hi) or hi < lo:
+        return math.nan
+    return (hi - lo) / 2 / Z95 / step
+
+
+def measured_spreads(trials: pd.DataFrame) -> dict[ConfigKey, float]:
+    """Each config's relative sigma from its trials' corrected intervals (the tightest where it ran
+    twice); configs whose trials carry no interval (an older folder) are left out."""
+    out: dict[ConfigKey, float] = {}
+    if trials.empty or "step_s_lo" not in trials or "step_s_hi" not in trials:
+        return out
+    ok = trials[trials["status"] == "ok"] if "status" in trials else trials
+    from advisor.model.step_time import measured_step_s
+
+    steps = measured_step_s(ok)
+    lo = pd.to_numeric(ok["step_s_lo"], errors="coerce")
+    hi = pd.to_numeric(ok["step_s_hi"], errors="coerce")
+    for i, row in ok.iterrows():
+        sigma = _sigma_of_interval(float(steps[i]), float(lo[i]), float(hi[i]))
+        if math.isnan(sigma):
+            continue
+        key = config_key(row)
+        out[key] = min(out.get(key, math.inf), sigma)
+    return out
+
+
+def config_key(row: pd.Series | dict) -> ConfigKey:
+    precision = row["precision"] if "precision" in row else row["dtype"]
+    offload = row.get("offload", "none")
+    offload = "none" if offload is None or (isinstance(offload, float) and math.isnan(offload)) else offload
+    return (int(row["zero_stage"]), str(precision), int(row["micro_batch"]), str(offload))
+
+
+def held_out_errors(validation: pd.DataFrame, quantity: str) -> np.ndarray:
+    """Relative errors (predicted / measured - 1) of every held-out row of `quantity`: the check trials'
+    and the leave-one-out refits'."""
+    if validation.empty or "quantity" not in validation:
+        return np.array([])
+    rows = validation[(validation["quantity"] == quantity) & validation["held_out"].astype(bool)]
+    measured = pd.to_numeric(rows["measured"], errors="coerce")
+    predicted = pd.to_numeric(rows["predicted"], errors="coerce")
+    keep = (measured > 0) & predicted.notna()
+    return (predicted[keep] / measured[keep] - 1).to_numpy(dtype=float)
+
+
+def _rms(values: Iterable[float]) -> float:
+    values = np.asarray(list(values), dtype=float)
+    return float(np.sqrt(np.mean(values**2))) if values.size else 0.0
+
+
+def link_spread(rel_rmse: Iterable[float]) -> float:
+    """The median relative residual of the inter-node fits the link was built from."""
+    values = [float(v) for v in rel_rmse if v is not None and math.isfinite(float(v)) and v >= 0]
+    return float(np.median(values)) if values else 0.0
+
+
+def estimate_spread(
+    trials: pd.DataFrame,
+    validation: pd.DataFrame,
+    noise_floor: float | None,
+    link_rel: float,
+    link_assumed: bool,
+    startup_rest_s: Iterable[float] = (),
+) -> Spread:
+    """The run's Spread from its trials, its held-out errors, its noise floor and its link fits."""
+    measured = measured_spreads(trials)
+    own = list(measured.values())
+    typical_own = float(np.median(own)) if own else 0.0
+    errors = held_out_errors(validation, "step_time_s")
+    # A held-out error compares a prediction with one noisy measurement: take that noise out of the
+    # spread so it is not counted twice when the prediction interval adds a fresh run's noise.
+    model = math.sqrt(max(_rms(errors) ** 2 - typical_own**2, 0.0))
+    noise = (noise_floor or 0.0) * MEAN_ABS_TO_SIGMA
+    notes: list[str] = []
+    if not errors.size:
+        notes.append(
+            "no held-out errors to size the fit's spread: unmeasured configs' intervals are too narrow"
+        )
+    if noise_floor is None:
+        notes.append("no noise floor measured (fewer than two reference brackets): intervals leave drift out")
+    if link_assumed:
+        notes.append("the inter-node link is assumed, not measured: its figures carry no interval")
+    mem_errors = held_out_errors(validation, "mem_per_rank_bytes")
+    rest = np.asarray(list(startup_rest_s), dtype=float)
+    startup = float(1.4826 * np.median(np.abs(rest - np.median(rest)))) if rest.size > 1 else 0.0
+    return Spread(
+        measured=measured,
+        typical_measured=typical_own,
+        model=model,
+        model_dof=int(errors.size),
+        noise=noise,
+        link=0.0 if link_assumed else link_rel,
+        memory=max(_rms(mem_errors), MIN_MEMORY_SPREAD),
+        memory_dof=int(mem_errors.size),
+        startup_s=startup,
+        notes=tuple(notes),
+    )
+
+
+def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
+    """predictions.csv's interval columns (95%): step_time_s, samples_per_s, time_to_train_s, gpu_hours and
+    mem_per_rank_bytes each get _lo and _hi; `compare_halfwidth` is the relative half-width the tie rule
+    uses (measurement noise and the link, see the module doc), `link_halfwidth` the link's part of it;
+    `interval_source` says whether a trial pinned the config ("measured") or the
+    fit did ("model")."""
+    if predictions.empty:
+        return predictions
+    table = predictions.copy()
+    keys = [config_key(r) for r in table.to_dict("records")]
+    own = np.array([spread.measured.get(k, math.nan) for k in keys], dtype=float)
+    pinned = ~np.isnan(own)
+    noise = Z95 * np.where(pinned, np.nan_to_num(own), spread.typical_measured)
+    fit = np.where(pinned, Z95 * np.nan_to_num(own), spread.model_halfwidth)
+    step = table["step_time_s"].to_numpy(dtype=float)
+    inter = table["exposed_inter_s"].to_numpy(dtype=float) if "exposed_inter_s" in table else 0.0 * step
+    link = Z95 * spread.link * np.divide(inter, step, out=np.zeros_like(step), where=step > 0)
+    compare = np.sqrt(noise**2 + link**2)
+    half = np.sqrt(fit**2 + link**2 + (Z95 * spread.noise) ** 2)
+    lo_step, hi_step = step * np.maximum(1 - half, 0.05), step * (1 + half)
+    batch = table["global_batch"].to_numpy(dtype=float)
+    table["step_time_s_lo"], table["step_time_s_hi"] = lo_step, hi_step
+    table["samples_per_s_lo"], table["samples_per_s_hi"] = batch / hi_step, batch / lo_step
+    table["compare_halfwidth"] = compare
+    table["link_halfwidth"] = link
+    table["interval_source"] = np.where(pinned, "measured", "model")
+    if "time_to_train_s" in table and "optimizer_steps" in table:
+        steps = table["optimizer_steps"].to_numpy(dtype=float)
+        startup = table["time_to_train_s"].to_numpy(dtype=float) - steps * step
+        up = Z95 * spread.startup_s
+        table["time_to_train_s_lo"] = np.maximum(startup - up, 0.0) + steps * lo_step
+        table["time_to_train_s_hi"] = startup + up + steps * hi_step
+        scale = table["gpu_hours"].to_numpy(dtype=float) / table["time_to_train_s"].to_numpy(dtype=float)
+        table["gpu_hours_lo"] = table["time_to_train_s_lo"] * scale
+        table["gpu_hours_hi"] = table["time_to_train_s_hi"] * scale
+    mem_half = t_quantile(spread.memory_dof) * spread.memory if spread.memory_dof else Z95 * spread.memory
+    mem = table["mem_per_rank_bytes"].to_numpy(dtype=float)
+    table["mem_per_rank_bytes_lo"], table["mem_per_rank_bytes_hi"] = (
+        mem * (1 - mem_half),
+        mem * (1 + mem_half),
+    )
+    return table
+
+
+# ------------------------------------------------------------------------------------------------ ties
+
+
+def is_tie(a: pd.Series, b: pd.Series) -> bool:
+    """Whether two configs' throughputs cannot be told apart: the 95% interval of their difference holds
+    zero (each side's comparison half-width, in quadrature)."""
+    fa, fb = float(a["samples_per_s"]), float(b["samples_per_s"])
+    if not (fa > 0 and fb > 0):
+        return False
+    ha, hb = _halfwidth(a), _halfwidth(b)
+    return abs(math.log(fa / fb)) <= math.hypot(ha, hb)
+
+
+def _halfwidth(row: pd.Series) -> float:
+    value = row.get("compare_halfwidth", 0.0)
+    return 0.0 if value is None or pd.isna(value) else float(value)
+
+
+TIE_RULE = (
+    f"a tie (their difference within noise) goes to the least memory per rank (configs within "
+    f"{SIMILAR_MEMORY:.0%} of it count as equal), then the simpler ZeRO stage, then the faster prediction"
+)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The config chosen among those that fit at one node count."""
+
+    row: pd.Series
+    fastest: pd.Series
+    """The fastest predicted config (the pick unless a tie was broken)."""
+    tied: list[str]
+    """config_ids tied with the fastest (the fastest included); one id when there was no tie."""
+
+    @property
+    def broke_tie(self) -> bool:
+        return str(self.row["config_id"]) != str(self.fastest["config_id"])
+
+    def describe(self) -> str:
+        if len(self.tied) < 2:
+            return ""
+        others = [c for c in self.tied if c != str(self.row["config_id"])]
+        verb = "chosen over the faster-predicted" if self.broke_tie else "tied with"
+        return f"{self.row['config_id']} {verb} {', '.join(others)} within noise: {TIE_RULE}"
+
+
+def pick_config(rows: pd.DataFrame) -> Pick:
+    """The config to run among `rows` (those that fit at one node count): the fastest, unless others tie
+    with it, when TIE_RULE decides among the tied."""
+    fastest = rows.loc[rows["samples_per_s"].astype(float).idxmax()]
+    tied = rows[[is_tie(r, fastest) for _, r in rows.iterrows()]]
+    if len(tied) < 2:
+        return Pick(fastest, fastest, [str(fastest["config_id"])])
+    least = float(tied["mem_per_rank_bytes"].min())
+    light = tied[tied["mem_per_rank_bytes"].astype(float) <= least * (1 + SIMILAR_MEMORY)]
+    ordered = light.sort_values(["zero_stage", "samples_per_s"], ascending=[True, False])
+    ids = [str(c) for c in tied.sort_values("samples_per_s", ascending=False)["config_id"]]
+    return Pick(ordered.iloc[0], fastest, ids)

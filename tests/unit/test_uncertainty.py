@@ -1,0 +1,235 @@
+"""Intervals on predicted figures, the tie rule and the node count's confidence (advisor.model.uncertainty,
+advisor.model.scaling_table.node_confidence)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from advisor.model.recommend import why_not
+from advisor.model.scaling_table import NodeRule, node_confidence, scaling_table
+from advisor.model.uncertainty import (
+    MEAN_ABS_TO_SIGMA,
+    Z95,
+    Spread,
+    add_intervals,
+    estimate_spread,
+    is_tie,
+    pick_config,
+    t_quantile,
+)
+
+
+def _row(config: str, stage: int, mb: int, rate: float, mem: float, nodes: int = 1, **extra) -> dict:
+    batch = 64
+    step = batch / rate
+    return {
+        "node_count": nodes,
+        "config_id": config,
+        "zero_stage": stage,
+        "dtype": "bf16",
+        "micro_batch": mb,
+        "offload": "none",
+        "grad_accum": batch // (mb * 2 * nodes),
+        "global_batch": batch,
+        "world_size": 2 * nodes,
+        "samples_per_s": rate,
+        "step_time_s": step,
+        "compute_s": step,
+        "exposed_comm_s": 0.0,
+        "exposed_inter_s": 0.0,
+        "mem_per_rank_bytes": mem,
+        "feasible": True,
+        "optimizer_steps": 100,
+        "time_to_train_s": 10.0 + 100 * step,
+        "gpu_hours": (10.0 + 100 * step) / 3600 * 2 * nodes,
+        **extra,
+    }
+
+
+def _trials(rows: list[tuple[int, int, float, float]]) -> pd.DataFrame:
+    """(stage, micro-batch, step s, relative 95% half-width) per ok trial."""
+    return pd.DataFrame(
+        [
+            {
+                "status": "ok",
+                "zero_stage": stage,
+                "precision": "bf16",
+                "micro_batch": mb,
+                "offload": "none",
+                "step_time_s": step,
+                "step_time_median_s": step,
+                "step_s_lo": step * (1 - half),
+                "step_s_hi": step * (1 + half),
+            }
+            for stage, mb, step, half in rows
+        ]
+    )
+
+
+def _validation(errors: list[float]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [{"quantity": "step_time_s", "predicted": 1 + e, "measured": 1.0, "held_out": True} for e in errors]
+    )
+
+
+def test_t_quantile_widens_few_errors_and_meets_the_normal():
+    assert t_quantile(2) == pytest.approx(4.303)
+    assert t_quantile(11) == pytest.approx(2.228)  # the next lower entry: errs wide
+    assert t_quantile(500) == pytest.approx(Z95)
+    assert t_quantile(0) > t_quantile(1) - 1e-9
+
+
+def test_spread_takes_measurement_noise_out_of_the_fit_errors():
+    trials = _trials([(2, 1, 1.0, Z95 * 0.02), (2, 4, 2.0, Z95 * 0.02)])
+    spread = estimate_spread(trials, _validation([0.05, -0.05, 0.05, -0.05]), 0.04, 0.1, False, [10, 12, 14])
+    assert spread.measured[(2, "bf16", 1, "none")] == pytest.approx(0.02)
+    assert spread.model == pytest.approx(math.sqrt(0.05**2 - 0.02**2))  # 5% rms less the 2% own noise
+    assert spread.model_dof == 4
+    assert spread.noise == pytest.approx(0.04 * MEAN_ABS_TO_SIGMA)
+    assert spread.link == 0.1
+    assert spread.startup_s == pytest.approx(1.4826 * 2)
+    assert not spread.notes
+
+
+def test_spread_says_what_it_could_not_measure():
+    spread = estimate_spread(_trials([(2, 1, 1.0, 0.02)]), pd.DataFrame(), None, 0.2, True)
+    assert spread.link == 0.0 and spread.model == 0.0
+    text = " ".join(spread.notes)
+    assert "no held-out errors" in text and "no noise floor" in text and "assumed" in text
+
+
+def test_a_measured_config_is_pinned_by_its_trial_and_others_by_the_fit():
+    spread = Spread(
+        measured={(2, "bf16", 4, "none"): 0.01}, typical_measured=0.01, model=0.05, model_dof=8, noise=0.0
+    )
+    table = add_intervals(
+        pd.DataFrame([_row("z2-mb4", 2, 4, 100.0, 1e9), _row("z2-mb8", 2, 8, 110.0, 2e9)]), spread
+    )
+    measured, modelled = table.iloc[0], table.iloc[1]
+    assert measured["interval_source"] == "measured" and modelled["interval_source"] == "model"
+    rel = (measured["step_time_s_hi"] - measured["step_time_s"]) / measured["step_time_s"]
+    assert rel == pytest.approx(Z95 * 0.01)
+    rel = (modelled["step_time_s_hi"] - modelled["step_time_s"]) / modelled["step_time_s"]
+    assert rel == pytest.approx(t_quantile(8) * 0.05)
+    # throughput is the batch over the step: its bounds are the step's, swapped
+    assert modelled["samples_per_s_lo"] == pytest.approx(64 / modelled["step_time_s_hi"])
+    assert modelled["samples_per_s_lo"] < modelled["samples_per_s"] < modelled["samples_per_s_hi"]
+    assert modelled["time_to_train_s_lo"] < modelled["time_to_train_s"] < modelled["time_to_train_s_hi"]
+    assert modelled["gpu_hours_hi"] / modelled["time_to_train_s_hi"] == pytest.approx(
+        modelled["gpu_hours"] / modelled["time_to_train_s"]
+    )
+    # the comparison uses measurement noise only: both configs compare at the trial's 1%
+    assert table["compare_halfwidth"].tolist() == pytest.approx([Z95 * 0.01] * 2)
+
+
+def test_the_noise_floor_and_the_link_widen_the_prediction():
+    quiet = Spread(measured={(2, "bf16", 4, "none"): 0.01}, typical_measured=0.01)
+    noisy = Spread(measured={(2, "bf16", 4, "none"): 0.01}, typical_measured=0.01, noise=0.05, link=0.2)
+    row = _row("z2-mb4", 2, 4, 100.0, 1e9, nodes=4)
+    row["exposed_inter_s"] = row["step_time_s"] / 2  # half the step waits on the inter-node link
+    a, b = (
+        add_intervals(pd.DataFrame([row]), quiet).iloc[0],
+        add_intervals(pd.DataFrame([row]), noisy).iloc[0],
+    )
+    rel = (b["step_time_s_hi"] - b["step_time_s"]) / b["step_time_s"]
+    assert rel == pytest.approx(Z95 * math.sqrt(0.01**2 + 0.1**2 + 0.05**2))
+    assert b["link_halfwidth"] == pytest.approx(Z95 * 0.1)
+    assert b["compare_halfwidth"] > a["compare_halfwidth"]  # the link is not shared drift: it counts
+
+
+def test_ties_are_differences_within_the_difference_interval():
+    a = pd.Series({"samples_per_s": 100.0, "compare_halfwidth": 0.03})
+    assert is_tie(a, pd.Series({"samples_per_s": 96.0, "compare_halfwidth": 0.03}))  # 4% < 4.2%
+    assert not is_tie(a, pd.Series({"samples_per_s": 94.0, "compare_halfwidth": 0.03}))  # 6.2% > 4.2%
+    bare = pd.Series({"samples_per_s": 99.0})  # predictions without intervals (an older folder)
+    assert not is_tie(bare, pd.Series({"samples_per_s": 100.0})) and is_tie(bare, bare)
+
+
+def _tied_rows() -> pd.DataFrame:
+    spread = Spread(
+        measured={(s, "bf16", mb, "none"): 0.02 for s, mb in ((1, 8), (2, 8), (2, 4), (3, 2))},
+        typical_measured=0.02,
+    )
+    rows = [
+        _row("z1-mb8", 1, 8, 100.0, 4.0e9),  # the fastest
+        _row("z2-mb8", 2, 8, 99.0, 3.0e9),  # tied, less memory
+        _row("z2-mb4", 2, 4, 97.0, 2.0e9),  # tied, least memory
+        _row("z3-mb2", 3, 2, 97.5, 2.1e9),  # tied, within 10% of the least memory, but ZeRO-3
+        _row("z1-mb1", 1, 1, 80.0, 1.0e9),  # least memory of all, but 20% slower: not tied
+    ]
+    return add_intervals(pd.DataFrame(rows), spread)
+
+
+def test_a_tie_goes_to_less_memory_then_the_simpler_stage():
+    pick = pick_config(_tied_rows())
+    assert pick.row["config_id"] == "z2-mb4" and pick.fastest["config_id"] == "z1-mb8"
+    assert pick.broke_tie and set(pick.tied) == {"z1-mb8", "z2-mb8", "z2-mb4", "z3-mb2"}
+    assert "chosen over the faster-predicted" in pick.describe() and "least memory" in pick.describe()
+
+
+def test_without_a_tie_the_fastest_wins_and_nothing_is_said():
+    rows = _tied_rows()
+    rows["compare_halfwidth"] = 0.001
+    pick = pick_config(rows)
+    assert pick.row["config_id"] == "z1-mb8" and not pick.broke_tie and pick.describe() == ""
+
+
+def test_why_not_says_within_noise_only_where_it_is_true():
+    rows = _tied_rows().set_index("config_id", drop=False)
+    best = rows.loc["z2-mb4"]
+    assert why_not(rows.loc["z1-mb8"], best, 1e12).startswith(
+        "within noise of the pick (3% faster predicted)"
+    )
+    assert "within noise" not in why_not(rows.loc["z1-mb1"], best, 1e12)
+
+
+def _table(effs: dict[int, tuple[float, float]], rule_min: float = 0.8) -> pd.DataFrame:
+    """A scaling table from per-node (efficiency, compare half-width) of one config."""
+    rows = []
+    for n, (eff, half) in effs.items():
+        row = _row("z2-mb4", 2, 4, 100.0 * n * eff, 1e9, nodes=n)
+        row |= {"compare_halfwidth": half, "link_halfwidth": half}
+        row |= {f"time_to_train_s_{e}": row["time_to_train_s"] * f for e, f in (("lo", 0.9), ("hi", 1.1))}
+        row |= {f"gpu_hours_{e}": row["gpu_hours"] * f for e, f in (("lo", 0.9), ("hi", 1.1))}
+        rows.append(row)
+    return scaling_table(pd.DataFrame(rows), list(effs), rule_min, "measured", set())
+
+
+def test_the_knee_is_sure_when_the_bar_is_outside_both_intervals():
+    table = _table({1: (1.0, 0.0), 2: (0.95, 0.02), 4: (0.6, 0.02)})
+    assert table["efficiency_lo"].iloc[1] == pytest.approx(0.95 * 0.98)
+    line = node_confidence(NodeRule(0.8), table, 2)
+    assert line.startswith("node count sure: 2 nodes keep 95% efficiency (93%-97%); 4 nodes 60%")
+
+
+def test_the_knee_is_borderline_when_the_next_count_may_keep_the_bar():
+    table = _table({1: (1.0, 0.0), 2: (0.95, 0.02), 4: (0.78, 0.05)})
+    line = node_confidence(NodeRule(0.8), table, 2)
+    assert line.startswith("node count borderline") and "inside 4 nodes' interval" in line
+
+
+def test_a_deadline_is_sure_only_at_the_slow_end():
+    table = _table({1: (1.0, 0.0), 2: (0.95, 0.02), 4: (0.9, 0.02)})
+    seconds = dict(zip(table["node_count"], table["time_to_train_s"], strict=True))
+    between = (seconds[2] + seconds[2] * 1.1) / 2 / 3600  # inside 2 nodes' interval, above 4 nodes' end
+    line = node_confidence(NodeRule(deadline_hours=between), table, 2)
+    assert line.startswith("node count not sure: 2 nodes") and "4 nodes would be sure" in line
+    line = node_confidence(NodeRule(deadline_hours=seconds[2] * 1.2 / 3600), table, 2)
+    assert line.startswith("node count sure: 2 nodes")
+    assert node_confidence(NodeRule(nodes=2), table, 2) == ""
+
+
+def test_efficiency_cancels_the_compute_error_of_one_config():
+    table = _table({1: (1.0, 0.05), 2: (0.9, 0.05)})
+    table.loc[table["node_count"] == 2, "link_halfwidth"] = 0.01
+    from advisor.model.scaling_table import efficiency_halfwidth
+
+    half = efficiency_halfwidth(table, table.iloc[0])
+    assert half.iloc[1] == pytest.approx(0.01)  # same config: only the link's part is left
+    table.loc[table["node_count"] == 2, "config_id"] = "z3-mb4"
+    half = efficiency_halfwidth(table, table.iloc[0])
+    assert half.iloc[1] == pytest.approx(np.hypot(0.05, 0.05))
