@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from advisor.inputs import default_inputs as default_inputs  # re-exported: bench/advisor_accuracy.py
+from advisor.fine_tune import default_inputs as default_inputs  # re-exported: bench/advisor_accuracy.py
 from advisor.plan import replan_stages, write_plan_inputs
 from advisor.request import CPU_GRID as CPU_GRID  # re-exported: bench/advisor_accuracy.py
 from advisor.request import AdviseRequest

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from advisor.advise import run_advise
-from advisor.inputs import check_train_args
+from advisor.fine_tune import check_train_args
 from advisor.model.network import PRESETS
 from advisor.request import AdviseRequest
 from advisor.target import TARGET_GPUS

@@ -164,6 +164,24 @@ def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
     }
 
 
+def stages_without_trials(o: Outcome) -> str:
+    """Which ZeRO stage and precision of the candidates no trial measured (its costs are borrowed from
+    the nearest measured group, advisor.model.step_time._closest), and the budget that would measure each
+    once; '' when every group ran."""
+    ok = o.trials[o.trials["status"] == "ok"] if not o.trials.empty else o.trials
+    ran = {(int(r["zero_stage"]), str(r["precision"])) for _, r in ok.iterrows()}
+    wanted = {(int(r["zero_stage"]), str(r["dtype"])) for _, r in o.predictions.iterrows()}
+    missing = sorted(wanted - ran)
+    if not missing:
+        return ""
+    minutes = math.ceil((o.elapsed_s + o.per_trial_s * len(missing)) / 60)
+    names = ", ".join(f"ZeRO-{stage} {precision}" for stage, precision in missing)
+    return (
+        f"no trial measured {names}: its costs are borrowed from the measured stages; --budget-minutes "
+        f"{minutes} with the same --out would measure {'it' if len(missing) == 1 else 'each'} once"
+    )
+
+
 def node_choice(o: Outcome, table: pd.DataFrame) -> dict[str, Any]:
     knee = choose_node_count(table, o.min_efficiency)
     chosen = int(o.best["node_count"])
@@ -328,6 +346,7 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "intervals_from": o.intervals,
         "interval_notes": list(o.interval_notes),
         "tie": str(best.get("tie_note", "") or ""),
+        "unmeasured_stages": stages_without_trials(o),
     }
     rec["verdict"] = verdict(o, rec)
     return rec

@@ -80,7 +80,7 @@ class AdviseRequest:
     """Global batch the base LR was tuned for; None: the base config's on one target node."""
     samples: int | None = None
     """Samples in one epoch of the fine-tune; None: the images in `data` (the embedded default: its
-    fine-tune's, advisor.inputs.EMBEDDED_FINE_TUNE)."""
+    fine-tune's, advisor.fine_tune.EMBEDDED_FINE_TUNE)."""
     epochs: float | None = None
     """Epochs to train, for the time, GPU-hours and cost to train; None: one."""
     gpu_hour_price: float | None = None

@@ -63,6 +63,7 @@ def main() -> None:
     t = rec["time_to_train"]
     wall = measured(rec, args.work / "run")
     error = t["seconds"] / wall - 1
+    interval = t.get("seconds_interval")  # the prediction's 95% interval (advisor.model.uncertainty)
     print(
         json.dumps(
             {
@@ -74,11 +75,14 @@ def main() -> None:
                 "samples": t["samples"],
                 "optimizer_steps": t["optimizer_steps"],
                 "predicted_s": round(t["seconds"], 1),
+                "predicted_interval_s": [round(v, 1) for v in interval] if interval else None,
+                "measured_inside_interval": bool(interval[0] <= wall <= interval[1]) if interval else None,
                 "predicted_startup_s": round(t["startup_s"], 1),
                 "measured_s": round(wall, 1),
                 "predicted_over_measured": round(t["seconds"] / wall, 3),
                 "error": round(error, 3),
                 "held_out_step_time_error": rec["error"].get("step_time_mape"),
+                "noise_floor": rec.get("noise_floor"),
             },
             indent=2,
         )

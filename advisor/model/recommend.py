@@ -23,7 +23,7 @@ from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
 from advisor.model.predict import Candidate
 from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
-from advisor.model.uncertainty import TIE_RULE, is_tie, pick_config
+from advisor.model.uncertainty import is_tie, pick_config
 from sdzero.config.lr_rule import LrChoice, base_lr_of, check_rule, choose_lr
 from sdzero.constants import GIB
 from sdzero.errors import UserError
@@ -101,7 +101,7 @@ def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
     slower = 1 - row["samples_per_s"] / best["samples_per_s"]
     if is_tie(row, best):
         how = f"{-slower:.0%} faster predicted" if slower < 0 else f"{slower:.0%} slower predicted"
-        return f"within noise of the pick ({how}): {TIE_RULE}"
+        return f"within noise of the pick ({how}): a tie, decided by the tie rule (see tie)"
     share = row["exposed_comm_s"] / row["step_time_s"]
     if share > COMM_BOUND_SHARE and share > best["exposed_comm_s"] / best["step_time_s"]:
         return (

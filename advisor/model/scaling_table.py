@@ -309,7 +309,8 @@ def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
             text += f"; {_nodes(larger[0])} {after[0]:.0%} ({after[1]:.0%}-{after[2]:.0%})"
         borderline = own[1] < bar or (after is not None and after[2] >= bar)
         if not borderline:
-            return f"node count sure: {text}, the {bar:.0%} bar outside both intervals"
+            where = "both intervals" if after is not None else "its interval, and no larger count was asked"
+            return f"node count sure: {text}, the {bar:.0%} bar outside {where}"
         which = larger[0] if after is not None and after[2] >= bar else chosen
         return f"node count borderline: {text}; the {bar:.0%} bar falls inside {_nodes(which)}' interval"
     if rule.name == "deadline":

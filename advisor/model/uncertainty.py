@@ -8,7 +8,12 @@ A predicted step time is uncertain for three reasons, each measured by the run i
 - **the fit**: a config nobody ran is as uncertain as the model is on configs it did not see. That is
   the spread of the held-out errors in validation.csv (the check trials and the leave-one-out refits), less
   the part of it that is the held-out trials' own measurement noise, and widened for the few errors it
-  rests on (Student's t, not 1.96, with as many degrees of freedom as errors);
+  rests on (Student's t, not 1.96, with as many degrees of freedom as errors). The errors come in two
+  kinds, kept apart: a trial held out while another trial of its ZeRO stage and precision stayed in the
+  fit says how well the model interpolates inside a measured group (most unmeasured configs: another
+  micro-batch); one held out as its group's only trial says how well the model borrows a group's costs
+  from the others (a stage no trial ran). Pooled, the second kind, often several times larger, would
+  widen every interval;
 - **the link**, across nodes: the inter-node collectives are costed from alpha-beta fits whose relative
   residuals (comm_fit.json `rel_rmse`) say how far one op's time strays from its line; that share of the
   step's exposed inter-node time. A link that was assumed (a preset, a user figure) has no spread to give:
@@ -73,9 +78,15 @@ class Spread:
     typical_measured: float = 0.0
     """The median of `measured`: the noise a trial of an unmeasured config would have."""
     model: float = 0.0
-    """The fit's relative sigma on configs it did not see (measurement noise taken out)."""
+    """The fit's relative sigma on configs it did not see whose stage and precision a trial measured
+    (measurement noise taken out)."""
     model_dof: int = 0
     """How many held-out errors `model` rests on."""
+    cross: float = 0.0
+    """The same for configs of a stage and precision no trial measured."""
+    cross_dof: int = 0
+    measured_groups: frozenset[tuple[int, str]] = frozenset()
+    """(stage, precision) pairs some trial measured."""
     noise: float = 0.0
     """This machine's repeat spread as a sigma (the noise floor x sqrt(pi/2)); 0 when not measured."""
     link: float = 0.0
@@ -90,11 +101,16 @@ class Spread:
     def model_halfwidth(self) -> float:
         return t_quantile(self.model_dof) * self.model
 
+    @property
+    def cross_halfwidth(self) -> float:
+        return t_quantile(self.cross_dof) * self.cross
+
     def describe(self) -> str:
         """One line for the answer: where the intervals come from."""
         parts = [
             f"{len(self.measured)} measured config(s) by their own trial",
-            f"the others by the fit's held-out spread ({self.model:.1%} sigma over {self.model_dof} errors)",
+            f"the others by the fit's held-out spread ({self.model:.1%} sigma over {self.model_dof} errors "
+            f"inside a measured stage, {self.cross:.1%} over {self.cross_dof} for a stage no trial ran)",
         ]
         parts.append(f"noise floor {self.noise / MEAN_ABS_TO_SIGMA:.1%}" if self.noise else "no noise floor")
         if self.link:
@@ -159,6 +175,31 @@ def link_spread(rel_rmse: Iterable[float]) -> float:
     return float(np.median(values)) if values else 0.0
 
 
+def _group_errors(
+    validation: pd.DataFrame, trials: pd.DataFrame, quantity: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out errors of `quantity` split by whether the held-out trial's stage and precision kept
+    another trial in the fit (see the module doc): (inside a measured group, across groups)."""
+    errors = held_out_errors(validation, quantity)
+    if not errors.size or "config_id" not in validation or trials.empty or "trial_id" not in trials:
+        return errors, np.array([])
+    rows = validation[(validation["quantity"] == quantity) & validation["held_out"].astype(bool)]
+    rows = rows[(pd.to_numeric(rows["measured"], errors="coerce") > 0) & rows["predicted"].notna()]
+    ok = trials[trials["status"] == "ok"] if "status" in trials else trials
+    group_of = {str(r["trial_id"]): (int(r["zero_stage"]), str(r["precision"])) for _, r in ok.iterrows()}
+    sizes = pd.Series(list(group_of.values())).value_counts().to_dict() if group_of else {}
+    inside = np.array([sizes.get(group_of.get(str(c)), 0) > 1 for c in rows["config_id"]], dtype=bool)
+    return errors[inside], errors[~inside]
+
+
+def _fit_sigma(errors: np.ndarray, own: float) -> float:
+    """The fit's sigma from held-out errors. A held-out error compares a prediction with one noisy
+    measurement: that noise is taken out so it is not counted twice beside the noise floor. But a
+    prediction rests on measurements as noisy as the typical trial, so it is never taken as surer than
+    one (a few leave-one-out errors inside a well-pinned line can all be near zero)."""
+    return max(math.sqrt(max(_rms(errors) ** 2 - own**2, 0.0)), own)
+
+
 def estimate_spread(
     trials: pd.DataFrame,
     validation: pd.DataFrame,
@@ -171,13 +212,15 @@ def estimate_spread(
     measured = measured_spreads(trials)
     own = list(measured.values())
     typical_own = float(np.median(own)) if own else 0.0
-    errors = held_out_errors(validation, "step_time_s")
-    # A held-out error compares a prediction with one noisy measurement: take that noise out of the
-    # spread so it is not counted twice when the prediction interval adds a fresh run's noise.
-    model = math.sqrt(max(_rms(errors) ** 2 - typical_own**2, 0.0))
+    inside, across = _group_errors(validation, trials, "step_time_s")
+    pooled = np.concatenate([inside, across])
+    if not inside.size:  # no group kept a second trial: the pooled errors are all there is
+        inside = pooled
+    if not across.size:
+        across = pooled
     noise = (noise_floor or 0.0) * MEAN_ABS_TO_SIGMA
     notes: list[str] = []
-    if not errors.size:
+    if not pooled.size:
         notes.append(
             "no held-out errors to size the fit's spread: unmeasured configs' intervals are too narrow"
         )
@@ -188,11 +231,16 @@ def estimate_spread(
     mem_errors = held_out_errors(validation, "mem_per_rank_bytes")
     rest = np.asarray(list(startup_rest_s), dtype=float)
     startup = float(1.4826 * np.median(np.abs(rest - np.median(rest)))) if rest.size > 1 else 0.0
+    ok = trials[trials["status"] == "ok"] if "status" in trials and not trials.empty else trials
+    groups = frozenset((int(r["zero_stage"]), str(r["precision"])) for _, r in ok.iterrows())
     return Spread(
         measured=measured,
         typical_measured=typical_own,
-        model=model,
-        model_dof=int(errors.size),
+        model=_fit_sigma(inside, typical_own),
+        model_dof=int(inside.size),
+        cross=_fit_sigma(across, typical_own),
+        cross_dof=int(across.size),
+        measured_groups=groups,
         noise=noise,
         link=0.0 if link_assumed else link_rel,
         memory=max(_rms(mem_errors), MIN_MEMORY_SPREAD),
@@ -215,7 +263,9 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     own = np.array([spread.measured.get(k, math.nan) for k in keys], dtype=float)
     pinned = ~np.isnan(own)
     noise = Z95 * np.where(pinned, np.nan_to_num(own), spread.typical_measured)
-    fit = np.where(pinned, Z95 * np.nan_to_num(own), spread.model_halfwidth)
+    in_group = np.array([(k[0], k[1]) in spread.measured_groups for k in keys], dtype=bool)
+    borrowed = np.where(in_group, spread.model_halfwidth, spread.cross_halfwidth)
+    fit = np.where(pinned, Z95 * np.nan_to_num(own), borrowed)
     step = table["step_time_s"].to_numpy(dtype=float)
     inter = table["exposed_inter_s"].to_numpy(dtype=float) if "exposed_inter_s" in table else 0.0 * step
     link = Z95 * spread.link * np.divide(inter, step, out=np.zeros_like(step), where=step > 0)

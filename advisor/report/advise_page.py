@@ -71,7 +71,7 @@ CAPTIONS = {
     "the runners-up at that count with why each lost.",
     "scaling": "Best feasible config per ZeRO stage and precision; dotted lines are linear scaling from the "
     "smallest node count and circles the best measured trial: the gap below a dotted line is time lost to "
-    "communication.",
+    "communication. Shaded: the predictions' 95% intervals (where the run measured them).",
     "efficiency": "Predicted samples/s as a share of linear scaling from the smallest node count: where a line "
     "falls below about 80 %, more nodes mostly buy waiting.",
     "breakdown": "Compute and the communication not hidden behind it, per optimizer step, for {which}: the red "

@@ -69,6 +69,19 @@ def recommendation_notes(rec: dict[str, Any]) -> list[tuple[str, str]]:
         notes.append(("time to train", f"{t.get('amount')}; {t.get('startup')}"))
     if choice.get("trade"):
         notes.append(("trade", str(choice["trade"])))
+    if choice.get("confidence"):
+        notes.append(("how sure", str(choice["confidence"])))
+    if rec.get("tie"):
+        notes.append(("tie", str(rec["tie"])))
+    if rec.get("unmeasured_stages"):
+        notes.append(("stages not measured", str(rec["unmeasured_stages"])))
+    if rec.get("intervals_from"):
+        notes.append(
+            (
+                "intervals",
+                str(rec["intervals_from"]) + "".join(f"; {n}" for n in rec.get("interval_notes") or []),
+            )
+        )
     measured = rec.get("measured") or {}
     if measured:
         notes.append(
@@ -106,8 +119,10 @@ SCALING_SHOWN = (
     "config",
     "accum",
     "samples/s",
+    "samples/s 95%",
     "step (s)",
     "time to train",
+    "time 95%",
     "GPU-h",
     "efficiency",
     "comm",
@@ -139,14 +154,24 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         row["config_id"],
         int(row["grad_accum"]),
         row["samples_per_s"],
+        _between(row, "samples_per_s", lambda v: f"{v:.4g}"),
         row["step_time_s"],
         hours(float(row["time_to_train_s"])) if row.get("time_to_train_s") is not None else "",
+        _between(row, "time_to_train_s", hours),
         row.get("gpu_hours", ""),
         _percent(row.get("efficiency")),
         _percent(row.get("exposed_comm_share")),
         row.get("limiting_link", ""),
         short_provenance(str(row.get("provenance") or "")),
     ]
+
+
+def _between(row: dict[str, Any], figure: str, show: Any) -> str:
+    """'3.6 h - 4.7 h': a figure's 95% interval in a cell, '' where the row has none."""
+    lo, hi = row.get(f"{figure}_lo"), row.get(f"{figure}_hi")
+    if not isinstance(lo, (int, float)) or not isinstance(hi, (int, float)):
+        return ""
+    return f"{show(float(lo))} - {show(float(hi))}"
 
 
 def modelled_note(rec: dict[str, Any] | None) -> str:
@@ -194,12 +219,17 @@ def time_to_train_item(rec: dict[str, Any] | None) -> Item | None:
     rows = [r for r in (rec or {}).get("scaling_table") or [] if r.get("time_to_train_s") is not None]
     if not rec or not rows:
         return None
-    frame = pd.DataFrame(rows)
+    frame = pd.DataFrame(rows).rename(
+        columns={"time_to_train_s_lo": "time_lo_s", "time_to_train_s_hi": "time_hi_s"}
+    )
+    frame = frame.dropna(axis=1, how="all")  # a band only where the rows carry intervals
     choice = rec.get("node_choice") or {}
     caption = (
         "Time to train (left, log) and GPU-hours (right) of the scaling table's rows: right of the knee each "
         f"added node buys less than {choice.get('min_efficiency', 0.8):.0%} of a node's throughput, so the "
-        "time falls slower than the GPU-hours climb. " + TIME_CAPTION + modelled_note(rec)
+        "time falls slower than the GPU-hours climb. Shaded: the 95% intervals. "
+        + TIME_CAPTION
+        + modelled_note(rec)
     )
     svg = time_to_train_figure(frame, choice.get("knee"), rec.get("node_count"))
     return FigureItem("time-to-train", "Time and GPU-hours to train vs nodes", caption, svg)

@@ -237,7 +237,8 @@ def memory_figure(steps: np.ndarray, per_rank_bytes: np.ndarray) -> bytes:
 
 
 def scaling_figure(best: pd.DataFrame, measured: pd.DataFrame) -> bytes:
-    """Predicted samples/s vs nodes per (stage, dtype), the ideal linear line, measured trials on top.
+    """Predicted samples/s vs nodes per (stage, dtype), the ideal linear line, measured trials on top; the
+    predictions' 95% intervals shaded where `best` carries samples_per_s_lo/_hi.
 
     `best`: node_count, zero_stage, dtype, samples_per_s (one row per group and node count);
     `measured`: nodes, zero_stage, dtype, samples_per_s (may be empty).
@@ -250,6 +251,12 @@ def scaling_figure(best: pd.DataFrame, measured: pd.DataFrame) -> bytes:
         x, y = group["node_count"].to_numpy(float), group["samples_per_s"].to_numpy(float)
         ax.plot(x, y, marker="o", markersize=4, linewidth=1.8, label=style_label(stage, dtype), **style)
         ax.plot(x, y[0] * x / x[0], color=style["color"], linewidth=0.9, alpha=0.5, linestyle=(0, (1, 2)))
+        if {"samples_per_s_lo", "samples_per_s_hi"} <= set(group.columns):  # the 95% interval, shaded
+            lo, hi = (
+                pd.to_numeric(group[c], errors="coerce").to_numpy(float)
+                for c in ("samples_per_s_lo", "samples_per_s_hi")
+            )
+            ax.fill_between(x, lo, hi, color=style["color"], alpha=0.12, linewidth=0)
     if not measured.empty:
         for (stage, dtype), group in measured.groupby(["zero_stage", "dtype"], sort=True):
             ax.scatter(

@@ -146,6 +146,8 @@ def print_advice(
     if measured and not measured.get("recommended_config_measured", True):
         out.print(f"[bold yellow]not measured:[/bold yellow] {measured['message']}", highlight=False)
     out.print(error_line(rec), highlight=False)
+    if rec.get("unmeasured_stages"):
+        out.print(f"[bold yellow]not measured:[/bold yellow] {rec['unmeasured_stages']}", highlight=False)
     if rec.get("intervals_from"):
         out.print(f"[dim]{rec['intervals_from']}[/dim]", highlight=False)
     for note in rec.get("interval_notes", []):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pandas as pd
+
 from advisor.model.memory import MemoryModel
 from advisor.model.prediction_error import fit_models
 from advisor.model.step_time import TimeModel
@@ -24,5 +26,32 @@ class FittedModels:
 
 
 def fit(measured: MeasuredTrials, hardware: HardwareFigures) -> FittedModels:
-    models = fit_models(measured.trials, measured.numels, measured.zero, hardware.measured_net)
-    return FittedModels(models.memory, models.timing, models.memory.notes + models.timing.notes)
+    trials, note = clean_trials(measured.trials)
+    models = fit_models(trials, measured.numels, measured.zero, hardware.measured_net)
+    notes = ([note] if note else []) + models.memory.notes + models.timing.notes
+    return FittedModels(models.memory, models.timing, notes)
+
+
+def clean_trials(trials: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The trials to fit: those another process did not slow (`contended`, advisor.measure.runner) where
+    that leaves each ZeRO stage and precision a trial; a contended trial stays only where its group would
+    otherwise have none. Its step time is the machine's, not the config's: fitted, it would make its whole
+    group look slow. Returns the trials and a note saying what was left out or kept."""
+    if "contended" not in trials or trials.empty:
+        return trials, ""
+    flagged = trials["contended"].map(lambda v: str(v).strip().lower() in {"true", "1", "yes"})
+    flagged &= trials["status"] == "ok"
+    if not flagged.any():
+        return trials, ""
+    group = trials["zero_stage"].astype(str) + "/" + trials["precision"].astype(str)
+    clean_groups = set(group[(trials["status"] == "ok") & ~flagged])
+    drop = flagged & group.isin(clean_groups)
+    kept = sorted(set(trials.loc[flagged & ~drop, "trial_id"].astype(str)))
+    note = ""
+    if drop.any():
+        note = f"{int(drop.sum())} contended trial(s) left out of the fit (another process slowed them)"
+    if kept:
+        note += (
+            "; " if note else ""
+        ) + f"contended and fitted, the only trial(s) of their group: {', '.join(kept)}"
+    return trials[~drop], note

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from advisor.inputs import EMBEDDED_FINE_TUNE, check_train_args, dataset_images, default_inputs, embedded_base
+from advisor.fine_tune import (
+    EMBEDDED_FINE_TUNE,
+    check_train_args,
+    dataset_images,
+    default_inputs,
+    embedded_base,
+)
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config
 from advisor.measure.scaleout_check import prepare_hostfile
 from advisor.measure.trials import TrialSettings
@@ -74,7 +80,7 @@ class AdviseInputs:
     rule: NodeRule
     """How the node count is chosen."""
     embedded: bool = False
-    """The embedded default's fine-tune (advisor.inputs.EMBEDDED_FINE_TUNE) sets the batch: no --model and
+    """The embedded default's fine-tune (advisor.fine_tune.EMBEDDED_FINE_TUNE) sets the batch: no --model and
     no --deepspeed-config."""
 
     @property

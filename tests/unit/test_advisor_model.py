@@ -230,7 +230,7 @@ def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
     from typer.testing import CliRunner
 
     from advisor.cli import app
-    from advisor.inputs import check_train_args
+    from advisor.fine_tune import check_train_args
 
     with pytest.raises(UserError, match="--train-args"):
         check_train_args(args)
@@ -240,7 +240,7 @@ def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
 
 
 def test_train_args_reach_the_recommended_launch_command():
-    from advisor.inputs import check_train_args
+    from advisor.fine_tune import check_train_args
     from advisor.model.recommend import launch_command
 
     extra = check_train_args("--resolution 1024 --gradient-checkpointing")

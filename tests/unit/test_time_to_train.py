@@ -179,7 +179,7 @@ def test_the_embedded_default_plans_a_fine_tune_every_node_count_reaches(
 ):
     """No --model and no --deepspeed-config: the embedded fine-tune's batch 256 is held at 1-32 nodes."""
     import advisor.stages.inputs
-    from advisor.inputs import EMBEDDED_FINE_TUNE
+    from advisor.fine_tune import EMBEDDED_FINE_TUNE
 
     monkeypatch.setattr(
         advisor.stages.inputs, "default_inputs", lambda out, m, d: (str(tiny_model), synth_data)

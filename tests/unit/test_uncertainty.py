@@ -104,7 +104,13 @@ def test_spread_says_what_it_could_not_measure():
 
 def test_a_measured_config_is_pinned_by_its_trial_and_others_by_the_fit():
     spread = Spread(
-        measured={(2, "bf16", 4, "none"): 0.01}, typical_measured=0.01, model=0.05, model_dof=8, noise=0.0
+        measured={(2, "bf16", 4, "none"): 0.01},
+        typical_measured=0.01,
+        model=0.05,
+        model_dof=8,
+        cross=0.3,
+        cross_dof=2,
+        measured_groups=frozenset({(2, "bf16")}),
     )
     table = add_intervals(
         pd.DataFrame([_row("z2-mb4", 2, 4, 100.0, 1e9), _row("z2-mb8", 2, 8, 110.0, 2e9)]), spread
@@ -124,6 +130,24 @@ def test_a_measured_config_is_pinned_by_its_trial_and_others_by_the_fit():
     )
     # the comparison uses measurement noise only: both configs compare at the trial's 1%
     assert table["compare_halfwidth"].tolist() == pytest.approx([Z95 * 0.01] * 2)
+    # a stage no trial ran borrows its costs: the cross-group spread, not the in-group one
+    other = add_intervals(pd.DataFrame([_row("z3-mb8", 3, 8, 90.0, 1e9)]), spread).iloc[0]
+    rel = (other["step_time_s_hi"] - other["step_time_s"]) / other["step_time_s"]
+    assert rel == pytest.approx(t_quantile(2) * 0.3)
+
+
+def test_held_out_errors_are_split_by_whether_their_group_kept_a_trial():
+    trials = _trials([(2, 1, 1.0, 0.0), (2, 4, 2.0, 0.0), (3, 1, 3.0, 0.0)]).assign(trial_id=["a", "b", "c"])
+    validation = pd.DataFrame(
+        [
+            {"config_id": c, "quantity": "step_time_s", "predicted": 1 + e, "measured": 1.0, "held_out": True}
+            for c, e in (("a", 0.02), ("b", -0.02), ("c", 0.4))
+        ]
+    )
+    spread = estimate_spread(trials, validation, 0.02, 0.0, False)
+    assert spread.model == pytest.approx(0.02) and spread.model_dof == 2  # z2's two trials
+    assert spread.cross == pytest.approx(0.4) and spread.cross_dof == 1  # z3 held out as its only trial
+    assert spread.measured_groups == {(2, "bf16"), (3, "bf16")}
 
 
 def test_the_noise_floor_and_the_link_widen_the_prediction():
@@ -233,3 +257,46 @@ def test_efficiency_cancels_the_compute_error_of_one_config():
     table.loc[table["node_count"] == 2, "config_id"] = "z3-mb4"
     half = efficiency_halfwidth(table, table.iloc[0])
     assert half.iloc[1] == pytest.approx(np.hypot(0.05, 0.05))
+
+
+def test_contended_trials_leave_the_fit_unless_their_group_has_no_other():
+    from advisor.stages.fit import clean_trials
+
+    trials = pd.DataFrame(
+        [
+            {"trial_id": "a", "status": "ok", "zero_stage": 2, "precision": "bf16", "contended": False},
+            {"trial_id": "b", "status": "ok", "zero_stage": 2, "precision": "bf16", "contended": True},
+            {"trial_id": "c", "status": "ok", "zero_stage": 3, "precision": "bf16", "contended": "True"},
+        ]
+    )
+    kept, note = clean_trials(trials)
+    assert kept["trial_id"].tolist() == ["a", "c"]
+    assert "1 contended trial(s) left out" in note and "only trial(s) of their group: c" in note
+    assert clean_trials(trials.assign(contended=False))[1] == ""
+
+
+def test_an_advise_run_carries_intervals_everywhere(monkeypatch, tmp_path, tiny_model, synth_data):
+    """predictions.csv, recommendation.json, the verdict, the terminal and the report all carry them."""
+    from rich.console import Console
+    from test_advisor_model import advise_on_synthetic_trials
+
+    from advisor.report.advise_page import build_advise_report
+    from advisor.report.terminal import print_advice
+
+    rec = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data).recommendation
+    predictions = pd.read_csv(tmp_path / "out" / "predictions.csv")
+    for figure in ("step_time_s", "samples_per_s", "time_to_train_s", "gpu_hours", "mem_per_rank_bytes"):
+        assert (predictions[f"{figure}_lo"] < predictions[figure]).all(), figure
+        assert (predictions[figure] < predictions[f"{figure}_hi"]).all(), figure
+    lo, hi = rec["intervals"]["samples_per_s"]
+    assert lo < rec["samples_per_s"] < hi
+    lo, hi = rec["time_to_train"]["seconds_interval"]
+    assert lo < rec["time_to_train"]["seconds"] < hi
+    assert rec["intervals_from"].startswith("95% intervals:")
+    assert rec["node_choice"]["confidence"].startswith("node count ")
+    assert " - " not in rec["verdict"] and "(" in rec["verdict"].split(" to train")[0]
+    console = Console(record=True, width=250)
+    print_advice(rec, rec["trials_run"], rec["full_grid"], tmp_path / "out", None, console=console)
+    text = console.export_text()
+    assert "how sure:" in text and "±" in text and "95% intervals" in text
+    assert "samples/s 95%" in repr(build_advise_report(tmp_path / "out"))

@@ -1,5 +1,6 @@
-"""The advisor's inputs: the model and data (the embedded default when none is given), the fine-tune the
-embedded default stands for, and the trainer options a user adds to every trial (--train-args)."""
+"""The fine-tune the advisor plans for: the model and data (the embedded default when none is given), the
+fine-tune the embedded default stands for, and the trainer options a user adds to every trial
+(--train-args). (advisor.stages.inputs is the inputs *stage*, which reads these.)"""
 
 from __future__ import annotations
 
