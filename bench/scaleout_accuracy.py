@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import shutil
 import sys
@@ -355,7 +356,7 @@ def append(csv: Path, rows: pd.DataFrame) -> None:
 def print_table(table: pd.DataFrame) -> None:
     print(
         "\n| round | hosts x ranks | link | config | inter busbw | 1-host step | predicted (compute + comm) "
-        "| measured (comm) | error | of which compute, comm | 1-host trial again |"
+        "| measured (comm) | error ± its 95% | of which compute, comm | 1-host trial again |"
         "\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for _, r in table.iterrows():
@@ -365,11 +366,14 @@ def print_table(table: pd.DataFrame) -> None:
         from_compute = (r["predicted_compute_s"] - measured_compute) / r["measured_step_s"]
         from_comm = (r["predicted_comm_s"] - r["measured_comm_s"]) / r["measured_step_s"]
         spread = r.get("one_host_spread", float("nan"))
+        half = _error_halfwidth(r)
         print(
             f"| {r['round']} | {r['hosts']}x{r['slots']} | {r['rate']}, {r['delay_ms']:g} ms | {r['config']} "
             f"| {r['inter_busbw_gbit_s']:.3f} Gbit/s | {r['one_host_step_s']:.3f} s "
             f"| {r['predicted_step_s']:.3f} s ({r['predicted_compute_s']:.3f} + {r['predicted_comm_s']:.3f}) "
-            f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%} "
+            f"| {r['measured_step_s']:.3f} s ({r['measured_comm_s']:.3f}) | {r['error']:+.1%}"
+            + ("" if pd.isna(half) else f" ± {half:.1%}")
+            + " "
             f"| {from_compute:+.1%}, {from_comm:+.1%} | {'-' if pd.isna(spread) else f'{spread:+.1%}'} |"
         )
     print_transport(table)
@@ -390,19 +394,31 @@ def print_table(table: pd.DataFrame) -> None:
                 + f" | {r['measured_step_s']:.3f} s |"
             )
     print(
-        "\n| round | cases | within 10% | median |error| | largest |error| "
+        "\n| round | cases | within 10% | within their own interval | median |error| | largest |error| "
         "| of which communication: median, within 5% of the step "
-        "| 1-host trial again: median |spread|, largest |\n|---|---|---|---|---|---|---|"
+        "| 1-host trial again: median |spread|, largest |\n|---|---|---|---|---|---|---|---|"
     )
     for round_, rows in table.groupby("round"):
         size = rows["error"].abs()
         # the communication part of each error (as in the first table's split), in fractions of the step
         comm = ((rows["predicted_comm_s"] - rows["measured_comm_s"]) / rows["measured_step_s"]).abs()
+        halves = rows.apply(_error_halfwidth, axis=1)
+        inside = (size <= halves).sum() if halves.notna().any() else "-"
         print(
-            f"| {round_} | {len(rows)} | {(size <= 0.10).sum()} | {size.median():.1%} | {size.max():.1%} "
+            f"| {round_} | {len(rows)} | {(size <= 0.10).sum()} | {inside} | {size.median():.1%} | {size.max():.1%} "
             f"| {comm.median():.1%}, {(comm <= 0.05).sum()} of {comm.notna().sum()} | {repeat_spread(rows)} |"
         )
     print_overlap(table)
+
+
+def _error_halfwidth(r: pd.Series) -> float:
+    """A case's error interval (advisor.measure.scaleout_check.ScaleoutRow.error_halfwidth) from its CSV row:
+    rows recorded before the intervals have none."""
+    parts = [r.get("measured_halfwidth"), r.get("one_host_halfwidth")]
+    spread = r.get("one_host_spread")
+    parts.append(abs(spread) / 2 if spread is not None and pd.notna(spread) else None)
+    known = [float(p) for p in parts if p is not None and pd.notna(p)]
+    return math.hypot(*known) if known else float("nan")
 
 
 def repeat_spread(rows: pd.DataFrame) -> str:

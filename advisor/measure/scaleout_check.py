@@ -18,6 +18,7 @@ recommended config through all of this and records its error.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -103,10 +104,21 @@ class ScaleoutRow:
     (see flat_ring_step_s)."""
     hierarchy_step_s: float = float("nan")
     """With several ranks per host: the step costed hierarchically, as NCCL runs collectives."""
+    measured_halfwidth: float = float("nan")
+    """Relative 95% half-width of the multi-host run's median step (its bootstrap interval)."""
+    one_host_halfwidth: float = float("nan")
+    """The same for the 1-host trial the prediction rests on."""
 
     @property
     def error(self) -> float:
         return self.predicted_step_s / self.measured_step_s - 1
+
+    def error_halfwidth(self, one_host_spread: float = 0.0) -> float:
+        """The error's own 95% half-width: the two runs' intervals and, when the 1-host trial ran again
+        after the hosts' runs (bracketing), half the difference of the two, in quadrature: an error
+        inside it is as small as this machine lets one be measured."""
+        parts = [self.measured_halfwidth, self.one_host_halfwidth, abs(one_host_spread) / 2]
+        return math.hypot(*(p for p in parts if not math.isnan(p)))
 
 
 def trial_table(
@@ -216,9 +228,20 @@ def check_config(
             one_host_comm_s=_comm_s(one_host),
             flat_ring_step_s=flat,
             hierarchy_step_s=hierarchy,
+            measured_halfwidth=_halfwidth(measured),
+            one_host_halfwidth=_halfwidth(one_host),
         ),
         one_host,
     )
+
+
+def _halfwidth(trial: pd.DataFrame) -> float:
+    """Relative 95% half-width of a trial's corrected median step; NaN without an interval."""
+    if not {"step_s_lo", "step_s_hi"} <= set(trial.columns):
+        return float("nan")
+    lo, hi = (float(pd.to_numeric(trial[c], errors="coerce").mean()) for c in ("step_s_lo", "step_s_hi"))
+    step = float(measured_step_s(trial).mean())
+    return (hi - lo) / 2 / step if step > 0 else float("nan")
 
 
 def flat_ring_step_s(one_host: pd.DataFrame, fit_path: Path, hosts: int, slots: int) -> float:
@@ -238,7 +261,9 @@ def _comm_s(trial: pd.DataFrame, column: str = "comm_s") -> float:
 
 
 def rows_table(rows: list[ScaleoutRow], **extra: Any) -> pd.DataFrame:
-    return pd.DataFrame([{**extra, **vars(r), "error": r.error} for r in rows])
+    return pd.DataFrame(
+        [{**extra, **vars(r), "error": r.error, "error_halfwidth": r.error_halfwidth()} for r in rows]
+    )
 
 
 # ------------------------------------------------------------------------- the check inside `sdzero advise`
@@ -286,6 +311,6 @@ def scaleout_check(
     rows_table([row]).to_csv(out_dir / "scaleout.csv", index=False)
     say(
         f"scale-out check: predicted {row.predicted_step_s:.3f} s/step, measured {row.measured_step_s:.3f} s "
-        f"({row.error:+.1%})"
+        f"({row.error:+.1%} ± {row.error_halfwidth():.1%}, the two runs' own intervals)"
     )
-    return {**vars(row), "error": row.error}
+    return {**vars(row), "error": row.error, "error_halfwidth": row.error_halfwidth()}

@@ -300,3 +300,20 @@ def test_an_advise_run_carries_intervals_everywhere(monkeypatch, tmp_path, tiny_
     text = console.export_text()
     assert "how sure:" in text and "±" in text and "95% intervals" in text
     assert "samples/s 95%" in repr(build_advise_report(tmp_path / "out"))
+
+
+def test_a_scaleout_error_carries_the_two_runs_intervals():
+    from advisor.measure.scaleout_check import ScaleoutRow, _halfwidth, rows_table
+
+    row = ScaleoutRow("ZeRO-2 bf16 mb4", 2, 1, 1.05, 1.0, 0.2, 0.8, 1.0)
+    assert math.isnan(row.measured_halfwidth) and row.error_halfwidth() == 0.0  # an old row: none known
+    row = ScaleoutRow(
+        "ZeRO-2 bf16 mb4", 2, 1, 1.05, 1.0, 0.2, 0.8, 1.0, measured_halfwidth=0.03, one_host_halfwidth=0.04
+    )
+    assert row.error == pytest.approx(0.05)
+    assert row.error_halfwidth() == pytest.approx(0.05)  # 3% and 4% in quadrature
+    assert row.error_halfwidth(one_host_spread=-0.24) == pytest.approx(math.sqrt(0.05**2 + 0.12**2))
+    assert rows_table([row])["error_halfwidth"].iloc[0] == pytest.approx(0.05)
+    trial = pd.DataFrame([{"step_time_s": 2.0, "step_s_lo": 1.9, "step_s_hi": 2.1}])
+    assert _halfwidth(trial) == pytest.approx(0.05)
+    assert math.isnan(_halfwidth(trial.drop(columns=["step_s_lo"])))
