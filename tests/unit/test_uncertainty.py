@@ -317,3 +317,18 @@ def test_a_scaleout_error_carries_the_two_runs_intervals():
     trial = pd.DataFrame([{"step_time_s": 2.0, "step_s_lo": 1.9, "step_s_hi": 2.1}])
     assert _halfwidth(trial) == pytest.approx(0.05)
     assert math.isnan(_halfwidth(trial.drop(columns=["step_s_lo"])))
+
+
+def test_a_stage_no_trial_measured_is_named_with_the_budget_that_would():
+    from types import SimpleNamespace
+
+    from advisor.outcome import stages_without_trials
+
+    trials = pd.DataFrame([{"status": "ok", "zero_stage": 2, "precision": "bf16"}])
+    predictions = pd.DataFrame([{"zero_stage": s, "dtype": "bf16"} for s in (1, 2, 3)])
+    outcome = SimpleNamespace(trials=trials, predictions=predictions, elapsed_s=250.0, per_trial_s=40.0)
+    line = stages_without_trials(outcome)
+    assert line.startswith("no trial measured ZeRO-1 bf16, ZeRO-3 bf16")
+    assert "--budget-minutes 6 " in line  # 250 s + 2 x 40 s, rounded up to minutes
+    outcome.trials = pd.DataFrame([{"status": "ok", "zero_stage": s, "precision": "bf16"} for s in (1, 2, 3)])
+    assert stages_without_trials(outcome) == ""
