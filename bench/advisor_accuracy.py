@@ -149,13 +149,17 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
 
     truth = grid[grid["status"] == "ok"].copy()
     truth["truth_s"] = measured_step_s(truth).to_numpy()
+
     # One machine speed for both runs: each run is corrected to its own reference's first bracket, so the
     # two differ by a common factor; it is the median ratio over every config both runs measured (one
     # shared config would carry its own measurement's noise into every figure). Their spread says how
     # well the two runs agree at all.
-    advise_steps = dict(zip((_key(r) for _, r in trials.iterrows()), measured_step_s(trials), strict=True))
+    def shape(row: pd.Series) -> tuple:  # a config at one accumulation: the advise run's checks add some
+        return (*_key(row), int(row["grad_accum"]))
+
+    advise_steps = dict(zip((shape(r) for _, r in trials.iterrows()), measured_step_s(trials), strict=True))
     ratios = [
-        advise_steps[_key(r)] / float(r["truth_s"]) for _, r in truth.iterrows() if _key(r) in advise_steps
+        advise_steps[shape(r)] / float(r["truth_s"]) for _, r in truth.iterrows() if shape(r) in advise_steps
     ]
     scale = float(np.median(ratios)) if ratios else 1.0
     truth["truth_s"] *= scale
