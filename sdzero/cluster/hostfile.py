@@ -79,8 +79,13 @@ def host_key(host: str) -> str:
 
 def check_host_name(host: str, where: str) -> None:
     """One clear line for every host a hostfile must not name."""
-    if ipv6_literal(host) is not None or ":" in host:
+    if ipv6_literal(host) is not None:
         raise UserError(f"{where}: host {host!r}: {IPV6_LITERAL_FIX}")
+    if ":" in host:
+        raise UserError(
+            f"{where}: host {host!r} holds ':', which DeepSpeed (`host:slots`) and pdsh (`type:hosts`) read "
+            "as a separator; list the host name alone (an ssh port belongs in ~/.ssh/config)"
+        )
     if not HOSTFILE_HOST.match(host):
         bad = sorted({c for c in host if not re.match(r"[A-Za-z0-9._-]", c)}) or [host[:1]]
         raise UserError(
@@ -140,7 +145,7 @@ def parse_hostfile(path: Path) -> list[HostEntry]:
         key = host_key(host)
         if key in seen:
             first, line = seen[key]
-            same = "" if first == host else f" (as {first})"
+            same = "" if first == host else f", as {first}"
             raise UserError(
                 f"{where}: host {host} is listed twice (first on line {line}{same}); merge the lines"
             )

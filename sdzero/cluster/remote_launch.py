@@ -101,7 +101,17 @@ class RemoteLaunch:
             return
         import json
 
-        fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            raise UserError(
+                f"{self.secrets_file}: already exists (not written by this launch); remove it and relaunch"
+            ) from None
+        except OSError as exc:
+            raise UserError(
+                f"{self.secrets_file}: cannot write the launch's secrets file ({exc.strerror}); launch from "
+                "a folder you can write, on storage every host shares"
+            ) from None
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(self.secrets, handle, ensure_ascii=True)
             handle.flush()

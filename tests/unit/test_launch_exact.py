@@ -173,9 +173,9 @@ def test_a_planted_secrets_file_is_never_written_through(tmp_path):
     planted = tmp_path / ".sdzero-launch-x.json"
     planted.symlink_to(victim)
     launch = remote_launch.RemoteLaunch(["true"], tmp_path, {}, {}, {"HF_TOKEN": "t"}, planted)
-    with pytest.raises(FileExistsError):
-        launch.write_secrets()
-    assert victim.read_text() == "untouched"
+    with pytest.raises(UserError, match="already exists"):
+        launch.run()
+    assert victim.read_text() == "untouched" and planted.is_symlink()  # nor removed
 
 
 def test_run_reports_a_signalled_runner_as_128_plus_the_signal(tmp_path):
