@@ -196,9 +196,8 @@ def launch(
         bool, typer.Option(help="check the hosts and write .deepspeed_env, but start nothing")
     ] = False,
 ) -> None:
-    """Check a hostfile, write the .deepspeed_env remote ranks need, then run sdzero/train.py on its hosts."""
-    import os
-
+    """Check a hostfile, write the .deepspeed_env remote ranks need, then run sdzero/train.py on its hosts
+    (the launch folder and forwarded values reach every rank exactly; secrets by a 0600 file)."""
     from sdzero.cluster.hostfile import describe, plan_launch
 
     plan = plan_launch(
@@ -210,7 +209,7 @@ def launch(
     if check_only:
         return
     sys.stderr.flush()
-    os.execv(plan.command[0], plan.command)  # the launcher's exit code is this command's
+    raise typer.Exit(plan.launch.run())  # the launcher's exit code is this command's
 
 
 @command(

@@ -3,12 +3,14 @@
 What goes wrong on real clusters, and is checked here before any rank starts:
 - a host that does not resolve, or that passwordless ssh cannot reach (DeepSpeed itself only tries the
   first host, and then pdsh hangs or prints a wall of errors for the others);
-- `slots=` that is missing, zero or not a number, a host listed twice, or a name with shell
-  metacharacters (pdsh and mpirun put host names into remote shell command lines);
+- `slots=` that is missing, zero, over MAX_SLOTS or not a number, a host listed twice (also as another
+  spelling or address of the same machine), a name with shell metacharacters (pdsh and mpirun put host
+  names into remote shell command lines) or one DNS cannot hold, and IPv6 literals (see IPV6_LITERAL_FIX);
 - remote ranks that never see the launching shell's environment: DeepSpeed forwards variables only
   through `.deepspeed_env` (KEY=VALUE lines, read from the working directory and from $HOME). Without
   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, gloo and NCCL bind to whatever the hostname resolves to
   (often 127.0.0.1) and the ranks never meet.
+The launch itself (folder and values passed exactly, secrets by file) is sdzero.cluster.remote_launch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -25,17 +26,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdzero.atomic import write_text_atomic
-from sdzero.cluster.launch_command import REPO_ROOT, TRAIN_SCRIPT, deepspeed_command
+from sdzero.cluster.env_file import ENV_FILE, EnvMerge, env_file_name, merge_env_file, read_env_file
+from sdzero.cluster.launch_command import REPO_ROOT, TRAIN_SCRIPT
+from sdzero.cluster.remote_launch import RemoteLaunch, forwarded_values, remote_launch
 from sdzero.errors import UserError
+
+__all__ = ["ENV_FILE", "EnvMerge", "merge_env_file", "read_env_file"]  # the env file's, re-exported
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$", re.ASCII)
 """Host names, IPv4 and IPv6 addresses; nothing a remote shell would interpret."""
+HOSTFILE_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", re.ASCII)
+"""What a hostfile line may name: a host name or IPv4 address (IPv6 literals: see IPV6_LITERAL_FIX)."""
 ZONE_ID = re.compile(r"^[A-Za-z0-9._-]+$", re.ASCII)
 """An IPv6 zone (scope) id after '%': an interface name or number."""
-ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$", re.ASCII)
-"""What DeepSpeed puts after `export ` in every remote command line: a shell variable name."""
-ENV_FILE = ".deepspeed_env"
+MAX_SLOTS = 1024
+"""Ranks per host: far above any machine's accelerators (8-16 today), low enough that a typo (slots=80000)
+is caught here rather than as thousands of processes started on one node."""
+DNS_LABEL_MAX, DNS_NAME_MAX = 63, 253
+"""RFC 1035 limits; Python's resolver raises a UnicodeError (not a lookup failure) past them."""
+IPV6_LITERAL_FIX = (
+    "IPv6 addresses cannot be hostfile hosts: DeepSpeed reads `host:slots` in its --include syntax and pdsh "
+    "reads `word:` in -w as a remote-command type, so the ':' splits the address. Give the host a name "
+    "(an /etc/hosts line or DNS) and list the name: names that resolve only to IPv6 work"
+)
 LAUNCHERS = ("pdsh", "openmpi")
 SSH_TIMEOUT_S = 5
 
@@ -59,35 +72,84 @@ def ssh_runner(host: str, command: str) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(cmd, 255, "", f"no answer within {SSH_TIMEOUT_S + 25} s")
 
 
+def host_key(host: str) -> str:
+    """One spelling per host name: DNS names are case-insensitive and a final '.' is the same name."""
+    return host.rstrip(".").lower()
+
+
+def check_host_name(host: str, where: str) -> None:
+    """One clear line for every host a hostfile must not name."""
+    if ipv6_literal(host) is not None:
+        raise UserError(f"{where}: host {host!r}: {IPV6_LITERAL_FIX}")
+    if ":" in host:
+        raise UserError(
+            f"{where}: host {host!r} holds ':', which DeepSpeed (`host:slots`) and pdsh (`type:hosts`) read "
+            "as a separator; list the host name alone (an ssh port belongs in ~/.ssh/config)"
+        )
+    if not HOSTFILE_HOST.match(host):
+        bad = sorted({c for c in host if not re.match(r"[A-Za-z0-9._-]", c)}) or [host[:1]]
+        raise UserError(
+            f"{where}: host name {host!r} contains {''.join(bad)!r}; host names may hold only letters, "
+            "digits, '.', '-' and '_' (the launchers put them into remote shell commands)"
+        )
+    labels = host.rstrip(".").split(".")
+    longest = max(labels, key=len)
+    if len(host.rstrip(".")) > DNS_NAME_MAX or len(longest) > DNS_LABEL_MAX or "" in labels:
+        problem = (
+            f"is {len(host)} characters long (DNS allows {DNS_NAME_MAX})"
+            if len(host.rstrip(".")) > DNS_NAME_MAX
+            else "has an empty part between dots"
+            if "" in labels
+            else f"has a part of {len(longest)} characters (DNS allows {DNS_LABEL_MAX} between dots)"
+        )
+        raise UserError(f"{where}: host name {host[:40]!r}... {problem}; fix the name in the hostfile")
+
+
+def hostfile_lines(path: Path) -> list[str]:
+    try:
+        return path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"--hostfile {path}:{line}: byte {exc.start} is not UTF-8; host names are ASCII, write "
+            "the file as plain text (`host slots=N` per line)"
+        ) from None
+    except OSError as exc:
+        raise UserError(f"--hostfile {path}: cannot read it ({exc.strerror})") from None
+
+
 def parse_hostfile(path: Path) -> list[HostEntry]:
     """`host slots=N` per line, `#` comments and blank lines allowed (DeepSpeed's and Open MPI's format)."""
     if not path.is_file():
         raise UserError(f"--hostfile {path}: no such file; write one `host slots=N` line per node")
     entries: list[HostEntry] = []
-    seen: dict[str, int] = {}
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    seen: dict[str, tuple[str, int]] = {}
+    for number, raw in enumerate(hostfile_lines(path), start=1):
         text = raw.split("#", 1)[0].strip()
         if not text:
             continue
         where = f"--hostfile {path}:{number}"
         host, *rest = text.split()
-        if not HOST_NAME.match(host):
-            bad = sorted({c for c in host if not re.match(r"[A-Za-z0-9._:-]", c)}) or [host[:1]]
-            raise UserError(
-                f"{where}: host name {host!r} contains {''.join(bad)!r}; host names may hold only letters, "
-                "digits, '.', '-', '_' and ':' (the launchers put them into remote shell commands)"
-            )
+        check_host_name(host, where)
         if len(rest) != 1 or not rest[0].startswith("slots="):
             raise UserError(f"{where}: expected `{host} slots=N`, got {raw.strip()!r}")
         value = rest[0][len("slots=") :]
         # ASCII digits only: str.isdigit() accepts '²', which int() then refuses with a traceback.
         if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
             raise UserError(f"{where}: slots={value!r} must be a whole number >= 1 (ranks on that host)")
-        if host in seen:
+        if int(value) > MAX_SLOTS:
             raise UserError(
-                f"{where}: host {host} is listed twice (first on line {seen[host]}); merge the lines"
+                f"{where}: slots={value} is more ranks than one host runs (at most {MAX_SLOTS}); slots is "
+                "the number of GPUs (ranks) on that host"
             )
-        seen[host] = number
+        key = host_key(host)
+        if key in seen:
+            first, line = seen[key]
+            same = "" if first == host else f", as {first}"
+            raise UserError(
+                f"{where}: host {host} is listed twice (first on line {line}{same}); merge the lines"
+            )
+        seen[key] = (host, number)
         entries.append(HostEntry(host, int(value), number))
     if not entries:
         raise UserError(f"--hostfile {path}: no hosts in it; add one `host slots=N` line per node")
@@ -95,15 +157,33 @@ def parse_hostfile(path: Path) -> list[HostEntry]:
 
 
 def resolve(host: str) -> str:
-    """The IPv4 address of a host name (or the address itself)."""
+    """The address of a host name (or the address itself): IPv4 where it has one, else IPv6."""
     try:
-        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise UserError(
             f"host {host} does not resolve ({exc.strerror}); fix the name in the hostfile, add it to "
             "/etc/hosts or DNS, or use its IP address"
         ) from None
-    return str(infos[0][4][0])
+    except UnicodeError:  # the idna codec's verdict on a name DNS cannot hold
+        raise UserError(f"host {host[:40]!r}: not a name DNS can hold; fix it in the hostfile") from None
+    ipv4 = [i for i in infos if i[0] == socket.AF_INET]
+    return str((ipv4 or infos)[0][4][0])
+
+
+def check_distinct_machines(entries: list[HostEntry], addresses: dict[str, str]) -> None:
+    """Two lines that reach one machine (a name and its address, two aliases) would start two "nodes" on
+    it with the same local ranks, both claiming its first GPUs: refused like a host listed twice."""
+    first: dict[str, HostEntry] = {}
+    for entry in entries:
+        address = addresses[entry.host]
+        if address in first:
+            other = first[address]
+            raise UserError(
+                f"--hostfile line {entry.line}: host {entry.host} is the same machine as {other.host} on "
+                f"line {other.line} (both {address}); list each machine once with all its slots"
+            )
+        first[address] = entry
 
 
 def check_reachable(entries: list[HostEntry], runner: Runner = ssh_runner) -> None:
@@ -180,58 +260,6 @@ def remote_environment(interface: str, environ: dict[str, str] | None = None) ->
     }
 
 
-@dataclass(frozen=True)
-class EnvMerge:
-    added: dict[str, str]
-    kept: dict[str, tuple[str, str]]
-    """key -> (the user's value, the value sdzero would have written), where they differ."""
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """The KEY=VALUE lines of a `.deepspeed_env`, every line that DeepSpeed would misread refused by number.
-
-    DeepSpeed splits each line at its first '=' and writes `export KEY=VALUE; ` into every remote command
-    line: a blank line crashes it, and `# X=1` becomes `export # X=1; ...`, commenting out the rest of the
-    remote command. So: no blank lines, no comments, a shell variable name before the '='.
-    """
-    existing: dict[str, str] = {}
-    bad: list[str] = []
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
-        key, sep, value = raw.partition("=")
-        if not raw.strip():
-            bad.append(f"line {number} is blank")
-        elif not sep:
-            bad.append(f"line {number} {raw.strip()!r} is not KEY=VALUE")
-        elif not ENV_KEY.match(key.strip()):
-            bad.append(f"line {number} {raw.strip()!r}: {key.strip()!r} is not a variable name")
-        else:
-            existing[key.strip()] = value.strip()
-    if bad:
-        raise UserError(
-            f"{path}: {'; '.join(bad)}. DeepSpeed turns every line into `export LINE;` on each node, so "
-            "comments and blank lines break the remote command: remove those lines"
-        )
-    return existing
-
-
-def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
-    """Add the missing keys to `path`; the user's own keys and lines are never changed."""
-    text = path.read_text() if path.exists() else ""
-    existing = read_env_file(path) if path.exists() else {}
-    added = {k: v for k, v in wanted.items() if k not in existing}
-    # The value lands in a remote shell command line: quoted, so a path with a space stays one word.
-    kept = {
-        k: (existing[k], v)
-        for k, v in wanted.items()
-        if k in existing and existing[k] not in (v, shlex.quote(v))
-    }
-    if added:
-        body = text if not text or text.endswith("\n") else text + "\n"
-        body += "".join(f"{k}={shlex.quote(v)}\n" for k, v in added.items())
-        write_text_atomic(path, body)
-    return EnvMerge(added, kept)
-
-
 def ipv6_literal(text: str) -> str | None:
     """The IPv6 address in `text` ('fd00::1', '[fd00::1]', 'fe80::1%eth0'), unbracketed, or None.
 
@@ -270,10 +298,11 @@ def prepare_hosts(
     deepspeed launcher will run in). Returns (hosts, master address, interface, env file, what changed)."""
     entries = parse_hostfile(hostfile)
     addresses = {e.host: resolve(e.host) for e in entries}
+    check_distinct_machines(entries, addresses)
     master = check_master_addr(master_addr) if master_addr else addresses[entries[0].host]
     check_reachable(entries, runner)
     interface = pick_interface(entries, master, runner)
-    env_file = (workdir or Path.cwd()) / ENV_FILE
+    env_file = (workdir or Path.cwd()) / env_file_name()
     return entries, master, interface, env_file, merge_env_file(env_file, remote_environment(interface))
 
 
@@ -282,9 +311,14 @@ class LaunchPlan:
     entries: list[HostEntry]
     master_addr: str
     interface: str
-    command: list[str]
+    launch: RemoteLaunch
     env_file: Path
     merge: EnvMerge
+
+    @property
+    def command(self) -> list[str]:
+        """The deepspeed runner command (run it with `launch.run()`: its folder, environment, secrets)."""
+        return self.launch.command
 
 
 def plan_launch(
@@ -297,10 +331,11 @@ def plan_launch(
     runner: Runner = ssh_runner,
     entry: Path = TRAIN_SCRIPT,
 ) -> LaunchPlan:
-    """Every check, then `.deepspeed_env` in `workdir`, then the deepspeed command (not yet run)."""
+    """Every check, then `.deepspeed_env` in `workdir`, then the launch (not yet run)."""
     if launcher not in LAUNCHERS:
         raise UserError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    entries, master, interface, env_file, merge = prepare_hosts(hostfile, master_addr, workdir, runner)
+    folder = Path(os.path.abspath(workdir or Path.cwd()))
+    entries, master, interface, env_file, merge = prepare_hosts(hostfile, master_addr, folder, runner)
     mca = None
     if launcher == "openmpi":
         # Open MPI's daemons and its TCP transport must use the same interface as gloo, or they try
@@ -308,17 +343,19 @@ def plan_launch(
         mca = f"--mca btl_tcp_if_include {interface} --mca oob_tcp_if_include {interface}"
         if os.geteuid() == 0:
             mca += " --allow-run-as-root"
-    # Both launchers put the options into a remote command line; `entry` decodes them (sdzero.cluster.launch_command).
-    cmd = deepspeed_command(
+    values = {**forwarded_values(folder, os.environ), **merge.not_written}
+    launch = remote_launch(
         train_args,
+        Path(os.path.abspath(entry)),
+        values,
+        folder,
         hostfile=hostfile,
         master_addr=master,
         master_port=master_port,
         launcher="openmpi" if mca else None,
         launcher_args=mca,
-        entry=[str(entry)],
     )
-    return LaunchPlan(entries, master, interface, cmd, env_file, merge)
+    return LaunchPlan(entries, master, interface, launch, env_file, merge)
 
 
 def describe(plan: LaunchPlan) -> list[str]:
@@ -330,4 +367,12 @@ def describe(plan: LaunchPlan) -> list[str]:
         lines.append(f"{plan.env_file}: added " + ", ".join(f"{k}={v}" for k, v in plan.merge.added.items()))
     for key, (theirs, ours) in plan.merge.kept.items():
         lines.append(f"{plan.env_file}: kept your {key}={theirs} (sdzero would have written {ours})")
+    for key in plan.merge.not_written:
+        lines.append(f"{plan.env_file}: {key} not written (a line cannot hold its value); forwarded as is")
+    forwarded = sorted(plan.launch.forwarded)
+    hidden = sorted(plan.launch.secrets)
+    lines.append(
+        f"forwarded to every rank: {', '.join(forwarded) or 'nothing'}"
+        + (f"; by a 0600 file, not the command line: {', '.join(hidden)}" if hidden else "")
+    )
     return lines

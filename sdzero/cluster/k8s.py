@@ -26,6 +26,7 @@ fail the job.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -47,6 +48,11 @@ PYTORCHJOB_PORT_NAME = "pytorchjob-port"
 """The names the training operator looks for (kubeflow.org/v1 pytorch_types.go): it injects its env into
 the container so named and reads MASTER_PORT from the port so named."""
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+"""A storage class name (an object name: a DNS-1123 subdomain)."""
+IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$", re.ASCII)
+"""registry/name:tag@sha256:digest; no blank or control character ever belongs in one."""
+SHM_PATH = "/dev/shm"
 
 POD_ENTRYPOINT = r"""set -uo pipefail
 # The pod's node index: set by Kubernetes for an Indexed Job's pod (JOB_COMPLETION_INDEX), by the training
@@ -133,14 +139,39 @@ def check_job(job: K8sJob) -> None:
         )
     if not 1024 <= job.master_port <= 65535:
         raise UserError(f"--master-port {job.master_port}: must be in 1024-65535")
-    if not job.mount_path.startswith("/"):
-        raise UserError(f"--mount-path {job.mount_path!r}: an absolute path inside the pod")
+    for flag, value in (("--mount-path", job.mount_path), ("--image", job.image), ("python", job.python)):
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise UserError(
+                f"{flag} {value!r}: holds a line break or control character, which has no place in a pod "
+                "spec (it would be written into the YAML); remove it"
+            )
+    if not IMAGE_REF.match(job.image):
+        raise UserError(f"--image {job.image!r}: an image reference such as registry/sdzero:1.0 (no blanks)")
+    if job.storage_class is not None and not DNS_SUBDOMAIN.match(job.storage_class):
+        raise UserError(f"--storage-class {job.storage_class!r}: a storage class name (a DNS subdomain)")
+    mount = mount_point(job)
     out = output_dir_of(job.train_args)
-    if not PurePosixPath(out).is_relative_to(job.mount_path):
+    # Compared as the pod's kernel would walk them: `/shared/../tmp/run` is /tmp/run, not under /shared.
+    # (Symlinks on the volume cannot be seen from here; `..` and `.` can.)
+    if not out.startswith("/") or not PurePosixPath(posixpath.normpath(out)).is_relative_to(mount):
         raise UserError(
-            f"--output-dir {out} is not under the shared volume ({job.mount_path}): checkpoints would "
+            f"--output-dir {out} is not under the shared volume ({mount}): checkpoints would "
             "vanish with the pod and a restarted job could not resume; put it under --mount-path"
         )
+
+
+def mount_point(job: K8sJob) -> str:
+    """--mount-path normalised (`/shared/` and `/x/../shared` are /shared), refused where it cannot work."""
+    if not job.mount_path.startswith("/"):
+        raise UserError(f"--mount-path {job.mount_path!r}: an absolute path inside the pod")
+    mount = posixpath.normpath(job.mount_path)
+    if mount.startswith("//"):  # POSIX leaves a leading '//' alone; one '/' means the same path here
+        mount = "/" + mount.lstrip("/")
+    if mount == "/":
+        raise UserError("--mount-path /: the shared volume would hide the image's whole filesystem")
+    if PurePosixPath(mount).is_relative_to(SHM_PATH) or PurePosixPath(SHM_PATH).is_relative_to(mount):
+        raise UserError(f"--mount-path {mount}: overlaps {SHM_PATH}, which each pod mounts as memory")
+    return mount
 
 
 def master_address(job: K8sJob) -> str:
@@ -200,7 +231,7 @@ def container(job: K8sJob) -> dict[str, Any]:
         "SDZERO_MASTER_ADDR": master_address(job),
         "SDZERO_MASTER_PORT": str(job.master_port),
         # Downloads (a hub model) land once on the shared volume, not once per pod.
-        "HF_HOME": f"{job.mount_path}/.cache/huggingface",
+        "HF_HOME": f"{mount_point(job)}/.cache/huggingface",
         "PYTHONUNBUFFERED": "1",
     }
     pytorchjob = job.flavour == "pytorchjob"
@@ -221,7 +252,7 @@ def container(job: K8sJob) -> dict[str, Any]:
         ],
         "resources": resources,
         "volumeMounts": [
-            {"name": "shared", "mountPath": job.mount_path},
+            {"name": "shared", "mountPath": mount_point(job)},
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }
@@ -313,25 +344,27 @@ def manifests(job: K8sJob) -> list[dict[str, Any]]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the pod entrypoint) as `|` blocks, readable in the manifest."""
+    """The pod entrypoint (sdzero's own text) as a `|` block, readable in the manifest; every other string
+    in PyYAML's own style, which quotes and escapes a line break in a user's value (`"a\\nb"`)."""
 
 
 _Dumper.add_representer(
     str,
     lambda dumper, text: dumper.represent_scalar(
-        "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None
+        "tag:yaml.org,2002:str", text, style="|" if text == POD_ENTRYPOINT else None
     ),
 )
 
 
 def render(job: K8sJob) -> str:
     """The manifests as one multi-document YAML file for `kubectl apply -f`."""
+    objects = manifests(job)  # checked first: the header below holds the user's values too
     header = (
         "# Written by `sdzero k8s`: kubectl apply -f THIS_FILE\n"
         f"# {job.nodes} pods x {job.gpus_per_node} ranks; rank 0 at {master_address(job)}:{job.master_port}; "
-        f"shared volume {job.pvc} at {job.mount_path}\n"
+        f"shared volume {job.pvc} at {mount_point(job)}\n"
     )
-    docs = [yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=120) for obj in manifests(job)]
+    docs = [yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=120) for obj in objects]
     return header + "---\n".join(docs)
 
 

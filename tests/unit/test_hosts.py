@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from advisor.cli import app
 from sdzero.cluster import hostfile as hosts
 from sdzero.errors import UserError
+from sdzero.process.rank_entry import decode_payload
 
 
 def hostfile(tmp_path: Path, text: str) -> Path:
@@ -154,8 +155,11 @@ def test_plan_builds_the_openmpi_command(tmp_path):
         cmd[cmd.index("--launcher") + 1] == "openmpi"
         and "btl_tcp_if_include lo" in cmd[cmd.index("--launcher_args") + 1]
     )
-    assert cmd[cmd.index("--master_addr") + 1] == "127.0.0.1" and cmd[-2:] == ["--max-steps", "2"]
+    assert cmd[cmd.index("--master_addr") + 1] == "127.0.0.1" and cmd[-2] == "sdzero.process.rank_entry"
+    payload = decode_payload(cmd[-1])  # the trainer's options travel inside the rank entry's word
+    assert payload.command[-2:] == ["--max-steps", "2"] and payload.cwd == str(tmp_path)
     assert "GLOO_SOCKET_IFNAME=lo" in (tmp_path / ".deepspeed_env").read_text()
+    assert payload.env["GLOO_SOCKET_IFNAME"] == "lo"
 
 
 @pytest.mark.parametrize(
@@ -218,12 +222,14 @@ def test_env_file_bad_lines_are_each_refused_by_number(tmp_path):
     assert path.read_text() == text
 
 
-def test_env_values_are_quoted_for_the_remote_shell(tmp_path):
+def test_env_values_are_written_unquoted(tmp_path):
+    """Quoted, `/data/hf cache` reached the ranks as `'/data/hf cache'`: values are literal now."""
     path = tmp_path / ".deepspeed_env"
     hosts.merge_env_file(path, {"PYTHONPATH": "/my code/lib", "HF_HOME": "/plain"})
-    assert path.read_text() == "PYTHONPATH='/my code/lib'\nHF_HOME=/plain\n"
+    assert path.read_text() == "PYTHONPATH=/my code/lib\nHF_HOME=/plain\n"
     again = hosts.merge_env_file(path, {"PYTHONPATH": "/my code/lib"})
     assert again.added == {} and again.kept == {}
+    assert hosts.read_env_file(path) == {"PYTHONPATH": "/my code/lib", "HF_HOME": "/plain"}
 
 
 @pytest.mark.parametrize(
@@ -395,3 +401,82 @@ def test_no_module_builds_a_deepspeed_command_by_hand():
         )
     ]
     assert by_hand == []
+
+
+# -- #27: the hostfile's smaller items: each bad input is one line naming the problem and the fix, before any
+#    ssh and before .deepspeed_env is touched.
+
+LONG_LABEL = "a" * 70
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("fd00::1 slots=1\n", "IPv6 addresses cannot be hostfile hosts"),
+        ("[fd00::1] slots=1\n", "IPv6 addresses cannot be hostfile hosts"),
+        ("fe80::1%eth0 slots=1\n", "IPv6 addresses cannot be hostfile hosts"),
+        ("node1:22 slots=1\n", "holds ':', which DeepSpeed (`host:slots`) and pdsh"),
+        ("node1 slots=1025\n", "slots=1025 is more ranks than one host runs (at most 1024)"),
+        ("node1 slots=99999999999999999999\n", "at most 1024"),
+        ("Node1 slots=1\nnode1. slots=1\n", "host node1. is listed twice (first on line 1, as Node1)"),
+        (f"{LONG_LABEL}.example slots=1\n", "has a part of 70 characters (DNS allows 63 between dots)"),
+        (f"{LONG_LABEL} slots=1\n", "has a part of 70 characters"),
+        (("a." * 130) + "b slots=1\n", "characters long (DNS allows 253)"),
+        ("a..b slots=1\n", "has an empty part between dots"),
+    ],
+)
+def test_hostfile_smaller_items_are_one_clear_line(tmp_path, text, expected):
+    with pytest.raises(UserError) as err:
+        hosts.parse_hostfile(hostfile(tmp_path, text))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hostfile_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes(b"node1 slots=1\nn\xffde2 slots=1\n")
+    with pytest.raises(UserError, match=r"hosts:2: byte 15 is not UTF-8"):
+        hosts.parse_hostfile(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "n\xffde slots=1\n",  # written below as raw bytes
+        f"{LONG_LABEL} slots=1\n",
+        "fd00::1 slots=1\n",
+        "node1 slots=5000\n",
+    ],
+)
+def test_cli_bad_hostfile_exits_2_one_line_nothing_written(tmp_path, monkeypatch, text):
+    path = tmp_path / "hosts"
+    path.write_bytes(text.encode("latin-1"))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["launch", "--hostfile", str(path), "--", "--max-steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts"]  # no .deepspeed_env, no secrets file
+
+
+def test_resolve_long_label_is_a_user_error_not_a_unicode_traceback():
+    with pytest.raises(UserError, match="not a name DNS can hold"):
+        hosts.resolve(LONG_LABEL)
+
+
+def test_a_name_resolving_only_to_ipv6_is_accepted(monkeypatch):
+    import socket
+
+    def only_v6(host, port, family=0, type=0, *rest):
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::7", 0, 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", only_v6)
+    assert hosts.resolve("v6only") == "fd00::7"
+
+
+def test_two_lines_for_one_machine_are_refused_after_resolution(tmp_path):
+    path = hostfile(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n")
+    runner = answers()
+    with pytest.raises(UserError) as err:
+        hosts.plan_launch(path, [], workdir=tmp_path, runner=runner)
+    message = str(err.value)
+    assert "host 127.0.0.1 is the same machine as localhost on line 1 (both 127.0.0.1)" in message
+    assert runner.calls == [] and not (tmp_path / ".deepspeed_env").exists()

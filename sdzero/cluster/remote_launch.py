@@ -1,0 +1,187 @@
+"""Hostfile launches whose working folder and forwarded values reach every remote rank exactly.
+
+DeepSpeed's runner turns a hostfile launch into one shell line per node (pdsh) or `-x K=V` options
+(mpirun): `export K="V"; cd /launch/folder; python -u -m deepspeed.launcher.launch ... SCRIPT ARGS`. The
+folder is not quoted at all and values only in double quotes, so a folder `my runs` is split, one named
+`x$(touch f)` runs on every node, `$`/backticks in values are expanded, and every value, tokens
+included, is printed in the runner's INFO log and visible in `ps` on every host.
+
+So sdzero hands that line nothing a shell could change and nothing secret:
+- the runner starts in sdzero's own folder (REPO_ROOT, which every node has at the same path since
+  the ranks import sdzero from it, and whose name is checked to be shell-safe), so `cd` is harmless;
+- it reads no env file (DS_ENV_FILE=/dev/null) and the launching environment loses the variables it
+  would export (PYTHON*, NCCL*, ...): sdzero forwards all of those itself;
+- the rank entry (sdzero.process.rank_entry) gets one base64 word: the real folder, the rank command and
+  the values that are not secret; secrets (names with TOKEN, KEY, SECRET, PASSWORD, ...) go into a file in
+  the launch folder that only the user can read (0600), removed when the launch ends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdzero.cluster.env_file import env_file_name, read_env_file
+from sdzero.cluster.launch_command import REPO_ROOT, SHELL_SAFE, deepspeed_command
+from sdzero.errors import UserError
+from sdzero.process.rank_entry import MODULE, Payload, encode_payload
+
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+"""Names whose values never go on a command line (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY,
+MLFLOW_TRACKING_PASSWORD, ...). Too wide is harmless: such a value only travels by file instead."""
+DEEPSPEED_EXPORTED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "HCCL", "CCL", "I_MPI", "FI_")
+"""Launching-environment variables DeepSpeed's runner exports to remote nodes on its own: its
+EXPORT_ENVS plus the accelerators' export_envs() (a unit test checks this covers the installed
+DeepSpeed). sdzero removes them from the runner's environment and forwards them exactly instead."""
+DEEPSPEED_EXCLUDED = {"AISC_JOB_NAME": ("NCCL_IB_HCA", "UCX_NET_DEVICES")}
+"""DeepSpeed's EXCLUDE_ENVS: with the key set, the runner does not forward those names; nor does sdzero."""
+SECRETS_PREFIX = ".sdzero-launch-"
+
+
+def is_secret(name: str) -> bool:
+    return bool(SECRET_NAME.search(name))
+
+
+def deepspeed_exported(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launching-environment variables DeepSpeed's runner would have put on the remote command line."""
+    excluded = {name for key, names in DEEPSPEED_EXCLUDED.items() if key in environ for name in names}
+    return {
+        k: v for k, v in environ.items() if k.startswith(DEEPSPEED_EXPORTED_PREFIXES) and k not in excluded
+    }
+
+
+def forwarded_values(workdir: Path, environ: Mapping[str, str], home: Path | None = None) -> dict[str, str]:
+    """Every value DeepSpeed's runner would forward, in its order (later wins): the launching environment's
+    exported names, then $HOME's env file, then the working folder's."""
+    values = deepspeed_exported(environ)
+    name = env_file_name(dict(environ))
+    folders = [home or Path.home(), workdir]
+    seen: set[Path] = set()
+    for folder in folders:
+        path = folder / name
+        if path.is_file() and path.resolve() not in seen:
+            seen.add(path.resolve())
+            values.update(read_env_file(path))
+    return values
+
+
+def shell_safe_or_refuse(what: str, value: str) -> str:
+    if not SHELL_SAFE.match(value):
+        raise UserError(
+            f"{what} {value!r} holds characters a remote shell would interpret, and DeepSpeed's runner "
+            "writes it unquoted into every node's command; install sdzero (and its virtual environment) "
+            "under a path of letters, digits and ./_-"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class RemoteLaunch:
+    """A hostfile launch, ready to run: the runner command, where and with what it starts."""
+
+    command: list[str]
+    runner_cwd: Path
+    runner_env: dict[str, str]
+    forwarded: dict[str, str]
+    """Values handed to every rank in the payload word (none of them secret)."""
+    secrets: dict[str, str]
+    secrets_file: Path | None
+
+    def write_secrets(self) -> None:
+        """The secrets, in a new file only this user can read (O_EXCL: never one planted beforehand)."""
+        if self.secrets_file is None:
+            return
+        import json
+
+        try:
+            fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            raise UserError(
+                f"{self.secrets_file}: already exists (not written by this launch); remove it and relaunch"
+            ) from None
+        except OSError as exc:
+            raise UserError(
+                f"{self.secrets_file}: cannot write the launch's secrets file ({exc.strerror}); launch from "
+                "a folder you can write, on storage every host shares"
+            ) from None
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(self.secrets, handle, ensure_ascii=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def run(self) -> int:
+        """Start the runner, forward a termination to it, and remove the secrets file when it ends.
+
+        Ctrl-C reaches the runner from the terminal itself (one process group), so this process only
+        waits; a SIGTERM or SIGHUP sent to it alone (a scheduler, `kill`) is passed on, and DeepSpeed's
+        runner then stops the remote ranks."""
+        self.write_secrets()
+        try:
+            runner = subprocess.Popen(self.command, cwd=self.runner_cwd, env=self.runner_env)
+
+            def forward(signum: int, _frame: Any) -> None:
+                runner.send_signal(signum)
+
+            previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: None)
+            try:
+                code = runner.wait()
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+        finally:
+            if self.secrets_file is not None:
+                self.secrets_file.unlink(missing_ok=True)
+        return code if code >= 0 else 128 - code
+
+
+def remote_launch(
+    train_args: list[str],
+    entry: Path,
+    values: dict[str, str],
+    workdir: Path,
+    *,
+    hostfile: Path,
+    master_addr: str,
+    master_port: int | None = None,
+    launcher: str | None = None,
+    launcher_args: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RemoteLaunch:
+    """The runner command that starts `entry TRAIN_ARGS` on every host of `hostfile`, in `workdir`, with
+    `values` set (secrets by file), through sdzero.process.rank_entry."""
+    env = dict(os.environ if environ is None else environ)
+    shell_safe_or_refuse("the Python interpreter", sys.executable)
+    runner_cwd = Path(shell_safe_or_refuse("sdzero's folder", str(REPO_ROOT)))
+    workdir = Path(os.path.abspath(workdir))
+    hidden = {k: v for k, v in values.items() if is_secret(k)}
+    plain = {k: v for k, v in values.items() if k not in hidden}
+    secrets_file = workdir / f"{SECRETS_PREFIX}{secrets.token_hex(8)}.json" if hidden else None
+    payload = Payload(
+        cwd=str(workdir),
+        command=[str(entry), *train_args],
+        env=plain,
+        secrets_file=None if secrets_file is None else str(secrets_file),
+    )
+    command = deepspeed_command(
+        [encode_payload(payload)],
+        hostfile=Path(os.path.abspath(hostfile)),  # the runner starts elsewhere: no relative path
+        master_addr=master_addr,
+        master_port=master_port,
+        launcher=launcher,
+        launcher_args=launcher_args,
+        entry=["--module", MODULE],
+        shell_proof=False,  # one base64 word already
+    )
+    exported = deepspeed_exported(env)
+    runner_env = {k: v for k, v in env.items() if k not in exported}
+    runner_env["DS_ENV_FILE"] = os.devnull  # not a regular file: DeepSpeed reads no env file at all
+    return RemoteLaunch(command, runner_cwd, runner_env, plain, hidden, secrets_file)
