@@ -25,11 +25,12 @@ LIBRARY_LOG = "library.log"
 """Rank 0's library chatter, in the run's output folder (sdzero.library_logs)."""
 
 
-def quiet_libraries(rank: int, output_dir: Path | None = None) -> None:
+def quiet_libraries(rank: int, output_dir: Path | None) -> None:
     """DeepSpeed, diffusers and transformers log a lot at INFO; keep warnings, and only on rank 0. Their
     chatter (deprecation warnings, torchvision fallbacks, progress bars of weights loaded and written) goes
-    to <output_dir>/library.log on rank 0 (dropped without `output_dir`, and on the other ranks); library
-    errors and sdzero's own warnings still show."""
+    to <output_dir>/library.log on rank 0 (dropped on the other ranks, and where `output_dir` is None);
+    library errors and sdzero's own warnings still show. `output_dir` has no default: a caller that left it
+    out silently dropped rank 0's chatter (the trainer did, #24)."""
     import diffusers
     import transformers
     from deepspeed.utils import logger as ds_logger

@@ -327,7 +327,7 @@ def join_run(cfg: TrainConfig, ds: DsSettings) -> tuple[Ranks, ResumePoint | Non
     """Start the process group and agree on where the run starts: (this rank's place, the checkpoint to
     resume from or None). Seeds torch for identical initial weights on every rank."""
     ranks = start_distributed(cfg.dist_timeout_s)
-    quiet_libraries(ranks.rank)
+    quiet_libraries(ranks.rank, cfg.output_dir)  # rank 0's library chatter into <output_dir>/library.log
     # A node without the output or data folders: one clear error.
     check_shared_storage(cfg.output_dir, cfg.data, ranks.rank, ranks.world)
     point = find_resume(  # all ranks agree; on another world size with --resume-elastic, converted once

@@ -308,3 +308,81 @@ def test_closing_the_batches_stops_the_loader_workers_which_ignore_sigterm():
     assert workers and all(w.is_alive() for w in workers)
     batches.close()
     assert not any(w.is_alive() for w in workers)
+
+
+@pytest.fixture
+def library_logging_restored(monkeypatch):
+    """quiet_libraries changes process-wide logging (filters, levels, warnings.showwarning, progress bars):
+    put it all back, so that the tests after this one see the libraries as they were."""
+    import logging
+    import warnings
+
+    import diffusers
+    import transformers
+
+    from sdzero.library_logs import LIBRARY_LOGGERS
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    saved = [(lg, lg.level, list(lg.filters), [(h, list(h.filters)) for h in lg.handlers]) for lg in loggers]
+    root_handlers = list(logging.getLogger().handlers)
+    show = warnings.showwarning
+    verbosity = (diffusers.utils.logging.get_verbosity(), transformers.utils.logging.get_verbosity())
+    yield
+    warnings.showwarning = show
+    for lg, level, filters, handlers in saved:
+        lg.setLevel(level)
+        lg.filters[:] = filters
+        lg.__dict__.pop("addHandler", None)  # the filtering addHandler put on the instance
+        for handler, handler_filters in handlers:
+            handler.filters[:] = handler_filters
+    for handler in logging.getLogger().handlers:
+        if handler not in root_handlers:  # logging.basicConfig's, where the root had none
+            logging.getLogger().removeHandler(handler)
+    diffusers.utils.logging.set_verbosity(verbosity[0])
+    transformers.utils.logging.set_verbosity(verbosity[1])
+    diffusers.utils.logging.enable_progress_bar()
+    transformers.utils.logging.enable_progress_bar()
+
+
+def test_joining_a_run_sends_rank_0s_library_chatter_to_library_log(
+    monkeypatch, tmp_path, library_logging_restored
+):
+    """join_run quiets the libraries with the run's output folder: their chatter is kept in library.log
+    (it was dropped when the folder was not passed), and a library's error still reaches the console."""
+    import logging
+    import warnings
+
+    from sdzero.config.train_config import TrainConfig
+    from sdzero.process.distributed import Ranks
+    from sdzero.training.run_output import LIBRARY_LOG
+
+    monkeypatch.setattr(
+        trainer_module, "start_distributed", lambda timeout_s: Ranks(0, 1, 0, torch.device("cpu"))
+    )
+    monkeypatch.setattr(trainer_module, "check_shared_storage", lambda *args: None)
+    monkeypatch.setattr(trainer_module, "find_resume", lambda *args: None)
+    cfg = TrainConfig(
+        deepspeed_config=tmp_path / "ds.json", model="m", data=tmp_path, output_dir=tmp_path / "run"
+    )
+    ranks, point = trainer_module.join_run(cfg, SimpleNamespace(zero_stage=2, dtype="bf16", raw={}))
+    assert ranks.rank == 0 and point is None
+
+    console = []
+    handler = logging.Handler()
+    handler.emit = lambda record: console.append(record.getMessage())  # type: ignore[method-assign]
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    deepspeed_logger.addHandler(handler)
+    try:
+        deepspeed_logger.warning("Setting accelerator to CPU")
+        logging.getLogger("diffusers.models.modeling_utils").warning("a diffusers notice")
+        deepspeed_logger.error("a real DeepSpeed failure")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn_explicit("old API", FutureWarning, "/x/site-packages/torch/c10d_logger.py", 83)
+    finally:
+        deepspeed_logger.removeHandler(handler)
+    text = (cfg.output_dir / LIBRARY_LOG).read_text()
+    assert "Setting accelerator to CPU" in text and "a diffusers notice" in text
+    assert "FutureWarning: old API" in text
+    assert "a real DeepSpeed failure" not in text and console == ["a real DeepSpeed failure"]
