@@ -7,7 +7,6 @@ DeepSpeed JSON (`DsSettings`); the run options (`TrainConfig`) hold only what De
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import typing
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdzero.config.ds_json import check_ds_values, read_ds_json
 from sdzero.config.lr_rule import LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
 from sdzero.config.options import (
     PREDICTION_TYPES,
@@ -89,17 +89,6 @@ def _positive_int(raw: dict[str, Any], key: str, path: Path) -> int | None:
     return value
 
 
-def _find_auto(node: Any, where: str = "") -> str | None:
-    if node == "auto":
-        return where or "<root>"
-    if isinstance(node, dict):
-        for key, value in node.items():
-            found = _find_auto(value, f"{where}.{key}" if where else key)
-            if found:
-                return found
-    return None
-
-
 def load_ds_config(path: Path, world_size: int) -> DsSettings:
     """Load a DeepSpeed JSON and check the batch triple against the world size.
 
@@ -110,32 +99,14 @@ def load_ds_config(path: Path, world_size: int) -> DsSettings:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--deepspeed_config {path}: no such file; pick one of ds_configs/*.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(
-            f"--deepspeed_config {path}: not valid JSON ({exc.msg} at line {exc.lineno})"
-        ) from exc
-    if not isinstance(raw, dict):
-        raise UserError(f"--deepspeed_config {path}: the top level must be a JSON object")
-    auto = _find_auto(raw)
-    if auto:
-        raise UserError(
-            f'{path}: "{auto}" is "auto", which only Hugging Face accelerate resolves; DeepSpeed needs a number'
-        )
+    raw = read_ds_json(path)
+    stage = check_ds_values(raw, path)  # "auto", precision blocks, stage, optimizer: one line each
 
-    bf16 = bool(raw.get("bf16", {}).get("enabled", False)) or bool(raw.get("bfloat16", {}).get("enabled"))
+    bf16 = any(raw.get(name, {}).get("enabled", False) for name in ("bf16", "bfloat16"))
     fp16 = bool(raw.get("fp16", {}).get("enabled", False))
     if bf16 and fp16:
         raise UserError(f"{path}: both fp16 and bf16 are enabled; enable one of them")
     dtype = "bf16" if bf16 else "fp16" if fp16 else "fp32"
-
-    zero = raw.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise UserError(f'{path}: "zero_optimization" must be an object')
-    stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise UserError(f'{path}: "zero_optimization.stage" must be 0, 1, 2 or 3, got {stage!r}')
 
     total = _positive_int(raw, "train_batch_size", path)
     micro = _positive_int(raw, "train_micro_batch_size_per_gpu", path)
