@@ -7,6 +7,7 @@ DeepSpeed JSON (`DsSettings`); the run options (`TrainConfig`) hold only what De
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import typing
@@ -201,11 +202,8 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
             )
         check_output_dir(self.output_dir)
         local = Path(self.model)
-        if local.exists() and not (local / "model_index.json").is_file():
-            raise UserError(
-                f"--model {self.model}: folder has no model_index.json; pass a diffusers pipeline folder "
-                "(for example one written by `sdzero tiny-model`) or a hub id"
-            )
+        if local.exists():
+            check_model_folder(local, self.model)
 
     def _check_cache_options(self) -> None:
         if self.cache_dir is None:
@@ -297,6 +295,24 @@ def check_output_dir(output_dir: Path, flag: str = "--output-dir") -> None:
                 what = "is" if part == output_dir else f"is under {part}, which is"
                 raise UserError(f"{flag} {output_dir} {what} a file, not a folder; choose another {flag}")
             return
+
+
+def check_model_folder(local: Path, model: str) -> None:
+    """A local --model has a model_index.json holding a JSON object: every reader of it (family detection,
+    the cache, export) assumes one, and a list or non-UTF-8 bytes would end in a traceback there."""
+    index = local / "model_index.json"
+    pipeline = "pass a diffusers pipeline folder (for example one written by `sdzero tiny-model`) or a hub id"
+    if not index.is_file():
+        raise UserError(f"--model {model}: folder has no model_index.json; {pipeline}")
+    try:
+        raw = json.loads(index.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise UserError(f"--model {model}: model_index.json is unreadable ({first}); {pipeline}") from None
+    if not isinstance(raw, dict):
+        raise UserError(
+            f"--model {model}: model_index.json is a JSON {type(raw).__name__}, not an object; {pipeline}"
+        )
 
 
 def check_keep_last(keep_last: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,165 @@ def test_the_auto_check_reaches_into_lists_and_names_the_item(tmp_path):
     config["tensorboard"] = {"runs": [{"name": "a"}, {"name": "auto"}]}
     with pytest.raises(UserError, match=r'"tensorboard\.runs\[1\]\.name" is "auto"'):
         load_ds_config(write_bad(tmp_path / "ds.json", config), world_size=1)
+
+
+# ------------------------------------------------------------------ other inputs read before a launch
+
+
+def trainer_line(tmp_path: Path, tiny_model: Path, data: Path, capsys, model: Path | None = None) -> str:
+    """Run the trainer's main (launcher variables set by the caller) on a good config: its one line."""
+    from launch import fp32_config, write_config
+
+    from sdzero.train import main
+
+    config = write_config(tmp_path / "good.json", fp32_config(2))
+    argv = ["--deepspeed_config", str(config), "--model", str(model or tiny_model), "--data", str(data)]
+    code = main([*argv, "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USER_ERROR and err.startswith("sdzero: error:") and "\n" not in err, err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    return err
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ('["000000.png", "a caption"]', "line 2: a JSON list, not an object"),
+        ("42", "line 2: a JSON int, not an object"),
+        (
+            '{"file_name": "000000.png\\u0000.png", "text": "x"}',
+            "row 2: file_name '000000.png\\x00.png' holds a NUL",
+        ),
+        ('{"file_name": "000000.png", "text": "x"', "line 2: not valid JSON"),
+    ],
+    ids=["array", "number", "NUL in file_name", "broken line"],
+)
+def test_a_bad_metadata_line_is_one_line_naming_it(
+    line, says, tmp_path, tiny_model, synth_data, launched, capsys
+):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "000000.png").write_bytes((synth_data / "000000.png").read_bytes())
+    (data / "metadata.jsonl").write_text('{"file_name": "000000.png", "text": "a"}\n' + line + "\n")
+    err = trainer_line(tmp_path, tiny_model, data, capsys)
+    assert f"{data / 'metadata.jsonl'}" in err and says in err, err
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b'["StableDiffusionPipeline"]', "is a JSON list, not an object"),
+        (b'{"_class_name": "\xff"}', "unreadable"),
+    ],
+    ids=["a list", "not UTF-8"],
+)
+def test_a_model_index_that_is_not_an_object_is_one_line(
+    content, says, tmp_path, tiny_model, synth_data, launched, capsys
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "model_index.json").write_bytes(content)
+    err = trainer_line(tmp_path, tiny_model, synth_data, capsys, model=model)
+    assert f"--model {model}: model_index.json" in err and says in err, err
+
+
+def test_the_cache_command_refuses_a_list_model_index_in_one_line(
+    tmp_path, tiny_model, synth_data, monkeypatch, capsys
+):
+    from sdzero import cli
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "model_index.json").write_text("[1, 2]")
+    out = tmp_path / "cache"
+    argv = ["sdzero", "cache", "--model", str(model), "--data", str(synth_data), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == EXIT_USER_ERROR and err.startswith("sdzero: error:") and "\n" not in err
+    assert "model_index.json is a JSON list, not an object" in err and not out.exists()
+
+
+def png_header_claiming(width: int, height: int) -> bytes:
+    """A PNG whose IHDR claims width x height pixels and whose data is empty: PIL reads the size from the
+    header alone (what a decompression bomb relies on)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize(
+    ("side", "says"),
+    [(100_000, "could be decompression bomb"), (9_000, "its header claims 9000x9000 pixels, over the")],
+    ids=["PIL's own limit", "the report's limit"],
+)
+def test_a_validation_image_claiming_a_huge_size_is_skipped_and_the_report_written(side, says, tmp_path):
+    from report_fixtures import write_training_run
+    from typer.testing import CliRunner
+
+    from advisor.cli import app
+    from sdzero.training.validation import step_folder
+
+    run = write_training_run(tmp_path / "run", resumed_at=None, checkpoints=(), validation_steps=(2, 4))
+    bomb = step_folder(run / "validation", 4) / "00_script-alert-1-script.png"
+    bomb.write_bytes(png_header_claiming(side, side))
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(app, ["report", "--run", str(run), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and "Traceback" not in result.output
+    page = out.read_text()
+    assert "validation/step_00000004/00_script-alert-1-script.png: not a readable image" in page
+    assert says in page
+    assert page.count("data:image/jpeg;base64,") >= 3  # the other images are still shown
+
+
+def test_a_checkpoint_zero_to_fp32_cannot_read_is_one_line_in_export(
+    tmp_path, tiny_model, monkeypatch, capsys
+):
+    """DeepSpeed's own ValueError (a ZeRO-2 checkpoint of 2 ranks holding 1 optimizer shard, sealed by a
+    matching manifest) reached the user as a traceback; now: one line naming the checkpoint, exit 2."""
+    import torch
+    from payloads import reseal
+
+    from sdzero import cli
+    from sdzero.checkpoint.manifest import MANIFEST
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000001"
+    checkpoint.mkdir(parents=True)
+    model_states = {"module": {}, "buffer_names": [], "param_shapes": [{}], "shared_params": {}}
+    torch.save(model_states, checkpoint / "mp_rank_00_model_states.pt")
+    optimizer = {"zero_stage": 2, "partition_count": 2, "single_partition_of_fp32_groups": [torch.zeros(4)]}
+    torch.save({"optimizer_state_dict": optimizer}, checkpoint / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    manifest = {
+        "zero_stage": 2,
+        "dtype": "fp32",
+        "world_size": 2,
+        "seed": 0,
+        "model": str(tiny_model),
+        "prediction_type": "epsilon",
+        "tag": checkpoint.name,
+        "step": 1,
+        "serial": 1,
+        "ema": False,
+        "files": {},
+    }
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    reseal(checkpoint)
+    out = tmp_path / "exported"
+    monkeypatch.setattr(sys, "argv", ["sdzero", "export", str(checkpoint), str(out)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == EXIT_USER_ERROR and err.startswith("sdzero: error:") and "\n" not in err, (
+        err
+    )
+    assert f"{checkpoint}: DeepSpeed's zero_to_fp32 cannot consolidate" in err and "Expected 2 of" in err
+    assert not out.exists()
