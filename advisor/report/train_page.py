@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from PIL import Image
 
 from advisor.report import figures
 from advisor.report.page import (
@@ -399,11 +400,23 @@ def shown_steps(count: int, limit: int = MAX_VALIDATION_ROWS) -> list[int]:
     return sorted({round(i * (count - 1) / (limit - 1)) for i in range(limit)})
 
 
+MAX_SOURCE_PIXELS = 64 * 1024 * 1024
+"""Largest validation image the report decodes (64 Mpx, 8192x8192): the trainer writes images at the
+training resolution, so a bigger one was put there by someone else; decoding a header that claims
+100000x100000 would allocate 30 GB."""
+
+
 def thumbnail_uri(path: Path) -> str:
     """A JPEG data URI of the image scaled to THUMBNAIL_PX at most (never enlarged); OSError if unreadable."""
-    from PIL import Image
-
-    with Image.open(path) as image:
+    with warnings.catch_warnings():  # PIL's DecompressionBombWarning: the size is checked just below
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        opened = Image.open(path)
+    with opened as image:
+        if image.width * image.height > MAX_SOURCE_PIXELS:  # from the header alone, before any decode
+            raise Image.DecompressionBombError(
+                f"its header claims {image.width}x{image.height} pixels, over the {MAX_SOURCE_PIXELS} a "
+                "validation image can have"
+            )
         image.draft("RGB", (THUMBNAIL_PX, THUMBNAIL_PX))  # JPEG sources decode at a fraction of their size
         small = image.convert("RGB")
     small.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX), Image.Resampling.LANCZOS)
@@ -427,7 +440,9 @@ def validation_section(run: TrainingRun) -> Section:
         for prompt, path in s.images:
             try:
                 cells[prompt] = thumbnail_uri(path)
-            except (OSError, ValueError) as exc:  # a PNG cut short by a killed run: said, not fatal
+            # A PNG cut short by a killed run, or one whose header claims a huge size (PIL's decompression
+            # bomb, which is neither an OSError nor a ValueError): said, not fatal.
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:
                 run.notes.append(f"{path.relative_to(run.folder)}: not a readable image ({exc}); left out.")
         rows.append((f"step {s.step}", [cells.get(p) for p in prompts]))
     caption = CAPTIONS["validation"]

@@ -160,7 +160,24 @@ def consolidated_weights(path: Path, zero_stage: int) -> dict[str, torch.Tensor]
         contextlib.redirect_stdout(quiet),
         contextlib.redirect_stderr(quiet),
     ):
-        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            IndexError,
+            OSError,
+            NotImplementedError,
+        ) as exc:
+            # Its own checks (shard counts, stage, padding) are ValueErrors, and a state dict missing a
+            # key its reader expects a KeyError: each a traceback for a checkpoint a user cannot fix.
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"{path}: DeepSpeed's zero_to_fp32 cannot consolidate this checkpoint ({first}); export "
+                "another one (pass its folder, or the run folder for the newest complete one)"
+            ) from None
     return {k: v.contiguous() for k, v in state.items()}
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdzero.config.ds_json import check_ds_values, read_ds_json
 from sdzero.config.lr_rule import LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
 from sdzero.config.options import (
     PREDICTION_TYPES,
@@ -89,17 +90,6 @@ def _positive_int(raw: dict[str, Any], key: str, path: Path) -> int | None:
     return value
 
 
-def _find_auto(node: Any, where: str = "") -> str | None:
-    if node == "auto":
-        return where or "<root>"
-    if isinstance(node, dict):
-        for key, value in node.items():
-            found = _find_auto(value, f"{where}.{key}" if where else key)
-            if found:
-                return found
-    return None
-
-
 def load_ds_config(path: Path, world_size: int) -> DsSettings:
     """Load a DeepSpeed JSON and check the batch triple against the world size.
 
@@ -110,32 +100,14 @@ def load_ds_config(path: Path, world_size: int) -> DsSettings:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--deepspeed_config {path}: no such file; pick one of ds_configs/*.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(
-            f"--deepspeed_config {path}: not valid JSON ({exc.msg} at line {exc.lineno})"
-        ) from exc
-    if not isinstance(raw, dict):
-        raise UserError(f"--deepspeed_config {path}: the top level must be a JSON object")
-    auto = _find_auto(raw)
-    if auto:
-        raise UserError(
-            f'{path}: "{auto}" is "auto", which only Hugging Face accelerate resolves; DeepSpeed needs a number'
-        )
+    raw = read_ds_json(path)
+    stage = check_ds_values(raw, path)  # "auto", precision blocks, stage, optimizer: one line each
 
-    bf16 = bool(raw.get("bf16", {}).get("enabled", False)) or bool(raw.get("bfloat16", {}).get("enabled"))
+    bf16 = any(raw.get(name, {}).get("enabled", False) for name in ("bf16", "bfloat16"))
     fp16 = bool(raw.get("fp16", {}).get("enabled", False))
     if bf16 and fp16:
         raise UserError(f"{path}: both fp16 and bf16 are enabled; enable one of them")
     dtype = "bf16" if bf16 else "fp16" if fp16 else "fp32"
-
-    zero = raw.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise UserError(f'{path}: "zero_optimization" must be an object')
-    stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise UserError(f'{path}: "zero_optimization.stage" must be 0, 1, 2 or 3, got {stage!r}')
 
     total = _positive_int(raw, "train_batch_size", path)
     micro = _positive_int(raw, "train_micro_batch_size_per_gpu", path)
@@ -230,11 +202,8 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
             )
         check_output_dir(self.output_dir)
         local = Path(self.model)
-        if local.exists() and not (local / "model_index.json").is_file():
-            raise UserError(
-                f"--model {self.model}: folder has no model_index.json; pass a diffusers pipeline folder "
-                "(for example one written by `sdzero tiny-model`) or a hub id"
-            )
+        if local.exists():
+            check_model_folder(local, self.model)
 
     def _check_cache_options(self) -> None:
         if self.cache_dir is None:
@@ -326,6 +295,24 @@ def check_output_dir(output_dir: Path, flag: str = "--output-dir") -> None:
                 what = "is" if part == output_dir else f"is under {part}, which is"
                 raise UserError(f"{flag} {output_dir} {what} a file, not a folder; choose another {flag}")
             return
+
+
+def check_model_folder(local: Path, model: str) -> None:
+    """A local --model has a model_index.json holding a JSON object: every reader of it (family detection,
+    the cache, export) assumes one, and a list or non-UTF-8 bytes would end in a traceback there."""
+    index = local / "model_index.json"
+    pipeline = "pass a diffusers pipeline folder (for example one written by `sdzero tiny-model`) or a hub id"
+    if not index.is_file():
+        raise UserError(f"--model {model}: folder has no model_index.json; {pipeline}")
+    try:
+        raw = json.loads(index.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise UserError(f"--model {model}: model_index.json is unreadable ({first}); {pipeline}") from None
+    if not isinstance(raw, dict):
+        raise UserError(
+            f"--model {model}: model_index.json is a JSON {type(raw).__name__}, not an object; {pipeline}"
+        )
 
 
 def check_keep_last(keep_last: int) -> None:

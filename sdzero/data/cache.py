@@ -8,13 +8,16 @@ Layout of a cache folder (no pickle anywhere):
     shard-00001.safetensors     posterior mean and std (and those of the mirrored image with --flip both),
     ...                         every text embedding the family's `encode_prompts` returns, and SDXL's
                                 original_size / crop_top_left / target_size
-    cache.json                  the index: what made it, every sample's file name, shard and size; written
-                                last, so its presence means the build is complete
+    cache.json                  the index: what made it, every sample's file name, shard and size, every
+                                shard's byte count and sha256; written last, so its presence means the
+                                build is complete
 
 The posterior mean and std are stored, not one latent sample, so that every epoch still draws its own
 posterior sample from the sample's `latent_eps`, exactly as online encoding does. Shards are written
 under a temporary name and renamed: a killed build leaves only complete shards, and rerunning the same
-command skips them. This module holds what both sides share and the training side; the build is in
+command skips them. The index is trusted only as far as it is proven: a run checks every shard's size
+against it, and its sha256 too when the whole cache is at most FULL_CHECK_MAX_BYTES (`shard_problems`).
+This module holds what both sides share and the training side; the build is in
 sdzero.data.cache_build.
 """
 
@@ -52,6 +55,10 @@ FLIP_POLICIES = ("none", "both")
 # uses them. Registry order; run_identity.model_fingerprint hashes them in this order.
 TRAINED_NETS = tuple(dict.fromkeys(family.subfolder for family in FAMILIES))
 SKIPPED_PARTS = (*TRAINED_NETS, "scheduler")
+FULL_CHECK_MAX_BYTES = 1 << 30
+"""Caches up to this size have every shard's sha256 checked when a run opens them: one sequential read of
+the cache per rank before training. Above it a run checks sizes only (a stat per shard: this catches
+truncation, not a flipped byte), and rerunning `sdzero cache` on the folder checks every sha256."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -68,10 +75,27 @@ def _model_file(model: str, relpath: str) -> Path:
 
 
 def _read_json(model: str, relpath: str) -> dict[str, Any]:
+    """A config file of the model as a JSON object, or one UserError (a list, bytes that are not UTF-8 or
+    broken JSON would otherwise surface as an AttributeError or UnicodeDecodeError traceback)."""
     try:
-        return json.loads(_model_file(model, relpath).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"--model {model}: cannot read {relpath} ({exc})") from exc
+        raw = json.loads(_model_file(model, relpath).read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"--model {model}: cannot read {relpath} ({first}); pass a diffusers pipeline folder"
+        ) from None
+    if not isinstance(raw, dict):
+        raise UserError(
+            f"--model {model}: {relpath} is a JSON {type(raw).__name__}, not an object; pass a diffusers "
+            "pipeline folder (for example one written by `sdzero tiny-model`)"
+        )
+    return raw
+
+
+def check_model_index(model: str) -> None:
+    """A local model folder's model_index.json is a JSON object (what every reader of it assumes)."""
+    if Path(model).is_dir():
+        _read_json(model, "model_index.json")
 
 
 @dataclass(frozen=True)
@@ -205,6 +229,7 @@ def run_spec(
     max_sequence_length: int | None = None,
 ) -> tuple[CacheSpec, list[Record], list[list[Any]]]:
     """The spec a run with these options needs (used by the cache build and by training alike)."""
+    check_model_index(model)  # before detect_family, which assumes an object
     family = detect_family(model)
     geometry = net_geometry(model)
     res = resolution or geometry.native_resolution
@@ -270,6 +295,36 @@ def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shard_problems(folder: Path, raw: dict[str, Any], full: bool) -> list[str]:
+    """One phrase per shard of the index that is not what the build committed: missing, another size
+    (truncated or appended to), or, with `full`, content that does not match its recorded sha256. An index
+    written before sha256 sums were recorded gets the size check only."""
+    problems = []
+    for k, entry in enumerate(raw["shards"]):
+        path = Path(folder) / shard_name(k)
+        try:
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                problems.append(f"{path} has {size} bytes, {INDEX_NAME} says {entry['bytes']} (truncated?)")
+            elif full and "sha256" in entry and file_sha256(path) != entry["sha256"]:
+                problems.append(f"{path} does not match its sha256 in {INDEX_NAME} (corrupted)")
+        except FileNotFoundError:
+            problems.append(f"{path} is missing")
+    return problems
+
+
+def cache_bytes(raw: dict[str, Any]) -> int:
+    return sum(int(entry["bytes"]) for entry in raw["shards"])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Training from a cache
 
@@ -307,7 +362,34 @@ def read_index(index_path: Path) -> dict[str, Any]:
             [int(x) for x in sample["size"]]
     except (TypeError, KeyError, ValueError) as exc:
         raise UserError(f"{index_path} is damaged (a malformed entry: {exc!r}); {rebuild}") from None
+    wrong = _bad_shard_entry(raw)
+    if wrong:
+        raise UserError(f"{index_path} is damaged ({wrong}); {rebuild}")
     return raw
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bad_shard_entry(raw: dict[str, Any]) -> str | None:
+    """What is wrong with the index's shard list or a sample's shard number, as a phrase; None if nothing.
+    Checked here so that a hand-edited index fails before launch, not as an IndexError in a worker."""
+    for k, entry in enumerate(raw["shards"]):
+        if (
+            not isinstance(entry, dict)
+            or entry.get("file") != shard_name(k)
+            or not _is_count(entry.get("bytes"))
+        ):
+            return f"shard entry {k} is not {{'file': {shard_name(k)!r}, 'bytes': <count>, ...}}"
+        if "sha256" in entry and not (isinstance(entry["sha256"], str) and len(entry["sha256"]) == 64):
+            return f"shard entry {k} has a malformed sha256"
+    n = len(raw["shards"])
+    for i, sample in enumerate(raw["samples"]):
+        shard = sample.get("shard")
+        if not _is_count(shard) or shard >= n:
+            return f"sample {i} names shard {shard!r}; the index lists {n} shard(s)"
+    return None
 
 
 def open_cache(
@@ -347,6 +429,13 @@ def open_cache(
         raise UserError(
             f"--cache-dir {cache_dir} does not match this run: {'; '.join(diff)} (cache vs run). Rebuild it "
             f"(`{rebuild}` with the run's --resolution/--dtype/--flip) or train without --cache-dir"
+        )
+    problems = shard_problems(cache_dir, raw, full=cache_bytes(raw) <= FULL_CHECK_MAX_BYTES)
+    if problems:
+        more = f" (and {len(problems) - 1} more damaged shard(s))" if len(problems) > 1 else ""
+        raise UserError(
+            f"--cache-dir {cache_dir}: {problems[0]}{more}; rerun the `sdzero cache ... --out {cache_dir}` "
+            "command that built it (same options): it checks every shard and rebuilds the damaged ones"
         )
     return CacheIndex(cache_dir, cached, raw)
 

@@ -2,16 +2,22 @@
 
 Shard k is built by rank k mod world. A shard is written under a temporary name and renamed into place,
 with the spec's digest and its position range in its metadata, so a killed build leaves only complete
-shards and rerunning the same command skips exactly those. Rank 0 writes `cache.json` once every shard is
-there. See sdzero.data.cache for the layout and docs/caching.md for the user's view.
+shards and rerunning the same command skips exactly those; the temporary files a kill leaves are removed
+by the next build. Each rank hashes the shards it holds, and rank 0 writes `cache.json`, with every shard's
+size and sha256, once every shard is there. Rerunning the command on a complete cache checks every shard
+against those and rebuilds the damaged ones. Rank 0 holds the folder's one-live-run lock for the build
+(sdzero.config.output_lock): a second build into the folder is refused. See sdzero.data.cache for the
+layout and docs/caching.md for the user's view.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ import numpy as np
 import torch
 
 from sdzero.atomic import write_json_atomic
+from sdzero.config.output_lock import LOCK_NAME, claim_output_dir, release_output_dir
 from sdzero.data.buckets import assign_buckets, image_sizes
 from sdzero.data.cache import (
     BUILD_NAME,
@@ -28,9 +35,11 @@ from sdzero.data.cache import (
     INDEX_NAME,
     CacheSpec,
     differences,
+    file_sha256,
     read_index,
     run_spec,
     shard_name,
+    shard_problems,
     spec_from,
 )
 from sdzero.data.images import Record, open_rgb, resize_and_crop
@@ -217,18 +226,56 @@ def _check_build_options(flip: str, dtype: str, shard_size: int, batch_size: int
         raise UserError("--shard-size and --batch-size must be at least 1")
 
 
-def _finished_build(out: Path, spec: CacheSpec, rows: list[list[Any]]) -> BuildResult | None:
+TMP_MARK = ".tmp-"
+
+
+def _tmp_name(path: Path) -> Path:
+    """Where a shard is written before its rename: hidden, and marked with the writer's pid."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def _leftovers(out: Path) -> list[Path]:
+    """Temporary shard files in `out`: what a killed build leaves (never read as shards: another name)."""
+    return sorted(p for p in out.glob(f".shard-*.safetensors{TMP_MARK}*") if p.is_file())
+
+
+def _refuse_foreign(out: Path) -> None:
+    """`out` must be new, empty, or a cache folder (its lock file and a killed build's temporary files do
+    not count): a build never writes into, or takes the lock of, a folder that holds something else."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder; choose a new folder for the cache")
+    if not out.is_dir() or (out / INDEX_NAME).is_file() or (out / BUILD_NAME).is_file():
+        return
+    ignored = {LOCK_NAME, *(p.name for p in _leftovers(out))}
+    if any(p.name not in ignored for p in out.iterdir()):
+        raise UserError(f"--out {out} exists and is not a cache folder; choose an empty or new folder")
+
+
+def _finished_build(out: Path, spec: CacheSpec, rows: list[list[Any]], rank: int) -> BuildResult | None:
     """The result of a build already complete in `out` with these settings, None if there is work left;
-    refuses a folder that holds something else (another build's cache, or anything not a cache)."""
+    refuses a folder that holds another build's cache.
+
+    A complete cache is checked shard by shard (size and sha256, a read of the whole cache): rank 0 deletes
+    the damaged shards, and every rank goes on to build, which rebuilds exactly what is missing. The
+    verdicts agree across ranks: a rank that checks after rank 0's deletions finds those shards missing."""
     if (out / INDEX_NAME).is_file():
         index = read_index(out / INDEX_NAME)
         _refuse_other(out, spec_from(index["spec"]), index["data_files"], spec, rows)
-        return BuildResult(out, len(index["samples"]), len(index["shards"]), 0, 0, 0.0, already_complete=True)
+        problems = shard_problems(out, index, full=True)
+        if not problems:
+            return BuildResult(
+                out, len(index["samples"]), len(index["shards"]), 0, 0, 0.0, already_complete=True
+            )
+        if rank == 0:
+            for problem in problems:
+                log.warning("%s: rebuilding it", problem)
+            for k in range(len(index["shards"])):
+                if any(problem.startswith(f"{out / shard_name(k)} ") for problem in problems):
+                    (out / shard_name(k)).unlink(missing_ok=True)
+        return None
     if (out / BUILD_NAME).is_file():
         build = json.loads((out / BUILD_NAME).read_text())
         _refuse_other(out, spec_from(build["spec"]), build["data_files"], spec, rows)
-    elif out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} exists and is not a cache folder; choose an empty or new folder")
     return None
 
 
@@ -259,7 +306,7 @@ def _plan(
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _tmp_name(path)
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)  # the commit: a shard is either complete under its name or absent
 
@@ -272,24 +319,46 @@ def _build_my_shards(
     batch_size: int,
     device: torch.device,
     stop_after_shards: int | None,
-) -> tuple[int, int]:
+) -> tuple[int, int, dict[int, str]]:
     """Encode and commit this rank's shards (k % world == rank), skipping those already committed;
-    returns (built, skipped)."""
+    returns (built, skipped, the sha256 of each of its shards: read back while it is in the page cache)."""
     built = skipped = 0
     digest = plan.spec.digest
+    sums: dict[int, str] = {}
     for k in range(ranks.rank, plan.n_shards, ranks.world):
         path, first, items = out / shard_name(k), k * plan.shard_size, plan.shard_items(k)
         if path.is_file() and _shard_done(path, digest, first, len(items)):
             skipped += 1
+            sums[k] = file_sha256(path)
             continue
         tensors = _encode_shard(comps, items, plan.spec.flip, batch_size, device)
         meta = {"spec": digest, "rank": str(ranks.rank), "first": str(first), "count": str(len(items))}
         _write_shard(path, tensors, meta)
+        sums[k] = file_sha256(path)
         built += 1
         log.info("rank %d: shard %d of %d written (%d samples)", ranks.rank, k + 1, plan.n_shards, len(items))
         if stop_after_shards is not None and built >= stop_after_shards:
             raise BuildInterrupted(f"stopped after {built} shard(s), as asked")
-    return built, skipped
+    return built, skipped, sums
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path, rank: int) -> Iterator[None]:
+    """Rank 0 holds `out`'s one-live-run lock for the build (the kernel drops it if the process dies)."""
+    if rank == 0:
+        claim_output_dir(out, flag="--out")
+    try:
+        yield
+    finally:
+        if rank == 0:
+            release_output_dir(out)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """A killed build's temporary files; none is being written now (this process holds the lock)."""
+    for leftover in _leftovers(out):
+        leftover.unlink(missing_ok=True)
+        log.info("removed %s, left by an interrupted build", leftover)
 
 
 def build_cache(
@@ -307,41 +376,46 @@ def build_cache(
     stop_after_shards: int | None = None,
 ) -> BuildResult:
     """Encode every readable image of `data` into `out`; this process builds shards k with k % world == rank."""
+    from sdzero.config.train_config import rank_from_env
     from sdzero.models.loading import load_components
 
     _check_build_options(flip, dtype, shard_size, batch_size)
     start = time.perf_counter()
     out, data = Path(out), Path(data)
     spec, records, rows = run_spec(model, data, resolution, buckets, flip, dtype, max_sequence_length)
-    finished = _finished_build(out, spec, rows)
-    if finished is not None:
-        return finished
+    _refuse_foreign(out)  # before the lock, which would create a lock file in a foreign folder
+    with _build_lock(out, rank_from_env()):
+        finished = _finished_build(out, spec, rows, rank_from_env())
+        if finished is not None:
+            return finished
+        ranks = _Ranks()
+        try:
+            if ranks.rank == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                _remove_leftovers(out)
+                write_json_atomic(
+                    out / BUILD_NAME, {"format": CACHE_FORMAT, "spec": asdict(spec), "data_files": rows}
+                )
+            plan = _plan(ranks, spec, records, rows, shard_size, max_bad_fraction, data)
+            ranks.barrier()  # build.json exists (and the leftovers are gone) before anyone writes a shard
 
-    ranks = _Ranks()
-    try:
-        if ranks.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(
-                out / BUILD_NAME, {"format": CACHE_FORMAT, "spec": asdict(spec), "data_files": rows}
+            device = torch.device(
+                f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
             )
-        plan = _plan(ranks, spec, records, rows, shard_size, max_bad_fraction, data)
-        ranks.barrier()  # build.json exists before anyone writes a shard
-
-        device = torch.device(
-            f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-        )
-        comps = load_components(model, dtype, device, max_sequence_length=max_sequence_length)
-        built, skipped = _build_my_shards(out, plan, comps, ranks, batch_size, device, stop_after_shards)
-        ranks.barrier()  # every shard is committed
-        if ranks.rank == 0:
-            _write_index(out, data, plan, comps, time.perf_counter() - start)
-        ranks.barrier()
-    finally:
-        ranks.close()
+            comps = load_components(model, dtype, device, max_sequence_length=max_sequence_length)
+            built, skipped, mine = _build_my_shards(
+                out, plan, comps, ranks, batch_size, device, stop_after_shards
+            )
+            sums = {k: digest for share in ranks.gather(mine) for k, digest in share.items()}  # collective
+            if ranks.rank == 0:
+                _write_index(out, data, plan, comps, sums, time.perf_counter() - start)
+            ranks.barrier()
+        finally:
+            ranks.close()
     return BuildResult(out, len(plan.good), plan.n_shards, built, skipped, time.perf_counter() - start)
 
 
-def _shard_entries(out: Path, plan: _Plan) -> tuple[list[dict[str, Any]], set[str]]:
+def _shard_entries(out: Path, plan: _Plan, sums: dict[int, str]) -> tuple[list[dict[str, Any]], set[str]]:
     """cache.json's entry of every shard, each checked committed, and the text embeddings' names."""
     from safetensors import safe_open
 
@@ -365,13 +439,16 @@ def _shard_entries(out: Path, plan: _Plan) -> tuple[list[dict[str, Any]], set[st
                 "first": int(meta["first"]),
                 "count": int(meta["count"]),
                 "bytes": path.stat().st_size,
+                "sha256": sums[k],
             }
         )
     return shards, cond_keys
 
 
-def _write_index(out: Path, data: Path, plan: _Plan, comps: Any, seconds: float) -> None:
-    shards, cond_keys = _shard_entries(out, plan)
+def _write_index(
+    out: Path, data: Path, plan: _Plan, comps: Any, sums: dict[int, str], seconds: float
+) -> None:
+    shards, cond_keys = _shard_entries(out, plan, sums)
     index = {
         "format": CACHE_FORMAT,
         "spec": asdict(plan.spec),

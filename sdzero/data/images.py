@@ -9,6 +9,7 @@ exact. The worker only produces tensors (a sample's `StepInput`, joined into mic
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ def read_metadata(folder: Path) -> list[Record]:
         )
     try:
         if meta.suffix == ".jsonl":
-            table = pd.read_json(meta, lines=True, dtype=False)
+            table = read_jsonl(meta)
         elif meta.suffix == ".csv":
             table = pd.read_csv(meta, dtype=str, keep_default_na=False)
         else:
@@ -83,9 +84,34 @@ def read_metadata(folder: Path) -> list[Record]:
     ]
 
 
+def read_jsonl(meta: Path) -> pd.DataFrame:
+    """The JSONL metadata as a table, each line checked to be one JSON object: pandas reports a line that
+    is an array or a number only as "dictionary update sequence element #0 has length 5", with no line."""
+    rows = []
+    with open(meta, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(
+                    f"{meta} line {number}: not valid JSON ({exc.msg}); fix or remove that line"
+                ) from None
+            if not isinstance(row, dict):
+                raise UserError(
+                    f"{meta} line {number}: a JSON {type(row).__name__}, not an object; each line must be "
+                    '{"file_name": ..., "text": ...}'
+                )
+            rows.append(row)
+    return pd.DataFrame.from_records(rows) if rows else pd.DataFrame(columns=["file_name", "text"])
+
+
 def inside(folder: Path, meta: Path, row: int, name: str) -> Path:
     """`folder/name`, refused unless it stays inside `folder` once symlinks are followed: a metadata file
     from elsewhere must not make the trainer (or a cache build) read /etc/passwd or another user's files."""
+    if "\0" in name:  # no file has one; the path calls below would raise a ValueError traceback
+        raise UserError(f"{meta} row {row}: file_name {name!r} holds a NUL character; fix that row")
     path = folder / name
     if Path(name).is_absolute() or not path.resolve().is_relative_to(folder.resolve()):
         raise UserError(

@@ -70,6 +70,7 @@ def test_interrupted_build_resumes_without_redoing_committed_shards(tiny_model, 
     (out / shard_name(2)).write_bytes(b"not a safetensors file")
     result = build_cache(str(tiny_model), synth_data, out, dtype="fp32", shard_size=16)
     assert (result.skipped_here, result.built_here, result.shards, result.samples) == (1, 3, 4, 64)
+    assert not (out / f".{shard_name(1)}.tmp-999").exists()  # the killed build's temp file: removed
     again = (out / shard_name(0)).stat()
     assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # not rewritten
     index = json.loads((out / INDEX_NAME).read_text())
@@ -252,3 +253,22 @@ def test_a_corrupt_index_is_one_clear_error(tmp_path, text, expected):
         open_cache(tmp_path, "no-model", tmp_path, None, False, "fp32", False)
     message = str(err.value)
     assert expected in message and "rebuild the cache" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("shards", "samples", "expected"),
+    [
+        ([{"file": "../x", "bytes": 1}], [{"shard": 0}], "shard entry 0 is not"),
+        ([{"file": "shard-00000.safetensors", "bytes": True}], [{"shard": 0}], "shard entry 0 is not"),
+        ([{"file": "shard-00000.safetensors", "bytes": 1, "sha256": 5}], [], "malformed sha256"),
+        ([{"file": "shard-00000.safetensors", "bytes": 1}], [{"shard": 1}], "sample 0 names shard 1"),
+        ([{"file": "shard-00000.safetensors", "bytes": 1}], [{"shard": "0"}], "sample 0 names shard '0'"),
+    ],
+)
+def test_shard_entries_and_sample_shard_numbers_are_checked_before_launch(shards, samples, expected):
+    """A hand-edited index fails as one line before launch, not as an IndexError in a loader worker."""
+    from sdzero.data.cache import _bad_shard_entry
+
+    assert expected in _bad_shard_entry({"shards": shards, "samples": samples})
+    good = [{"file": "shard-00000.safetensors", "bytes": 1, "sha256": "0" * 64}]
+    assert _bad_shard_entry({"shards": good, "samples": [{"shard": 0}]}) is None

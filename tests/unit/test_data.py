@@ -61,7 +61,7 @@ def test_metadata_errors(tmp_path):
     with pytest.raises(UserError, match="missing column"):
         read_metadata(tmp_path)
     (tmp_path / "metadata.jsonl").write_text("{not json\n")
-    with pytest.raises(UserError, match="cannot be parsed"):
+    with pytest.raises(UserError, match="line 1: not valid JSON"):
         read_metadata(tmp_path)
 
 
