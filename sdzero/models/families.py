@@ -432,9 +432,15 @@ def read_model_index(model: str) -> dict[str, Any]:
                 "pass a diffusers pipeline folder, or check the hub id and network / HF_HUB_OFFLINE"
             ) from exc
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        index = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"--model {model}: unreadable model_index.json ({exc})") from exc
+    if not isinstance(index, dict):  # a list or a number would fail later as an AttributeError
+        raise UserError(
+            f"--model {model}: model_index.json holds a JSON {type(index).__name__}, not an object; "
+            "pass a diffusers pipeline folder (its model_index.json names the pipeline class)"
+        )
+    return index
 
 
 def detect_family(model: str) -> Family:

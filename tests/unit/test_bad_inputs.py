@@ -314,3 +314,17 @@ def test_a_checkpoint_zero_to_fp32_cannot_read_is_one_line_in_export(
     )
     assert f"{checkpoint}: DeepSpeed's zero_to_fp32 cannot consolidate" in err and "Expected 2 of" in err
     assert not out.exists()
+
+
+def test_a_model_index_that_is_not_an_object_is_one_line_for_every_reader(tmp_path):
+    """detect_family (export, advise --model) reads model_index.json too: a list is one UserError."""
+    from sdzero.models.families import detect_family, read_model_index
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="holds a JSON list, not an object"):
+        detect_family(str(model))
+    (model / "model_index.json").write_bytes(b'{"_class_name": "\xff"}')
+    with pytest.raises(UserError, match="unreadable model_index.json"):
+        read_model_index(str(model))
