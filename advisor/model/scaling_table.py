@@ -304,9 +304,9 @@ def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
         after = _figure(ok.loc[larger[0]], "efficiency") if larger else None
         if own is None:
             return ""
-        text = f"{_nodes(chosen)} keep {own[0]:.0%} efficiency ({own[1]:.0%}-{own[2]:.0%})"
+        text = f"{_nodes(chosen)} keep {own[0]:.1%} efficiency ({own[1]:.1%}-{own[2]:.1%})"
         if after is not None:
-            text += f"; {_nodes(larger[0])} {after[0]:.0%} ({after[1]:.0%}-{after[2]:.0%})"
+            text += f"; {_nodes(larger[0])} {after[0]:.1%} ({after[1]:.1%}-{after[2]:.1%})"
         borderline = own[1] < bar or (after is not None and after[2] >= bar)
         if not borderline:
             where = "both intervals" if after is not None else "its interval, and no larger count was asked"

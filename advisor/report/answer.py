@@ -12,7 +12,8 @@ from advisor.model.time_to_train import hours, money
 from advisor.report.page import FigureItem, Item, NoteItem, Section, frame_table, mapping_table
 
 SCALING_CAPTION = (
-    "Per node count, the fastest config that fits and keeps the global batch; efficiency is "
+    "Per node count, the fastest config that fits and keeps the global batch (± its 95% interval, "
+    "advisor.model.uncertainty); efficiency is "
     "samples/s per node against the smallest node count; comm is the share of the step spent in "
     "communication not hidden behind compute, and link the limiting link (intra- or inter-node): the one that "
     "share mostly waits on. The knee is the largest node count keeping the minimum efficiency. Provenance: every "
@@ -119,10 +120,8 @@ SCALING_SHOWN = (
     "config",
     "accum",
     "samples/s",
-    "samples/s 95%",
     "step (s)",
     "time to train",
-    "time 95%",
     "GPU-h",
     "efficiency",
     "comm",
@@ -153,11 +152,11 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         f"{int(n)} ({', '.join(marks)})" if marks else int(n),
         row["config_id"],
         int(row["grad_accum"]),
-        row["samples_per_s"],
-        _between(row, "samples_per_s", lambda v: f"{v:.4g}"),
+        f"{row['samples_per_s']:.4g}{plus_minus(row, 'samples_per_s')}",
         row["step_time_s"],
-        hours(float(row["time_to_train_s"])) if row.get("time_to_train_s") is not None else "",
-        _between(row, "time_to_train_s", hours),
+        hours(float(row["time_to_train_s"])) + plus_minus(row, "time_to_train_s")
+        if row.get("time_to_train_s") is not None
+        else "",
         row.get("gpu_hours", ""),
         _percent(row.get("efficiency")),
         _percent(row.get("exposed_comm_share")),
@@ -166,12 +165,13 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
     ]
 
 
-def _between(row: dict[str, Any], figure: str, show: Any) -> str:
-    """'3.6 h - 4.7 h': a figure's 95% interval in a cell, '' where the row has none."""
-    lo, hi = row.get(f"{figure}_lo"), row.get(f"{figure}_hi")
-    if not isinstance(lo, (int, float)) or not isinstance(hi, (int, float)):
+def plus_minus(row: dict[str, Any], figure: str) -> str:
+    """' ±12%': a figure's 95% interval as its half-width relative to the figure, '' where the row has none
+    (the terminal's format; the exact bounds are in recommendation.json and predictions.csv)."""
+    value, lo, hi = row.get(figure), row.get(f"{figure}_lo"), row.get(f"{figure}_hi")
+    if not all(isinstance(v, (int, float)) for v in (value, lo, hi)) or not float(value) > 0:
         return ""
-    return f"{show(float(lo))} - {show(float(hi))}"
+    return f" ±{(float(hi) - float(lo)) / 2 / float(value):.0%}"
 
 
 def modelled_note(rec: dict[str, Any] | None) -> str:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from advisor.model.scaling_table import short_provenance
 from advisor.model.time_to_train import cost_of, hours, money
+from advisor.report.answer import plus_minus
 from sdzero.constants import GIB
 
 
@@ -22,15 +23,7 @@ def _percent(value: Any) -> str:
 
 def _hours_cell(row: dict[str, Any]) -> str:
     seconds = row.get("time_to_train_s")
-    return "" if seconds is None else hours(float(seconds)) + _plus_minus(row, "time_to_train_s")
-
-
-def _plus_minus(row: dict[str, Any], figure: str) -> str:
-    """' ±12%': the 95% interval's half-width relative to the figure, where the row carries one."""
-    value, lo, hi = row.get(figure), row.get(f"{figure}_lo"), row.get(f"{figure}_hi")
-    if value is None or lo is None or hi is None or not float(value) > 0:
-        return ""
-    return f" ±{(float(hi) - float(lo)) / 2 / float(value):.0%}"
+    return "" if seconds is None else hours(float(seconds)) + plus_minus(row, "time_to_train_s")
 
 
 def scaling_rich_table(rec: dict[str, Any]) -> Table:
@@ -65,7 +58,7 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
             str(row["config_id"]),
             f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
             f"{row['step_time_s']:.4g}",
-            f"{row['samples_per_s']:.4g}{_plus_minus(row, 'samples_per_s')}",
+            f"{row['samples_per_s']:.4g}{plus_minus(row, 'samples_per_s')}",
             _hours_cell(row),
             "" if row.get("gpu_hours") is None else f"{row['gpu_hours']:.3g}",
             *([money(cost)] if cost is not None else []),

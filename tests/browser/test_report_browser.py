@@ -137,5 +137,7 @@ def test_the_example_advise_report_leads_with_provenance_and_the_scaling_table()
     # Every node count up to 32 reaches the embedded fine-tune's batch, and each row says its time to train.
     assert "unreachable" not in text and "GPU-h" in text and "Time and GPU-hours to train vs nodes" in text
     assert "Held-out error" in text or "No held-out error" in text
+    # every predicted figure with its interval, and how sure the node count is (#28)
+    assert "±" in text and "how sure" in text and "95% intervals:" in text
     assert "Leave-one-out refits" in text and ("rule: global batch" in text or "base LR unchanged" in text)
     assert facts["overflow_x"] <= 0, "the page scrolls sideways at a laptop's width"
