@@ -97,7 +97,8 @@ def test_spread_takes_measurement_noise_out_of_the_fit_errors():
 
 def test_spread_says_what_it_could_not_measure():
     spread = estimate_spread(_trials([(2, 1, 1.0, 0.02)]), pd.DataFrame(), None, 0.2, True)
-    assert spread.link == 0.0 and spread.model == 0.0
+    # no errors to size the fit: it is taken as no surer than the trial it rests on
+    assert spread.link == 0.0 and spread.model == pytest.approx(0.02 / Z95)
     text = " ".join(spread.notes)
     assert "no held-out errors" in text and "no noise floor" in text and "assumed" in text
 
