@@ -110,7 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _process_group_up() -> bool:
+    torch_dist = sys.modules.get("torch.distributed")
+    return bool(torch_dist and torch_dist.is_available() and torch_dist.is_initialized())
+
+
 if __name__ == "__main__":
     code = main()
     freeze_heap_for_exit()
+    if code == EXIT_USER_ERROR and _process_group_up():
+        # A bad input found after the process group started is already reported and the output lock
+        # released; interpreter teardown can then abort in a collective library's C++ destructor
+        # ("terminate called without an active exception": exit 250 instead of 2, seen once in
+        # tests/dist/test_elastic_resume.py), so leave without it, as a preempted rank does.
+        from sdzero.process.preemption import exit_now
+
+        exit_now(code)
     sys.exit(code)
