@@ -60,7 +60,7 @@ from sdzero.checkpoint.manifest import (
 from sdzero.checkpoint.output_lock import claim_output_dir
 from sdzero.checkpoint.safe_load import UnsafeFileError, check_safetensors, guarded_loads, inside
 from sdzero.checkpoint.universal import universal_files, universal_for
-from sdzero.errors import UserError
+from sdzero.errors import AgreedError, UserError
 
 log = logging.getLogger("sdzero.checkpoint.checkpointer")
 
@@ -261,6 +261,19 @@ class ResumePoint:
     (as a checkpoint named like it); the engine must then be configured with load_universal."""
 
 
+def agree_on_refusal(mine: str | None) -> None:
+    """Stop every rank when any rank refused a file (a collective). A file that one rank alone reads (its
+    ZeRO optimizer shard) is refused on that rank only; without this the others would run on into the next
+    collective, find their peer gone, and end in a gloo/NCCL traceback instead of the refusal's one line."""
+    import torch.distributed as dist
+
+    verdicts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, mine)
+    first = next((v for v in verdicts if v is not None), None)
+    if first is not None:
+        raise AgreedError(first)
+
+
 def distributed_verify(path: Path, manifest: Manifest) -> list[str]:
     """Every rank checks a share of the files; all ranks get the same problem list. A collective."""
     import torch.distributed as dist
@@ -450,10 +463,15 @@ class Checkpointer:
         # DeepSpeed's checkpoint engine (and its universal loader) calls torch.load(weights_only=False):
         # inside the guard that is the weights-only load, of the listed files only (sdzero.checkpoint.safe_load).
         allowed = universal_files(point.universal) if elastic else inside(path, point.manifest.files)
-        with guarded_loads(allowed):
-            load_path, client_state = self.engine.load_checkpoint(
-                str(load_from), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
+        refused: str | None = None
+        try:
+            with guarded_loads(allowed):
+                load_path, client_state = self.engine.load_checkpoint(
+                    str(load_from), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+                )
+        except UserError as exc:
+            refused = str(exc)
+        agree_on_refusal(refused)
         if load_path is None or not client_state or "sdzero" not in client_state:
             raise UserError(
                 f"--resume {path}: DeepSpeed found no model states there; is it an sdzero checkpoint?"

@@ -34,6 +34,7 @@ from ckpt_helpers import (
     zero_optimizer_states,
 )
 from launch import metrics, write_config
+from payloads import plant_in_torch_file, reseal
 from PIL import Image
 from safetensors.torch import load_file
 from support.fault_callbacks import KILL_BEFORE_COMMIT, fault_env
@@ -354,3 +355,29 @@ def test_zero3_bf16_export_loads_as_is_and_resume_refuses_what_it_cannot_continu
         pipe = DiffusionPipeline.from_pretrained(folder)  # no torch_dtype: what users try first
         image = pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np").images[0]
         assert image.shape == (32, 32, 3) and image.std() > 0
+
+
+@pytest.mark.parametrize(
+    "planted", ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+)
+def test_a_payload_in_a_resumed_checkpoint_never_runs(runs, planted, tmp_path):
+    """Issue #27 through the real launcher and DeepSpeed's own loaders: a pickle payload planted in the
+    newest checkpoint (manifest resealed, so its sums match) is refused by --resume in one line, exit 2,
+    on a run whose files stay as they were."""
+    out, marker = tmp_path / "handed", tmp_path / "PWNED"
+    shutil.copytree(ck.checkpoint_root(runs.reference(2)), ck.checkpoint_root(out))
+    newest = step_dir(out, 8)
+    plant_in_torch_file(newest / planted, marker)
+    reseal(newest)
+    marker.unlink(missing_ok=True)  # planting loads nothing, but be sure the marker starts absent
+    root = ck.checkpoint_root(out)
+    before = {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    code, output = runs.launch(out, 2, "--resume", "auto", steps=10)
+    assert not marker.exists(), "the payload ran"
+    assert code == 2, output[-4000:]
+    refusals = [
+        line for line in output.splitlines() if planted in line and "refused without running it" in line
+    ]
+    assert refusals, output[-4000:]
+    assert "Traceback" not in output
+    assert {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
