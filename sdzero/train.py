@@ -118,12 +118,11 @@ def _process_group_up() -> bool:
 if __name__ == "__main__":
     code = main()
     freeze_heap_for_exit()
-    if _process_group_up():
-        # Every output is written and closed by now (metrics, checkpoints, trackers' finish), and the
-        # output lock released. Interpreter teardown can still abort in a collective library's C++
-        # destructor ("terminate called without an active exception": exit 250 or -6 instead of 0 or 2,
-        # seen in tests/dist/test_elastic_resume.py and on the one-rank run without a launcher in CI),
-        # so leave without it, as a preempted rank does.
+    if code == EXIT_USER_ERROR and _process_group_up():
+        # A bad input found after the process group started is already reported and the output lock
+        # released; interpreter teardown can then abort in a collective library's C++ destructor
+        # ("terminate called without an active exception": exit 250 instead of 2, seen once in
+        # tests/dist/test_elastic_resume.py), so leave without it, as a preempted rank does.
         from sdzero.process.preemption import exit_now
 
         exit_now(code)
