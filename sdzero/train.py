@@ -115,14 +115,22 @@ def _process_group_up() -> bool:
     return bool(torch_dist and torch_dist.is_available() and torch_dist.is_initialized())
 
 
+def _mpi_is_live() -> bool:
+    """MPI was started in this process (mpirun: DeepSpeed's MPI discovery imported mpi4py) and not ended."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return bool(mpi and mpi.Is_initialized() and not mpi.Is_finalized())
+
+
 if __name__ == "__main__":
     code = main()
     freeze_heap_for_exit()
-    if code == EXIT_USER_ERROR and _process_group_up():
-        # A bad input found after the process group started is already reported and the output lock
-        # released; interpreter teardown can then abort in a collective library's C++ destructor
-        # ("terminate called without an active exception": exit 250 instead of 2, seen once in
-        # tests/dist/test_elastic_resume.py), so leave without it, as a preempted rank does.
+    if _process_group_up() and not _mpi_is_live():
+        # Every output is written and closed by now (metrics, checkpoints, trackers, the output lock).
+        # Interpreter teardown with a process group still up can abort in a collective library's C++
+        # destructor ("terminate called without an active exception": -6 or 250 instead of the code; about
+        # 1 run in 7 of a one-rank run here, once in tests/dist/test_elastic_resume.py), so leave without
+        # it, as a preempted rank does. Not under MPI: os._exit would skip MPI_Finalize, and mpirun then
+        # fails the whole job ("exiting improperly").
         from sdzero.process.preemption import exit_now
 
         exit_now(code)
