@@ -128,6 +128,8 @@ def _key(row) -> tuple[int, str, int, str]:
 
 def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, rec: dict) -> dict:
     """Predict every grid config from the advise run's own files, and judge the predictions."""
+    from advisor.measure.drift import read_noise_dof
+    from advisor.measure.duel import read_duels
     from advisor.measure.grid import load_base_config
     from advisor.measure.trial_table import read_trials
     from advisor.model.memory import ZeroSettings, trained_numels
@@ -145,7 +147,15 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
     zero = ZeroSettings.from_config(load_base_config(shipped_config("zero2_bf16.json")))
     models = fit_models(trials, numels, zero, net)
     floor = _noise_floor(advise_dir)
-    spread = estimate_spread(trials, validation, floor, 0.0, True)
+    spread = estimate_spread(
+        trials,
+        validation,
+        floor,
+        0.0,
+        True,
+        noise_dof=read_noise_dof(advise_dir / "drift.json"),
+        duels=read_duels(advise_dir / "duel.json"),
+    )
 
     truth = grid[grid["status"] == "ok"].copy()
     truth["truth_s"] = measured_step_s(truth).to_numpy()
@@ -228,6 +238,7 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
         "cross_run_ratios": [float(r) for r in ratios],
         "coverage_unmeasured": float(inside[unmeasured].mean()) if unmeasured.any() else math.nan,
         "scale_to_advise_machine": scale,
+        "duels": [d.line() for d in read_duels(advise_dir / "duel.json")],
         "pick": str(pick["config_id"]),
         "advise_recommended": str(rec.get("config_id")),
         "grid_best": str(best["config_id"]),

@@ -157,6 +157,7 @@ class Drift:
             "reference": self.reference,
             "setup": self.setup,
             "noise_floor": self.noise_floor(),
+            "noise_dof": max(len(clean) - 1, 0),
             "corrected_floor": self.corrected_floor(),
             "largest_jump": max(self.jumps(), default=None),
             "base_step_s": base,
@@ -199,6 +200,16 @@ def read_noise_floor(path: Path) -> float | None:
     except (OSError, ValueError, AttributeError):
         return None
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def read_noise_dof(path: Path) -> int:
+    """How many repeats of the reference the recorded noise floor rests on, less one (0: unknown)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        value = data.get("noise_dof", max(len(data.get("reference_step_s", [])) - 1, 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0
+    return value if isinstance(value, int) and value >= 0 else 0
 
 
 def write_drift(path: Path, drift: Drift, extra: dict[str, Any] | None = None) -> None:

@@ -344,6 +344,7 @@ def run_profile(
         policy=RunnerPolicy(bracket_every=bracket_every) if bracket_every else NO_BRACKETS,
         trial_env=trial_env,
         run_trial=lambda *args: run_trial(*args),  # looked up when called: tests stand in for it here
+        reference=plan.reference,  # the advise search's reference too (its first seed)
     )
     with _sigterm_as_interrupt(), _Progress(progress, _remaining(plan, done), past) as bar:
         for spec in pending(plan, done):

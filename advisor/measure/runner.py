@@ -3,7 +3,8 @@
 Every trial the search (or `sdzero profile`) asks for runs once; a finished one is never run again. Around
 them:
 
-- **Brackets.** The reference config (the first trial that succeeds: the search's first seed) is measured
+- **Brackets.** The reference config (`reference` when given, else the first trial that succeeds: the
+  search's first seed, advisor.measure.grid.GridPlan.reference) is measured
   again every `bracket_every` trials or `bracket_every_s` seconds, whichever comes first, and once more
   after a batch of trials (the check trials) or when the budget has room for no more than a bracket.
   Its repeats go to `<trial>/bracket-N/` and drift.json, not to trials.csv (they are not new configs).
@@ -14,8 +15,10 @@ them:
   widened by the share it lost) and the line says so.
 - **Too much drift.** Trials whose gap between two brackets saw the reference move by more than
   DRIFT_RERUN_JUMP are run again once, after that bracket.
-- **Rematch.** `rematch` measures configs again back to back, so that two configs the search compares
-  are measured within a minute of each other (advisor.model.search calls it on the closest contenders).
+- **Duel.** `rematch` measures the two configs the search cannot tell apart again, A B B A, close in
+  time (advisor.measure.duel), when the budget has room for four legs (else once each, back to back);
+  each one's legs are pooled into its row and the pair's ratio goes to duel.json (advisor.model.search
+  calls it on the closest contenders).
 
 Re-runs and brackets spend the budget only while `deadline` (a time.monotonic() value) leaves room for
 them; the trials asked for always run. A resumed run reads the brackets of drift.json back.
@@ -43,6 +46,7 @@ from advisor.measure.drift import (
     read_drift,
     write_drift,
 )
+from advisor.measure.duel import DUEL_ORDER, Duel, Leg, Pooled, paired, pool, read_duels, write_duels
 from advisor.measure.grid import TrialSpec, finished_trials, write_trial_config
 from advisor.measure.trial_table import append_row, latest_rows, read_trials, trial_row, write_trials
 from advisor.measure.trials import TrialOutcome, TrialSettings, trial_step_times
@@ -50,6 +54,8 @@ from sdzero.telemetry.step_interval import median_interval
 
 BRACKET_EVERY_TRIALS = 4
 """Trials between two measurements of the reference: on 2 CPU cores, a bracket about every minute."""
+DUEL_FILE = "duel.json"
+"""Beside drift.json: the duels of the setup (advisor.measure.duel)."""
 BRACKET_EVERY_S = 150.0
 """...or this many seconds, whichever comes first (long GPU trials)."""
 
@@ -96,6 +102,7 @@ class TrialRunner:
         deadline: float | None = None,
         trial_env: Callable[[TrialSpec], Mapping[str, str]] | None = None,
         run_trial: Callable[..., TrialOutcome] | None = None,
+        reference: TrialSpec | None = None,
     ) -> None:
         self.settings, self.base, self.setup = settings, base, setup
         self.profile_dir = Path(profile_dir)
@@ -105,7 +112,12 @@ class TrialRunner:
         self.policy, self.deadline, self.trial_env = policy, deadline, trial_env
         self._run_trial = run_trial or _run_trial
         self.drift = read_drift(self.drift_path, setup)
+        self.duel_path = self.drift_path.with_name(DUEL_FILE)
+        self.duels: list[Duel] = read_duels(self.duel_path, setup)
         self.reference: TrialSpec | None = None
+        self.wanted_reference = reference
+        """The trial to adopt as the reference (None: the first that succeeds); should it fail or be
+        ruled out by an out-of-memory trial below it, the next trial that succeeds is adopted instead."""
         self.specs: dict[str, TrialSpec] = {}
         self.seen = _Record()
 
@@ -135,8 +147,10 @@ class TrialRunner:
         outcome = self._measure(spec, self._trial_dir(spec))
         self.seen.trials_since_bracket += 1
         self.seen.trial_walls.append(outcome.wall_s)
-        if self.reference is None and self.drift.reference in ("", spec.trial_id):
+        if self.reference is None and self.drift.reference in ("", spec.trial_id) and self._may_adopt(spec):
             self._adopt_reference(spec, outcome)
+        if self.wanted_reference and _rules_out(spec, outcome.status, self.wanted_reference):
+            self.wanted_reference = None  # it failed or cannot fit: the next trial that succeeds instead
         self._correct()
         return outcome
 
@@ -146,9 +160,14 @@ class TrialRunner:
             self.bracket()
 
     def rematch(self, trial_ids: list[str]) -> pd.DataFrame:
-        """Measure these configs again, back to back; their new rows replace the old ones."""
-        specs = [self.specs[t] for t in trial_ids if t in self.specs]
-        if len(specs) < 2 or not self._room_for(sum(self._trial_cost() for _ in specs)):
+        """Measure the first two of these configs again: a duel, A B B A (advisor.measure.duel), when the
+        budget has room for its four legs; else once each, back to back, their new rows replacing the old."""
+        specs = [self.specs[t] for t in trial_ids if t in self.specs][:2]
+        if len(specs) < 2:
+            return self.table()
+        if self._room_for(len(DUEL_ORDER) * self._trial_cost()):
+            return self.duel(specs[0], specs[1])
+        if not self._room_for(sum(self._trial_cost() for _ in specs)):
             return self.table()
         self.say("rematch: " + " and ".join(s.trial_id for s in specs) + " measured again, back to back")
         for spec in specs:
@@ -157,9 +176,66 @@ class TrialRunner:
         self._correct()
         return self.table()
 
+    def duel(self, a: TrialSpec, b: TrialSpec) -> pd.DataFrame:
+        """`a` and `b` measured A B B A; each one's legs pooled into its row, the pair's ratio in duel.json.
+        A leg that fails or is contended ends the duel with the rows as they were (and says so)."""
+        self.say(f"duel: {a.trial_id} and {b.trial_id} are within each other's intervals; measured A B B A")
+        legs: list[Leg] = []
+        last: dict[str, tuple[TrialOutcome, Path]] = {}
+        for n, which in enumerate(DUEL_ORDER, 1):
+            spec = (a, b)[which]
+            trial_dir = self._trial_dir(spec) / f"duel-{n}"
+            outcome = self._run(spec, trial_dir)
+            self.seen.trials_since_bracket += 1
+            self.seen.trial_walls.append(outcome.wall_s)
+            interval = median_interval(
+                trial_step_times(outcome.profile, trial_dir, self.settings.warmup_steps)
+            )
+            if outcome.status != "ok" or is_contended(outcome.others_cpu_share) or not interval.steps:
+                why = outcome.reason if outcome.status != "ok" else "contended or no steps measured"
+                self.say(f"duel: leg {n} ({spec.trial_id}) {outcome.status}: {why}; duel abandoned")
+                return self.table()
+            legs.append(
+                Leg(spec.trial_id, interval.median_s, interval.lo_s, interval.hi_s, _num(outcome.measured_at))
+            )
+            last[spec.trial_id] = (outcome, trial_dir)
+        for spec in (a, b):
+            outcome, trial_dir = last[spec.trial_id]
+            self._add_pooled_row(
+                spec, outcome, trial_dir, pool([g for g in legs if g.trial_id == spec.trial_id])
+            )
+        result = paired(a.trial_id, b.trial_id, legs)
+        self.duels.append(result)
+        write_duels(self.duel_path, self.setup, self.duels)
+        self.say(result.line())
+        self._correct()
+        return self.table()
+
+    def _add_pooled_row(
+        self, spec: TrialSpec, outcome: TrialOutcome, trial_dir: Path, pooled: Pooled
+    ) -> None:
+        """The config's row from its pooled legs: raw median and interval, time; _correct does the rest."""
+        row = trial_row(spec, outcome, self.setup, self.settings, trial_dir)
+        leg_median = _num(row.get("step_s_raw"))
+        scale = pooled.step_s / leg_median if leg_median > 0 else 1.0
+        row.update(
+            step_s_raw=pooled.step_s,
+            step_s_raw_lo=pooled.lo_s,
+            step_s_raw_hi=pooled.hi_s,
+            step_s_lo=pooled.lo_s,
+            step_s_hi=pooled.hi_s,
+            step_time_median_s=pooled.step_s,
+            step_time_s=_num(row.get("step_time_s")) * scale,
+            samples_per_s=_num(row.get("samples_per_s")) / scale,
+            measured_at=pooled.at,
+            notes=f"the pooled median of its {pooled.legs} duel legs (trials/{spec.trial_id}/duel-*)",
+        )
+        append_row(self.csv_path, row)
+
     def answer_lines(self) -> list[str]:
         """What the answer says about the machine: its drift, and each trial left contended."""
         lines = [self.drift.summary_line()] if self.drift.brackets else []
+        lines += [duel.line() for duel in self.duels]
         rows = self.table()
         if "contended" in rows:
             flagged = rows[(rows["status"] == "ok") & rows["contended"].map(_truthy)]
@@ -198,6 +274,10 @@ class TrialRunner:
         self._correct()
         self._rerun_drifted()
         return added
+
+    def _may_adopt(self, spec: TrialSpec) -> bool:
+        wanted = self.wanted_reference
+        return wanted is None or spec.trial_id == wanted.trial_id or bool(self.drift.brackets)
 
     def _adopt_reference(self, spec: TrialSpec, outcome: TrialOutcome) -> None:
         """The first trial that measured steps becomes the reference, its run bracket 0."""
@@ -375,6 +455,17 @@ class TrialRunner:
                     "bracket_every": self.policy.bracket_every,
                 },
             )
+
+
+def _rules_out(spec: TrialSpec, status: str, reference: TrialSpec) -> bool:
+    """Whether this outcome means the reference will not measure: it failed itself, or ran out of memory
+    at or below the reference's micro-batch on its ladder (the ladder stops there)."""
+    if status == "ok":
+        return False
+    if spec.trial_id == reference.trial_id:
+        return True
+    ladder = lambda s: (s.zero_stage, s.precision, s.offload, s.ranks_per_node)  # noqa: E731
+    return status == "oom" and ladder(spec) == ladder(reference) and spec.micro_batch <= reference.micro_batch
 
 
 def _keep_attempt(trial_dir: Path, n: int) -> None:

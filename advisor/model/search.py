@@ -1,9 +1,10 @@
 """Search economy: measure a small seed set, then let the model choose each next trial.
 
-Seeds: the smallest micro-batch of every ladder (one point per stage and precision, for the intercepts and
-the communication mix; a single ladder also gets a larger rung). Until a second micro-batch is measured the
-compute is taken as proportional to the micro-batch; the model's first pick, its predicted best (a large
-micro-batch), then gives the slope. Then, until the
+Seeds: the reference (advisor.measure.grid.GridPlan.reference, a middle rung of the first ladder: the
+runner's drift probe and a second point for the compute slope), then the smallest micro-batch of every
+ladder (one point per stage and precision, for the intercepts and the communication mix). Until a
+precision has a second micro-batch measured its compute is taken as proportional to the micro-batch; the
+model's first pick, its predicted best (a large micro-batch), then gives the slope. Then, until the
 budget is spent: refit, predict every unmeasured grid point at the target node count, drop those predicted
 not to fit (in the trial or at the target), those above an out-of-memory trial of their ladder, and those
 predicted more than DOMINATED_MARGIN slower than the best prediction; measure the fastest of the rest.
@@ -11,8 +12,9 @@ It stops when nothing is left: the best predicted config is then measured.
 
 Noise: configs are compared by measurements corrected for the machine's drift (advisor.measure.runner
 brackets the trials with a reference config). When the two fastest measured configs are within each
-other's intervals (`contenders`), the search has them measured again back to back (`rematch`, when the
-runner offers it and the budget has room), so that a slow minute does not decide between them.
+other's intervals (`contenders`), the search has them measured again, A B B A (`rematch`: a duel,
+advisor.measure.duel, when the runner offers it and the budget has room; it stops one trial early to
+leave that room), so that a slow minute does not decide between them.
 
 `run_specs` is injected: `sdzero advise` runs real trials, bench/advisor_accuracy.py replays a measured
 full grid through the very same choices.
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
+from advisor.measure.duel import DUEL_ORDER
 from advisor.measure.grid import GridPlan, TrialSpec
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Network
@@ -36,8 +39,6 @@ from advisor.model.prediction_error import Models, fit_models
 DOMINATED_MARGIN = 0.0
 """A config is measured only if the model predicts it beats every measured one by more than this fraction
 of the best; bench/advisor_accuracy.py measures what stopping there costs against the full grid."""
-SEED_SLOPE_INDEX = 2
-"""With a single ladder, the second seed: its third rung (micro-batch 4 on the default ladder)."""
 
 
 @dataclass
@@ -49,11 +50,11 @@ class SearchResult:
 
 
 def seed_specs(plan: GridPlan) -> list[TrialSpec]:
-    seeds = [ladder[0] for ladder in plan.ladders]
-    first = plan.ladders[0]
-    if len(plan.ladders) == 1 and len(first) > 1:
-        seeds.append(first[min(SEED_SLOPE_INDEX, len(first) - 1)])
-    return seeds
+    """The reference first (GridPlan.reference: the runner's drift probe, and a second rung of its ladder
+    for the compute slope), then the smallest micro-batch of every ladder."""
+    smallest = [ladder[0] for ladder in plan.ladders]
+    reference = plan.reference
+    return [reference, *(s for s in smallest if s != reference)] if reference else smallest
 
 
 def _blocked(spec: TrialSpec, trials: pd.DataFrame) -> bool:
@@ -186,8 +187,15 @@ def run_search(
     while len(trials) < limit:
         walls = pd.to_numeric(trials.get("wall_s", pd.Series(dtype=float)), errors="coerce").dropna()
         per_trial = float(walls.mean()) if len(walls) else 0.0
-        if time.monotonic() - started + per_trial > budget_s:
+        left = budget_s - (time.monotonic() - started)
+        if per_trial > left:
             result.log.append(f"stopped: --budget-minutes reached after {len(trials)} trials")
+            break
+        if _duel_now(run_specs, trials, per_trial, left):
+            result.log.append(
+                f"stopped after {len(trials)} trials to leave the budget's last "
+                f"{left:.0f} s to a duel of the two closest configs"
+            )
             break
         spec, why = choose_next(
             plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
@@ -223,6 +231,17 @@ def contenders(trials: pd.DataFrame) -> list[str]:
     return [str(ok.at[i, "trial_id"]) for i in picked]
 
 
+def _duel_now(
+    run_specs: Callable[[list[TrialSpec]], pd.DataFrame], trials: pd.DataFrame, per_trial: float, left: float
+) -> bool:
+    """Whether the budget left holds a duel but not one more trial besides: with the two fastest measured
+    configs within each other's intervals, telling them apart is then worth more than one more config."""
+    if getattr(run_specs, "rematch", None) is None or len(contenders(trials)) < 2:
+        return False
+    legs = len(DUEL_ORDER) * per_trial
+    return legs <= left < legs + per_trial
+
+
 def _rematch(
     run_specs: Callable[[list[TrialSpec]], pd.DataFrame],
     trials: pd.DataFrame,
@@ -240,7 +259,7 @@ def _rematch(
     if 2 * per_trial > left_s:
         result.log.append(f"no rematch: {pair[0]} and {pair[1]} overlap, but the budget has no room")
         return trials
-    line = f"rematch: {pair[0]} and {pair[1]} are within each other's intervals; measured again back to back"
+    line = f"rematch: {pair[0]} and {pair[1]} are within each other's intervals; measured again"
     result.log.append(line)
     say(line)
     return rematch(pair)

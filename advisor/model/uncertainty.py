@@ -21,7 +21,8 @@ A predicted step time is uncertain for three reasons, each measured by the run i
 
 A figure is for a run of the config, which lands in some minute of this machine's own drift, so the
 **prediction interval** adds the run's noise floor (the reference's repeat spread, drift.json) to the
-above.
+above, widened by Student's t for the few brackets it rests on (a 5-minute run has 3-5: the floor it
+saw understates the drift of the next runs, bench/advisor_accuracy.py).
 
 A **tie** is a difference the measurements cannot resolve: two configs are tied when the 95% interval of
 their difference, from their measurement noise alone, holds zero. A measured config brings its trial's
@@ -30,7 +31,9 @@ left out on purpose: a config the model knows little about is not "as good as" t
 unknown, and the fastest prediction is still the best bet (its interval says how far to trust it). The
 machine's drift is left out too: the configs are compared on the same drift-corrected scale. The
 difference's interval is tighter than asking whether two intervals overlap, which calls ties up to 1.4x
-the difference's own half-width.
+the difference's own half-width. Two configs that fought a **duel** (advisor.measure.duel: measured
+again A B B A, close in time) are judged by the duel's own interval of their ratio instead, which the
+drift between their first trials no longer widens or biases.
 
 Relative spreads are one-sigma fractions of the figure; halfwidths are the 95% ones.
 """
@@ -43,6 +46,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+
+from advisor.measure.duel import Duel
 
 Z95 = 1.959964
 """The two-sided 95% quantile of the normal distribution."""
@@ -89,6 +94,10 @@ class Spread:
     """(stage, precision) pairs some trial measured."""
     noise: float = 0.0
     """This machine's repeat spread as a sigma (the noise floor x sqrt(pi/2)); 0 when not measured."""
+    noise_dof: int = 0
+    """How many repeats of the reference `noise` rests on, less one (0: unknown, an older folder)."""
+    duels: dict[frozenset[ConfigKey], float] = field(default_factory=dict)
+    """The 95% half-width of each duel's log ratio (advisor.measure.duel), by its two configs."""
     link: float = 0.0
     """Relative sigma of an inter-node op's cost; 0 for an assumed link."""
     memory: float = MIN_MEMORY_SPREAD
@@ -104,6 +113,12 @@ class Spread:
     @property
     def cross_halfwidth(self) -> float:
         return t_quantile(self.cross_dof) * self.cross
+
+    @property
+    def noise_halfwidth(self) -> float:
+        """The noise floor's 95% part: Student's t for the few repeats the floor rests on (a run lands in
+        some later minute of a drift that a handful of brackets only sampled)."""
+        return (t_quantile(self.noise_dof) if self.noise_dof else Z95) * self.noise
 
     def describe(self) -> str:
         """One line for the answer: where the intervals come from."""
@@ -143,6 +158,29 @@ def measured_spreads(trials: pd.DataFrame) -> dict[ConfigKey, float]:
         key = config_key(row)
         out[key] = min(out.get(key, math.inf), sigma)
     return out
+
+
+def duel_halfwidths(trials: pd.DataFrame, duels: Iterable[Duel]) -> dict[frozenset[ConfigKey], float]:
+    """Each duel's half-width by the config keys of its two trials (a duel whose trial is not in
+    `trials` is left out)."""
+    if trials.empty or "trial_id" not in trials:
+        return {}
+    keys = {str(r["trial_id"]): config_key(r) for _, r in trials.iterrows()}
+    return {frozenset((keys[d.a], keys[d.b])): d.halfwidth for d in duels if d.a in keys and d.b in keys}
+
+
+def _duel_columns(
+    table: pd.DataFrame, keys: list[ConfigKey], spread: Spread
+) -> tuple[list[str], list[float]]:
+    """`duel_partner` (the config_id a row's config duelled, "" for none) and `duel_halfwidth`."""
+    ids = {k: str(c) for k, c in zip(keys, table["config_id"], strict=True)} if "config_id" in table else {}
+    partners, widths = [], []
+    for key in keys:
+        match = next(((pair, h) for pair, h in spread.duels.items() if key in pair), None)
+        other = next(iter(match[0] - {key}), None) if match else None
+        partners.append(ids.get(other, "") if other is not None else "")
+        widths.append(match[1] if match and other in ids else math.nan)
+    return partners, widths
 
 
 def config_key(row: pd.Series | dict) -> ConfigKey:
@@ -207,8 +245,11 @@ def estimate_spread(
     link_rel: float,
     link_assumed: bool,
     startup_rest_s: Iterable[float] = (),
+    noise_dof: int = 0,
+    duels: Iterable[Duel] = (),
 ) -> Spread:
-    """The run's Spread from its trials, its held-out errors, its noise floor and its link fits."""
+    """The run's Spread from its trials, its held-out errors, its noise floor (with the repeats it rests
+    on, less one), its link fits and its duels."""
     measured = measured_spreads(trials)
     own = list(measured.values())
     typical_own = float(np.median(own)) if own else 0.0
@@ -242,6 +283,8 @@ def estimate_spread(
         cross_dof=int(across.size),
         measured_groups=groups,
         noise=noise,
+        noise_dof=noise_dof,
+        duels=duel_halfwidths(trials, duels),
         link=0.0 if link_assumed else link_rel,
         memory=max(_rms(mem_errors), MIN_MEMORY_SPREAD),
         memory_dof=int(mem_errors.size),
@@ -270,7 +313,7 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     inter = table["exposed_inter_s"].to_numpy(dtype=float) if "exposed_inter_s" in table else 0.0 * step
     link = Z95 * spread.link * np.divide(inter, step, out=np.zeros_like(step), where=step > 0)
     compare = np.sqrt(noise**2 + link**2)
-    half = np.sqrt(fit**2 + link**2 + (Z95 * spread.noise) ** 2)
+    half = np.sqrt(fit**2 + link**2 + spread.noise_halfwidth**2)
     lo_step, hi_step = step * np.maximum(1 - half, 0.05), step * (1 + half)
     batch = table["global_batch"].to_numpy(dtype=float)
     table["step_time_s_lo"], table["step_time_s_hi"] = lo_step, hi_step
@@ -278,6 +321,7 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     table["compare_halfwidth"] = compare
     table["link_halfwidth"] = link
     table["interval_source"] = np.where(pinned, "measured", "model")
+    table["duel_partner"], table["duel_halfwidth"] = _duel_columns(table, keys, spread)
     if "time_to_train_s" in table and "optimizer_steps" in table:
         steps = table["optimizer_steps"].to_numpy(dtype=float)
         startup = table["time_to_train_s"].to_numpy(dtype=float) - steps * step
@@ -305,8 +349,26 @@ def is_tie(a: pd.Series, b: pd.Series) -> bool:
     fa, fb = float(a["samples_per_s"]), float(b["samples_per_s"])
     if not (fa > 0 and fb > 0):
         return False
+    duel = _duel_halfwidth(a, b)
+    if duel is not None:  # measured side by side: the pair's own interval, and the link's share each
+        return abs(math.log(fa / fb)) <= math.hypot(
+            duel, _value(a, "link_halfwidth"), _value(b, "link_halfwidth")
+        )
     ha, hb = _halfwidth(a), _halfwidth(b)
     return abs(math.log(fa / fb)) <= math.hypot(ha, hb)
+
+
+def _duel_halfwidth(a: pd.Series, b: pd.Series) -> float | None:
+    """The duel's half-width when `a` and `b` are the two configs of one duel."""
+    if str(a.get("duel_partner", "")) != str(b.get("config_id", "-")):
+        return None
+    value = a.get("duel_halfwidth")
+    return None if value is None or pd.isna(value) else float(value)
+
+
+def _value(row: pd.Series, column: str) -> float:
+    value = row.get(column, 0.0)
+    return 0.0 if value is None or pd.isna(value) else float(value)
 
 
 def _halfwidth(row: pd.Series) -> float:

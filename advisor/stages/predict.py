@@ -86,7 +86,9 @@ def predict(
 
 def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Spread:
     """The run's own uncertainty: its trials' intervals, held-out errors, noise floor and link fits."""
-    from advisor.measure.drift import read_noise_floor
+    from advisor.measure.drift import read_noise_dof, read_noise_floor
+    from advisor.measure.duel import read_duels
+    from advisor.measure.runner import DUEL_FILE
     from advisor.model.alphabeta import load_fits
 
     inter = hardware.target_net.inter
@@ -100,6 +102,8 @@ def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: Measur
         rel,
         assumed,
         startup_rests(measured.trials),
+        noise_dof=read_noise_dof(inputs.out_dir / "drift.json"),
+        duels=read_duels(inputs.out_dir / DUEL_FILE),
     )
 
 

@@ -24,7 +24,7 @@ from advisor.model.predict import (
 )
 from advisor.model.prediction_error import fit_models, mape, trial_predictions, validation_table
 from advisor.model.recommend import recommend, what_would_fit
-from advisor.model.search import run_search
+from advisor.model.search import run_search, seed_specs
 from sdzero.errors import UserError
 
 RNG = np.random.default_rng(0)
@@ -482,7 +482,7 @@ def test_under_a_fixed_batch_the_search_looks_past_the_node_count_only_micro_bat
         GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8), ranks_per_node=(2,)),
         {"bf16": True, "fp16": True},
     )
-    seeds = {ladder[0].trial_id for ladder in plan.ladders}
+    seeds = {s.trial_id for s in seed_specs(plan)}
 
     def searched(target_nodes):
         measured_net, target_net = nets(gpus=2)

@@ -27,11 +27,12 @@ from advisor.measure.drift import (
     read_drift,
     write_drift,
 )
+from advisor.measure.duel import Z95, Leg, paired, pool, read_duels
 from advisor.measure.grid import TrialSpec
 from advisor.measure.runner import RunnerPolicy, TrialRunner
 from advisor.measure.trial_table import TRIAL_COLUMNS, append_row, read_trials
 from advisor.measure.trials import TrialOutcome, TrialSettings, trainer_args
-from advisor.model.search import contenders
+from advisor.model.search import _duel_now, contenders
 from sdzero.telemetry.step_interval import interval_is_tight, median_interval
 
 # --------------------------------------------------------------------------------------------------
@@ -442,3 +443,125 @@ def test_the_probes_stop_rule_waits_for_a_tight_interval_or_its_time():
     assert rule.verdict(ragged) is None
     assert rule.verdict([*ragged] * 2) == "time cap"  # 2.7 s of steps, still not tight
     assert StopRule().verdict(steady * 5) is None  # no target: every step up to --max-steps
+
+
+# --------------------------------------------------------------------------------------------------
+# The duel: A B B A, close in time
+
+
+def _leg(trial: str, step: float, at: float, half: float = 0.01) -> Leg:
+    return Leg(trial, step, step * (1 - half), step * (1 + half), at)
+
+
+def test_a_duel_cancels_a_drift_linear_over_its_legs():
+    # b is truly 10% faster; the machine slows 6% per leg, which alone would favour whoever ran first.
+    slow = [1.06**i for i in range(4)]
+    truth = (1.0, 0.9, 0.9, 1.0)
+    legs = [_leg(t, base * s, i) for i, (t, base, s) in enumerate(zip("abba", truth, slow, strict=True))]
+    duel = paired("a", "b", legs)
+    assert duel.pairs == 2 and not duel.tied
+    assert math.exp(duel.log_ratio) == pytest.approx(1 / 0.9, rel=0.002)
+    assert "b is faster" in duel.line()
+    first_leg_only = math.log(legs[0].step_s / legs[1].step_s)  # A then B once: the drift is in it
+    assert abs(first_leg_only - math.log(1 / 0.9)) > 0.05
+
+
+def test_a_duel_between_equal_configs_on_a_jumpy_machine_is_a_tie():
+    legs = [_leg("a", 1.00, 0), _leg("b", 1.08, 1), _leg("b", 0.95, 2), _leg("a", 1.03, 3)]
+    duel = paired("a", "b", legs)
+    assert duel.tied and "within noise" in duel.line()
+    # the pairs' spread is in the interval, beside the legs' own noise
+    assert duel.halfwidth > Z95 * math.sqrt(4 * (0.01 / Z95) ** 2) / 2
+
+
+def test_pooled_legs_carry_their_spread_not_only_their_own_intervals():
+    steady = pool([_leg("a", 1.0, 0), _leg("a", 1.0, 10)])
+    jumpy = pool([_leg("a", 0.9, 0), _leg("a", 1.1, 10)])
+    assert steady.step_s == pytest.approx(1.0) and steady.at == 5 and steady.legs == 2
+    assert jumpy.step_s == pytest.approx(math.sqrt(0.99))
+    assert jumpy.sigma > 5 * steady.sigma
+
+
+def test_a_rematch_with_room_runs_a_duel_and_pools_its_legs(tmp_path, no_config_check):
+    machine = Machine(lambda t: 1.0)
+    runner = make_runner(tmp_path, machine, bracket_every=0)
+    a, b = SPECS[3], SPECS[7]  # z1 mb8, z2 mb8
+    runner([a, b])
+    machine.calls.clear()
+    table = runner.rematch([a.trial_id, b.trial_id])
+    assert machine.calls == [
+        (a.trial_id, "duel-1"),
+        (b.trial_id, "duel-2"),
+        (b.trial_id, "duel-3"),
+        (a.trial_id, "duel-4"),
+    ]
+    duels = read_duels(tmp_path / "duel.json", "setup")
+    assert len(duels) == 1 and duels[0].pairs == 2 and not duels[0].tied  # 0.1*8*1.2 vs 0.1*8*1.4
+    assert math.exp(duels[0].log_ratio) == pytest.approx(1.2 / 1.4, rel=0.02)
+    rows = table.set_index("trial_id")
+    assert "duel legs" in rows.at[a.trial_id, "notes"]
+    assert rows.at[a.trial_id, "step_time_median_s"] == pytest.approx(0.96, rel=0.02)
+    history = read_trials(tmp_path / "profile" / "trials.csv")
+    assert (history["trial_id"] == a.trial_id).sum() == 2  # the first trial kept, the pooled row after it
+    assert any(line.startswith("duel:") for line in runner.answer_lines())
+
+
+def test_a_duel_leg_that_fails_leaves_the_rows_as_they_were(tmp_path, no_config_check):
+    machine = Machine(lambda t: 1.0, contended={SPECS[7].trial_id: 0})
+    runner = make_runner(tmp_path, machine, bracket_every=0)
+    a, b = SPECS[3], SPECS[7]
+    before = runner([a, b])
+    machine.contended[b.trial_id] = 2  # both of b's legs lose the cores
+    after = runner.rematch([a.trial_id, b.trial_id])
+    assert len(machine.calls) == 4  # a, b, then a's leg and b's contended leg: abandoned there
+    assert not (tmp_path / "duel.json").exists()
+    pd.testing.assert_frame_equal(before, after)
+
+
+def test_the_search_stops_one_trial_early_to_leave_room_for_a_duel():
+    class WithRematch:
+        def rematch(self, ids):
+            return None
+
+    close = rates_table([("a", 1.00, 0.97, 1.03), ("b", 1.02, 0.99, 1.06)])
+    apart = rates_table([("a", 1.00, 0.99, 1.01), ("b", 1.10, 1.08, 1.12)])
+    assert _duel_now(WithRematch(), close, 20.0, 90.0)  # room for 4 legs, not for 5 trials
+    assert not _duel_now(WithRematch(), close, 20.0, 120.0)  # room for one more trial first
+    assert not _duel_now(WithRematch(), close, 20.0, 70.0)  # no room for the legs
+    assert not _duel_now(WithRematch(), apart, 20.0, 90.0)  # nothing to tell apart
+    assert not _duel_now(lambda specs: None, close, 20.0, 90.0)  # a replay has no rematch
+
+
+def test_the_reference_is_a_middle_rung_first_in_the_seeds_and_in_a_profile(tmp_path, no_config_check):
+    from advisor.measure.grid import GridRequest, plan_grid
+    from advisor.model.search import seed_specs
+
+    plan = plan_grid(
+        GridRequest(stages=(1, 2), precisions=("bf16",), micro_batches=(1, 2, 4, 8), ranks_per_node=(2,)),
+        {"bf16": True},
+    )
+    assert plan.reference is not None and plan.reference.micro_batch == 4
+    seeds = seed_specs(plan)
+    assert seeds[0] == plan.reference and {s.micro_batch for s in seeds[1:]} == {1}
+    machine = Machine(lambda t: 1.0)
+    runner = TrialRunner(
+        SETTINGS,
+        {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "train_micro_batch_size_per_gpu": 1},
+        tmp_path / "profile",
+        "setup",
+        drift_path=tmp_path / "drift.json",
+        policy=RunnerPolicy(bracket_every=2),
+        run_trial=machine,
+        reference=plan.reference,
+    )
+    for spec in plan.ladders[0]:  # a profile climbs the ladder: micro-batch 1 and 2 run before it
+        runner.run_one(spec)
+    assert runner.drift.reference == plan.reference.trial_id
+
+
+def test_an_oom_below_the_wanted_reference_hands_the_role_to_the_next_success(tmp_path, no_config_check):
+    from advisor.measure.runner import _rules_out
+
+    ref = SPECS[2]  # z1 mb4
+    assert _rules_out(SPECS[1], "oom", ref) and _rules_out(ref, "crash", ref)
+    assert not _rules_out(SPECS[1], "ok", ref) and not _rules_out(SPECS[5], "oom", ref)  # another ladder

@@ -333,3 +333,34 @@ def test_a_stage_no_trial_measured_is_named_with_the_budget_that_would():
     assert "--budget-minutes 6 " in line  # 250 s + 2 x 40 s, rounded up to minutes
     outcome.trials = pd.DataFrame([{"status": "ok", "zero_stage": s, "precision": "bf16"} for s in (1, 2, 3)])
     assert stages_without_trials(outcome) == ""
+
+
+def test_the_noise_floor_widens_by_students_t_for_its_few_repeats():
+    few = Spread(noise=0.05, noise_dof=3)
+    assert few.noise_halfwidth == pytest.approx(t_quantile(3) * 0.05)
+    assert Spread(noise=0.05).noise_halfwidth == pytest.approx(Z95 * 0.05)  # unknown: an older folder
+    row = _row("z2-mb4", 2, 4, 100.0, 1e9)
+    table = add_intervals(pd.DataFrame([row]), Spread(typical_measured=0.01, noise=0.05, noise_dof=3))
+    rel = (table.iloc[0]["step_time_s_hi"] - table.iloc[0]["step_time_s"]) / table.iloc[0]["step_time_s"]
+    assert rel == pytest.approx(math.hypot(0.0, t_quantile(3) * 0.05))
+
+
+def test_a_duel_decides_the_tie_between_its_two_configs():
+    from advisor.measure.duel import Duel
+
+    trials = _trials([(1, 8, 0.64, 0.10), (2, 8, 0.66, 0.10)])  # wide trials: tied by their intervals
+    trials["trial_id"] = ["t-z1", "t-z2"]
+    rows = [_row("z1-mb8", 1, 8, 100.0, 4.0e9), _row("z2-mb8", 2, 8, 97.0, 3.0e9)]
+
+    def pick(halfwidth: float):
+        duel = Duel("t-z1", "t-z2", math.log(0.97), halfwidth, 2)
+        spread = estimate_spread(trials, _validation([0.02, 0.03]), None, 0.0, True, duels=[duel])
+        table = add_intervals(pd.DataFrame(rows), spread)
+        assert list(table["duel_partner"]) == ["z2-mb8", "z1-mb8"]
+        return pick_config(table)
+
+    assert pick(0.10).tied == ["z1-mb8", "z2-mb8"]  # the duel could not tell them apart: the tie rule
+    decided = pick(0.01)  # measured side by side, 3% apart with a 1% interval: not a tie
+    assert decided.tied == ["z1-mb8"] and decided.row["config_id"] == "z1-mb8"
+    no_duel = add_intervals(pd.DataFrame(rows), estimate_spread(trials, _validation([0.02]), None, 0.0, True))
+    assert pick_config(no_duel).broke_tie and set(no_duel["duel_partner"]) == {""}

@@ -1,0 +1,169 @@
+"""A duel: two configs the search cannot tell apart, measured again in pairs, A B B A, close in time.
+
+Two trials measured minutes apart carry the machine's drift between them, and the brackets correct
+that only as well as the reference's speed follows theirs (on the test machine the reference and a
+larger config measured in the same minutes moved by different amounts). So when the two fastest
+configs are within each other's intervals (advisor.model.search.contenders), they are measured again
+back to back in the order A B B A: each adjacent pair shares its minute, and a drift that is linear over
+the four legs cancels from the mean of the two pairs' ratios (it slows the second leg of the first pair
+as much as the first leg of the second).
+
+What the duel gives:
+- `log_ratio`: ln(step_A / step_B) from the legs' raw medians, each config's level fitted beside a drift
+  line over the legs' times (`paired`; not the brackets' correction: the legs ran within a few minutes,
+  and the line is fitted to them, not to another config);
+- `halfwidth`: its 95% half-width, from the legs' own intervals and how far the legs strayed from the
+  line (one degree of freedom with four legs: a rough figure, added to the legs' own noise, not
+  instead of it);
+- each config's pooled measurement: the geometric mean of its legs, whose interval holds the legs' own
+  noise and the spread between them; it replaces the config's row in trials.csv, so the fit and the
+  intervals use all the duel measured.
+
+advisor.model.uncertainty then calls the two a tie, or not, from the duel's interval alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdzero.atomic import write_json_atomic
+
+Z95 = 1.959964
+DUEL_ORDER = (0, 1, 1, 0)
+"""A B B A: the legs' order, indexes into the duel's two configs."""
+DUEL_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One measurement of a duel: its raw median step and 95% interval, and when it measured."""
+
+    trial_id: str
+    step_s: float
+    lo_s: float
+    hi_s: float
+    at: float
+
+    @property
+    def sigma(self) -> float:
+        """Relative one-sigma of the median (0 when the leg had no interval)."""
+        if not (self.step_s > 0) or math.isnan(self.lo_s) or math.isnan(self.hi_s):
+            return 0.0
+        return (self.hi_s - self.lo_s) / 2 / self.step_s / Z95
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """One config's legs pooled: the geometric mean, a relative sigma, the mean time."""
+
+    step_s: float
+    sigma: float
+    at: float
+    legs: int
+
+    @property
+    def lo_s(self) -> float:
+        return self.step_s * max(1 - Z95 * self.sigma, 0.0)
+
+    @property
+    def hi_s(self) -> float:
+        return self.step_s * (1 + Z95 * self.sigma)
+
+
+def pool(legs: list[Leg]) -> Pooled:
+    """The legs of one config as one measurement (see the module doc)."""
+    logs = [math.log(leg.step_s) for leg in legs]
+    k = len(legs)
+    within = math.sqrt(sum(leg.sigma**2 for leg in legs)) / k
+    between = statistics.stdev(logs) / math.sqrt(k) if k > 1 else 0.0
+    at = statistics.fmean(leg.at for leg in legs)
+    return Pooled(math.exp(statistics.fmean(logs)), math.hypot(within, between), at, k)
+
+
+@dataclass(frozen=True)
+class Duel:
+    a: str
+    b: str
+    log_ratio: float
+    """ln(step_a / step_b), drift line removed: > 0 when b is the faster."""
+    halfwidth: float
+    """95% half-width of log_ratio."""
+    pairs: int
+    legs: tuple[Leg, ...] = ()
+
+    @property
+    def tied(self) -> bool:
+        return abs(self.log_ratio) <= self.halfwidth
+
+    def line(self) -> str:
+        faster, slower = (self.b, self.a) if self.log_ratio > 0 else (self.a, self.b)
+        ratio = math.exp(abs(self.log_ratio))
+        lo, hi = (
+            math.exp(abs(self.log_ratio) - self.halfwidth),
+            math.exp(abs(self.log_ratio) + self.halfwidth),
+        )
+        verdict = "within noise: a tie" if self.tied else f"{faster} is faster"
+        return (
+            f"duel: {self.a} and {self.b} measured again A B B A ({self.pairs} pairs): {faster} "
+            f"{ratio:.3f}x the speed of {slower} (95% {lo:.3f}-{hi:.3f}), {verdict}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "tied": self.tied, "line": self.line()}
+
+
+def paired(a: str, b: str, legs: list[Leg]) -> Duel:
+    """The duel of `a` and `b` from its legs (in DUEL_ORDER): ln(step) fitted as each config's own level
+    plus one drift line over the legs' times, by least squares.
+
+    A B B A with a drift that is linear over the four legs gives each config the same mean time, so the
+    drift leaves their difference; the one residual degree of freedom left measures how far the machine
+    strayed from a line, and that (as each leg's extra noise) with the legs' own intervals sizes the
+    difference's interval. With fewer than four legs there is no drift line: only the legs' own noise."""
+    y = np.log([leg.step_s for leg in legs])
+    is_a = np.array([leg.trial_id == a for leg in legs], dtype=float)
+    columns = [is_a, 1 - is_a]
+    if len(legs) >= 4:
+        t = np.array([leg.at for leg in legs], dtype=float)
+        columns.append(t - t.mean())
+    x = np.column_stack(columns)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    dof = len(legs) - x.shape[1]
+    strayed = float(np.sum((y - x @ coef) ** 2) / dof) if dof > 0 else 0.0
+    own = statistics.fmean(leg.sigma**2 for leg in legs)
+    contrast = np.zeros(x.shape[1])
+    contrast[:2] = (1.0, -1.0)
+    variance = float(contrast @ np.linalg.pinv(x.T @ x) @ contrast) * (own + strayed)
+    return Duel(a, b, float(coef[0] - coef[1]), Z95 * math.sqrt(variance), len(legs) // 2, tuple(legs))
+
+
+def write_duels(path: Path, setup: str, duels: list[Duel]) -> None:
+    write_json_atomic(path, {"schema": DUEL_SCHEMA, "setup": setup, "duels": [d.to_json() for d in duels]})
+
+
+def read_duels(path: Path, setup: str | None = None) -> list[Duel]:
+    """The duels a run recorded, of `setup` when given (none for a missing, foreign or damaged file)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("schema") != DUEL_SCHEMA or setup is not None and data.get("setup") != setup:
+            return []
+        return [
+            Duel(
+                str(d["a"]),
+                str(d["b"]),
+                float(d["log_ratio"]),
+                float(d["halfwidth"]),
+                int(d["pairs"]),
+                tuple(Leg(**leg) for leg in d.get("legs", ())),
+            )
+            for d in data["duels"]
+        ]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
