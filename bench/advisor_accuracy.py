@@ -111,13 +111,11 @@ def run_grid(model: Path, data: Path, out: Path) -> pd.DataFrame:
     return result.table
 
 
-def _noise_floor(folder: Path) -> float | None:
-    from advisor.measure.drift import read_noise_floor
+def _noise_floor(folder: Path) -> tuple[float | None, int]:
+    """The run's noise floor and its degrees of freedom, as the advisor computes them."""
+    from advisor.model.uncertainty import run_noise_floor
 
-    for path in (folder / "drift.json", folder / "profile" / "drift.json"):
-        if path.is_file():
-            return read_noise_floor(path)
-    return None
+    return run_noise_floor(folder)
 
 
 def _key(row) -> tuple[int, str, int, str]:
@@ -128,7 +126,6 @@ def _key(row) -> tuple[int, str, int, str]:
 
 def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, rec: dict) -> dict:
     """Predict every grid config from the advise run's own files, and judge the predictions."""
-    from advisor.measure.drift import read_noise_dof
     from advisor.measure.duel import read_duels
     from advisor.measure.grid import load_base_config
     from advisor.measure.trial_table import read_trials
@@ -146,15 +143,9 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
     numels = trained_numels(str(model))
     zero = ZeroSettings.from_config(load_base_config(shipped_config("zero2_bf16.json")))
     models = fit_models(trials, numels, zero, net)
-    floor = _noise_floor(advise_dir)
+    floor, dof = _noise_floor(advise_dir)
     spread = estimate_spread(
-        trials,
-        validation,
-        floor,
-        0.0,
-        True,
-        noise_dof=read_noise_dof(advise_dir / "drift.json"),
-        duels=read_duels(advise_dir / "duel.json"),
+        trials, validation, floor, 0.0, True, noise_dof=dof, duels=read_duels(advise_dir / "duel.json")
     )
 
     truth = grid[grid["status"] == "ok"].copy()
@@ -222,7 +213,7 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
         )
     )
     held = float(error[unmeasured].mean()) if unmeasured.any() else math.nan
-    grid_floor = _noise_floor(grid_dir)
+    grid_floor, grid_dof = _noise_floor(grid_dir)
     goal = max(0.10, 1.5 * max(floor or 0.0, grid_floor or 0.0))  # either run's noise is in the error
     table["inside"] = inside
     table["error"] = error
@@ -232,7 +223,9 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
         "held_out_error": held,
         "error_all": float(error.mean()),
         "noise_floor": floor,
+        "noise_dof": dof,
         "grid_noise_floor": grid_floor,
+        "grid_noise_dof": grid_dof,
         "coverage": float(inside.mean()),
         "coverage_with_truth_noise": float(consistent.mean()),
         "cross_run_ratios": [float(r) for r in ratios],

@@ -144,7 +144,7 @@ class Drift:
         floor = self.noise_floor() or 0.0
         return (
             f"drift: the reference {self.reference} measured {len(clean)} times, at {min(factors):.2f}-"
-            f"{max(factors):.2f}x its first speed; noise floor {floor:.1%}; trials corrected for it"
+            f"{max(factors):.2f}x its first speed (repeat spread {floor:.1%}); trials corrected for it"
         )
 
     # ---------------------------------------------------------------------------------------------- JSON
@@ -157,7 +157,6 @@ class Drift:
             "reference": self.reference,
             "setup": self.setup,
             "noise_floor": self.noise_floor(),
-            "noise_dof": max(len(clean) - 1, 0),
             "corrected_floor": self.corrected_floor(),
             "largest_jump": max(self.jumps(), default=None),
             "base_step_s": base,
@@ -190,26 +189,6 @@ def read_drift(path: Path, setup: str) -> Drift:
     if not isinstance(data, dict) or data.get("schema") != DRIFT_SCHEMA or data.get("setup") != setup:
         return Drift(setup=setup)
     return Drift.from_json(data)
-
-
-def read_noise_floor(path: Path) -> float | None:
-    """The noise floor a run recorded in its drift.json (a fraction); None when it has none (an older
-    folder, a single measurement of the reference)."""
-    try:
-        value = json.loads(Path(path).read_text()).get("noise_floor")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def read_noise_dof(path: Path) -> int:
-    """How many repeats of the reference the recorded noise floor rests on, less one (0: unknown)."""
-    try:
-        data = json.loads(Path(path).read_text())
-        value = data.get("noise_dof", max(len(data.get("reference_step_s", [])) - 1, 0))
-    except (OSError, ValueError, AttributeError, TypeError):
-        return 0
-    return value if isinstance(value, int) and value >= 0 else 0
 
 
 def write_drift(path: Path, drift: Drift, extra: dict[str, Any] | None = None) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ Z95 = 1.959964
 DUEL_ORDER = (0, 1, 1, 0)
 """A B B A: the legs' order, indexes into the duel's two configs."""
 DUEL_SCHEMA = 1
+DUEL_FILE = "duel.json"
+"""Beside drift.json: the duels of the setup."""
 
 
 @dataclass(frozen=True)
@@ -167,3 +170,33 @@ def read_duels(path: Path, setup: str | None = None) -> list[Duel]:
         ]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
+
+
+def pooled_log_spread(groups: Iterable[Sequence[float]]) -> tuple[float | None, int]:
+    """The relative sigma of repeated measurements of the same work, pooled over groups (each group one
+    config measured several times), and its degrees of freedom (the repeats less one per group): the
+    sample sd of ln(step) about each group's mean. None with no repeats."""
+    squares, dof = 0.0, 0
+    for group in groups:
+        logs = [math.log(x) for x in group if x > 0 and math.isfinite(x)]
+        if len(logs) < 2:
+            continue
+        mean = statistics.fmean(logs)
+        squares += sum((v - mean) ** 2 for v in logs)
+        dof += len(logs) - 1
+    return (math.sqrt(squares / dof), dof) if dof else (None, 0)
+
+
+def repeat_groups(folder: Path) -> list[list[float]]:
+    """Every repeat a run made of the same work, raw (uncorrected) median steps grouped by config: the
+    reference's clean brackets (drift.json) and each duel config's legs (duel.json)."""
+    groups: list[list[float]] = []
+    try:
+        steps = json.loads((Path(folder) / "drift.json").read_text()).get("reference_step_s") or []
+        groups.append([float(x) for x in steps])
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    for duel in read_duels(Path(folder) / DUEL_FILE):
+        for trial in (duel.a, duel.b):
+            groups.append([leg.step_s for leg in duel.legs if leg.trial_id == trial])
+    return groups

@@ -46,7 +46,17 @@ from advisor.measure.drift import (
     read_drift,
     write_drift,
 )
-from advisor.measure.duel import DUEL_ORDER, Duel, Leg, Pooled, paired, pool, read_duels, write_duels
+from advisor.measure.duel import (
+    DUEL_FILE,
+    DUEL_ORDER,
+    Duel,
+    Leg,
+    Pooled,
+    paired,
+    pool,
+    read_duels,
+    write_duels,
+)
 from advisor.measure.grid import TrialSpec, finished_trials, write_trial_config
 from advisor.measure.trial_table import append_row, latest_rows, read_trials, trial_row, write_trials
 from advisor.measure.trials import TrialOutcome, TrialSettings, trial_step_times
@@ -54,8 +64,6 @@ from sdzero.telemetry.step_interval import median_interval
 
 BRACKET_EVERY_TRIALS = 4
 """Trials between two measurements of the reference: on 2 CPU cores, a bracket about every minute."""
-DUEL_FILE = "duel.json"
-"""Beside drift.json: the duels of the setup (advisor.measure.duel)."""
 BRACKET_EVERY_S = 150.0
 """...or this many seconds, whichever comes first (long GPU trials)."""
 

@@ -20,9 +20,10 @@ A predicted step time is uncertain for three reasons, each measured by the run i
   the note says the interval leaves it out.
 
 A figure is for a run of the config, which lands in some minute of this machine's own drift, so the
-**prediction interval** adds the run's noise floor (the reference's repeat spread, drift.json) to the
-above, widened by Student's t for the few brackets it rests on (a 5-minute run has 3-5: the floor it
-saw understates the drift of the next runs, bench/advisor_accuracy.py).
+**prediction interval** adds the run's noise floor to the above: the spread of every repeat the run made
+of the same work (the reference's brackets, the duels' legs; `run_noise_floor`), widened by Student's
+t for the few repeats it rests on (a 5-minute run makes 3-7: a floor from so few understates the drift
+of the next runs, bench/advisor_accuracy.py).
 
 A **tie** is a difference the measurements cannot resolve: two configs are tied when the 95% interval of
 their difference, from their measurement noise alone, holds zero. A measured config brings its trial's
@@ -43,11 +44,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from advisor.measure.duel import Duel
+from advisor.measure.duel import Duel, pooled_log_spread, repeat_groups
 
 Z95 = 1.959964
 """The two-sided 95% quantile of the normal distribution."""
@@ -95,7 +97,7 @@ class Spread:
     noise: float = 0.0
     """This machine's repeat spread as a sigma (the noise floor x sqrt(pi/2)); 0 when not measured."""
     noise_dof: int = 0
-    """How many repeats of the reference `noise` rests on, less one (0: unknown, an older folder)."""
+    """The degrees of freedom `noise` rests on: the run's repeats, less one per config (0: unknown)."""
     duels: dict[frozenset[ConfigKey], float] = field(default_factory=dict)
     """The 95% half-width of each duel's log ratio (advisor.measure.duel), by its two configs."""
     link: float = 0.0
@@ -236,6 +238,14 @@ def _fit_sigma(errors: np.ndarray, own: float) -> float:
     prediction rests on measurements as noisy as the typical trial, so it is never taken as surer than
     one (a few leave-one-out errors inside a well-pinned line can all be near zero)."""
     return max(math.sqrt(max(_rms(errors) ** 2 - own**2, 0.0)), own)
+
+
+def run_noise_floor(folder: Path) -> tuple[float | None, int]:
+    """A run's noise floor and the degrees of freedom it rests on, from every repeat the run made (the
+    reference's brackets, the duels' legs: advisor.measure.duel.repeat_groups): their pooled sigma of
+    ln(step), stated as the mean |deviation| a normal spread of that sigma has. None without repeats."""
+    sigma, dof = pooled_log_spread(repeat_groups(folder))
+    return (None if sigma is None else sigma / MEAN_ABS_TO_SIGMA), dof
 
 
 def estimate_spread(

@@ -86,23 +86,23 @@ def predict(
 
 def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Spread:
     """The run's own uncertainty: its trials' intervals, held-out errors, noise floor and link fits."""
-    from advisor.measure.drift import read_noise_dof, read_noise_floor
-    from advisor.measure.duel import read_duels
-    from advisor.measure.runner import DUEL_FILE
+    from advisor.measure.duel import DUEL_FILE, read_duels
     from advisor.model.alphabeta import load_fits
+    from advisor.model.uncertainty import run_noise_floor
 
     inter = hardware.target_net.inter
     assumed = not inter.source.startswith("measured")
     fits = load_fits(hardware.fit_path) if hardware.fit_path.is_file() else []
     rel = link_spread(f.rel_rmse for f in fits if f.link_level == "inter")
+    floor, dof = run_noise_floor(inputs.out_dir)
     return estimate_spread(
         measured.trials,
         measured.validation,
-        read_noise_floor(inputs.out_dir / "drift.json"),
+        floor,
         rel,
         assumed,
         startup_rests(measured.trials),
-        noise_dof=read_noise_dof(inputs.out_dir / "drift.json"),
+        noise_dof=dof,
         duels=read_duels(inputs.out_dir / DUEL_FILE),
     )
 

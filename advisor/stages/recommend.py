@@ -189,7 +189,7 @@ def _outcome(
 
 
 def noise_floor(out_dir: Path) -> float | None:
-    """The run's noise floor (drift.json), None when the run has none."""
-    from advisor.measure.drift import read_noise_floor
+    """The run's noise floor (advisor.model.uncertainty.run_noise_floor), None when the run has none."""
+    from advisor.model.uncertainty import run_noise_floor
 
-    return read_noise_floor(out_dir / "drift.json")
+    return run_noise_floor(out_dir)[0]

@@ -565,3 +565,18 @@ def test_an_oom_below_the_wanted_reference_hands_the_role_to_the_next_success(tm
     ref = SPECS[2]  # z1 mb4
     assert _rules_out(SPECS[1], "oom", ref) and _rules_out(ref, "crash", ref)
     assert not _rules_out(SPECS[1], "ok", ref) and not _rules_out(SPECS[5], "oom", ref)  # another ladder
+
+
+def test_the_runs_noise_floor_pools_every_repeat_it_made(tmp_path):
+    from advisor.measure.duel import write_duels
+    from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA, run_noise_floor
+
+    assert run_noise_floor(tmp_path) == (None, 0)  # no repeats: no floor
+    write_drift(tmp_path / "drift.json", brackets((0.0, 1.0), (60.0, 1.1), (120.0, 0.9)))
+    legs = [_leg("a", 2.0, 0), _leg("b", 1.0, 1), _leg("b", 1.2, 2), _leg("a", 2.0, 3)]
+    write_duels(tmp_path / "duel.json", "setup", [paired("a", "b", legs)])
+    floor, dof = run_noise_floor(tmp_path)
+    assert dof == 2 + 1 + 1  # three brackets, two legs of each duel config
+    logs = [math.log(v) for v in (1.0, 1.1, 0.9)]
+    squares = sum((v - sum(logs) / 3) ** 2 for v in logs) + 2 * (math.log(1.2) / 2) ** 2
+    assert floor == pytest.approx(math.sqrt(squares / dof) / MEAN_ABS_TO_SIGMA)
