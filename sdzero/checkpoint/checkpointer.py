@@ -58,8 +58,14 @@ from sdzero.checkpoint.manifest import (
     verify_files,
 )
 from sdzero.checkpoint.output_lock import claim_output_dir
-from sdzero.checkpoint.safe_load import UnsafeFileError, check_safetensors, guarded_loads, inside
-from sdzero.checkpoint.universal import universal_files, universal_for
+from sdzero.checkpoint.safe_load import (
+    UnsafeFileError,
+    check_safetensors,
+    guarded_loads,
+    inside,
+    scan_for_code,
+)
+from sdzero.checkpoint.universal import recorded_files, universal_files, universal_for
 from sdzero.errors import AgreedError, UserError
 
 log = logging.getLogger("sdzero.checkpoint.checkpointer")
@@ -274,6 +280,26 @@ def agree_on_refusal(mine: str | None) -> None:
         raise AgreedError(first)
 
 
+def prescan(folder: Path, names: Any) -> None:
+    """Every rank scans a share of the checkpoint's torch files for code (safe_load.scan_for_code: the
+    pickles' opcodes only), and all ranks stop together on a finding. A collective.
+
+    Before DeepSpeed's loader runs at all: under ZeRO-3 every rank loads its own model-states file, and
+    a refusal on one rank inside the loader would leave the others waiting in the loader's own collectives,
+    where no agreement after it can reach them."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch_files = sorted(str(n) for n in names if str(n).endswith(".pt"))
+    refused: str | None = None
+    try:
+        for name in torch_files[rank::world]:
+            scan_for_code(Path(folder) / name)
+    except UserError as exc:
+        refused = str(exc)
+    agree_on_refusal(refused)
+
+
 def distributed_verify(path: Path, manifest: Manifest) -> list[str]:
     """Every rank checks a share of the files; all ranks get the same problem list. A collective."""
     import torch.distributed as dist
@@ -463,6 +489,12 @@ class Checkpointer:
         # DeepSpeed's checkpoint engine (and its universal loader) calls torch.load(weights_only=False):
         # inside the guard that is the weights-only load, of the listed files only (sdzero.checkpoint.safe_load).
         allowed = universal_files(point.universal) if elastic else inside(path, point.manifest.files)
+        # Every rank, before any enters DeepSpeed's loader: a rank's own file refused inside it (ZeRO-3)
+        # would leave the others in the loader's collectives.
+        if point.universal is not None:
+            prescan(point.universal, recorded_files(point.universal) or {})
+        else:
+            prescan(path, point.manifest.files)
         refused: str | None = None
         try:
             with guarded_loads(allowed):

@@ -78,14 +78,34 @@ def load_tensors(path: Path | str, map_location: Any = "cpu", **kwargs: Any) -> 
         try:
             return _ORIGINAL_LOAD(path, map_location=map_location, weights_only=True, **kwargs)
         except pickle.UnpicklingError as exc:
-            raise UnsafeFileError(
-                f"{path}: needs {_unsafe_types(path, str(exc))} to load, which is neither a tensor, a plain "
-                "value nor one of DeepSpeed's state types; refused without running it (DeepSpeed never "
-                "writes one: the file was altered after it was saved)"
-            ) from None
+            raise _refusal(path, _unsafe_types(path, str(exc))) from None
         except (RuntimeError, EOFError, ValueError, OSError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsafeFileError(f"{path}: not a readable torch checkpoint file ({first})") from None
+
+
+def scan_for_code(path: Path | str) -> None:
+    """Refuse, in load_tensors' one line, a file whose pickle names any type load_tensors would refuse,
+    reading only its opcodes (no object is built, no tensor data read). A check every rank can make on
+    files another rank will load, before any of them enters DeepSpeed's loader (see
+    sdzero.checkpoint.checkpointer.prescan)."""
+    path = Path(path)
+    try:
+        named = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as exc:  # not a zip checkpoint: load_tensors says what it is, when it is loaded
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeFileError(f"{path}: not a readable torch checkpoint file ({first})") from None
+    unsafe = [g for g in named if g not in DEEPSPEED_STATE_TYPES]
+    if unsafe:
+        raise _refusal(path, ", ".join(unsafe))
+
+
+def _refusal(path: Path, types: str) -> UnsafeFileError:
+    return UnsafeFileError(
+        f"{path}: needs {types} to load, which is neither a tensor, a plain value nor one of DeepSpeed's "
+        "state types; refused without running it (DeepSpeed never writes one: the file was altered after "
+        "it was saved)"
+    )
 
 
 Allow = Callable[[Path], bool]

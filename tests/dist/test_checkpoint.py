@@ -358,21 +358,27 @@ def test_zero3_bf16_export_loads_as_is_and_resume_refuses_what_it_cannot_continu
 
 
 @pytest.mark.parametrize(
-    "planted", ["mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    ("stage", "planted"),
+    [
+        (2, "mp_rank_00_model_states.pt"),
+        (2, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        (3, "zero_pp_rank_1_mp_rank_00_model_states.pt"),  # ZeRO-3: only rank 1 loads it
+    ],
 )
-def test_a_payload_in_a_resumed_checkpoint_never_runs(runs, planted, tmp_path):
+def test_a_payload_in_a_resumed_checkpoint_never_runs(runs, stage, planted, tmp_path):
     """Issue #27 through the real launcher and DeepSpeed's own loaders: a pickle payload planted in the
     newest checkpoint (manifest resealed, so its sums match) is refused by --resume in one line, exit 2,
-    on a run whose files stay as they were."""
+    on a run whose files stay as they were; under ZeRO-3, where each rank loads its own model states,
+    every rank stops before DeepSpeed's loader (no rank left waiting in its collectives)."""
     out, marker = tmp_path / "handed", tmp_path / "PWNED"
-    shutil.copytree(ck.checkpoint_root(runs.reference(2)), ck.checkpoint_root(out))
+    shutil.copytree(ck.checkpoint_root(runs.reference(stage)), ck.checkpoint_root(out))
     newest = step_dir(out, 8)
     plant_in_torch_file(newest / planted, marker)
     reseal(newest)
     marker.unlink(missing_ok=True)  # planting loads nothing, but be sure the marker starts absent
     root = ck.checkpoint_root(out)
     before = {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    code, output = runs.launch(out, 2, "--resume", "auto", steps=10)
+    code, output = runs.launch(out, stage, "--resume", "auto", steps=10)
     assert not marker.exists(), "the payload ran"
     assert code == 2, output[-4000:]
     refusals = [

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from sdzero.checkpoint.export import EXPORT_MARKER, check_export_target, consolidated_weights
 from sdzero.checkpoint.manifest import MANIFEST, ManifestError, load_manifest
-from sdzero.checkpoint.safe_load import UnsafeFileError, guarded_loads, inside, load_tensors
+from sdzero.checkpoint.safe_load import UnsafeFileError, guarded_loads, inside, load_tensors, scan_for_code
 from sdzero.errors import UserError
 from sdzero.process.rendezvous import world_of_one
 
@@ -83,6 +83,24 @@ def test_the_guard_makes_deepspeeds_unsafe_loads_weights_only_and_restores_torch
     assert torch.load is before and not marker.exists()
     torch.save({"t": torch.arange(3)}, tmp_path / "b.pt")
     assert torch.equal(load_tensors(tmp_path / "b.pt")["t"], torch.arange(3))
+
+
+def test_the_opcode_scan_refuses_a_payload_without_building_anything(tmp_path):
+    """scan_for_code (every rank's check before DeepSpeed's loader): the payload's type named, in the
+    loader's own line; a clean DeepSpeed-like state passes; garbage is one line too."""
+    marker = tmp_path / "PWNED"
+    clean = {"module": {"w": torch.ones(2)}, "ds_version": "0.19", "step": 3, "mix": [1.5, "a", None]}
+    torch.save(clean, tmp_path / "clean.pt")
+    scan_for_code(tmp_path / "clean.pt")
+    torch.save({**clean, "x": Payload(marker)}, tmp_path / "planted.pt")
+    assert payload_is_live(tmp_path / "planted.pt", marker)
+    with pytest.raises(UnsafeFileError) as err:
+        scan_for_code(tmp_path / "planted.pt")
+    assert "\n" not in str(err.value) and "planted.pt" in str(err.value) and "io.open" in str(err.value)
+    assert "refused without running it" in str(err.value) and not marker.exists()
+    (tmp_path / "b.pt").write_bytes(b"\x00garbage")
+    with pytest.raises(UnsafeFileError, match="b.pt: not a readable torch checkpoint file"):
+        scan_for_code(tmp_path / "b.pt")
 
 
 def test_a_plain_pickle_or_garbage_under_a_torch_name_is_one_line(tmp_path):
