@@ -106,7 +106,7 @@ def cache(
 ) -> None:
     """Encode latents and text embeddings once, into sharded safetensors files (see docs/caching.md)."""
     from sdzero.config.train_config import rank_from_env
-    from sdzero.data.cache_build import build_cache, launcher_command
+    from sdzero.data.cache_build import build_cache, cache_launch
     from sdzero.data.images import set_max_image_pixels
 
     if num_gpus is not None or hostfile is not None:
@@ -133,9 +133,9 @@ def cache(
         args += ["--resolution", str(resolution)] if resolution else []
         args += ["--max-sequence-length", str(max_sequence_length)] if max_sequence_length else []
         args += ["--buckets"] if buckets else []
-        cmd = launcher_command(args, num_gpus, hostfile)
-        typer.echo("+ " + " ".join(cmd), err=True)
-        raise typer.Exit(subprocess.call(cmd))
+        launch = cache_launch(args, num_gpus, hostfile)
+        typer.echo("+ " + " ".join(launch.command), err=True)
+        raise typer.Exit(launch.run())
     if max_image_pixels < 1:
         raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
     set_max_image_pixels(max_image_pixels)  # the header check before any image is decoded, as in training

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import pandas as pd
 import typer
@@ -33,6 +33,9 @@ from sdzero.atomic import write_csv_atomic, write_json_atomic
 from sdzero.config.options import cli_option
 from sdzero.constants import MIB
 from sdzero.errors import UserError
+
+if TYPE_CHECKING:
+    from sdzero.cluster.remote_launch import RemoteLaunch
 
 BACKENDS: tuple[str, ...] = ("torch", "mpi")
 # Starting ranks (imports, rendezvous) is not part of the budget; this much slack covers it before a
@@ -178,21 +181,45 @@ def rank_args(backend: str, csv_path: Path, min_bytes: int, max_bytes: int, budg
     ]
 
 
-def torch_command(plan: LaunchPlan, args: list[str], torch_backend: str, no_hostfile: Path) -> list[str]:
+def torch_launch(
+    plan: LaunchPlan, args: list[str], torch_backend: str, no_hostfile: Path, work_dir: Path
+) -> RemoteLaunch:
+    """The torch ranks' launch under DeepSpeed's runner: this host's alone, or the hostfile's through
+    sdzero.cluster.remote_launch, each remote rank in `work_dir` (whatever its name) with the values
+    of this folder's env file exactly and its secrets by file, never on a pdsh command line."""
+    from sdzero.cluster.launch_command import deepspeed_command
+    from sdzero.cluster.remote_launch import launch_from_here, local_launch
+
+    argv = [*args, "--torch-backend", torch_backend]
+    if plan.hostfile is not None:
+        return launch_from_here(
+            argv,
+            ["-m", "advisor.measure.collectives_rank"],
+            work_dir,
+            hostfile=plan.hostfile,
+            num_gpus=plan.ranks_per_node,
+            master_port=free_port(),
+            local_rank=False,  # the rank reads LOCAL_RANK from the environment
+            environ=rank_environment(),
+        )
     # DeepSpeed reads /job/hostfile when no --hostfile is given; a path that does not exist keeps a local
     # run local, as mpirun's is.
-    from sdzero.cluster.launch_command import deepspeed_command
-
-    return deepspeed_command(
-        [*args, "--torch-backend", torch_backend],
+    command = deepspeed_command(
+        argv,
         num_gpus=plan.ranks_per_node,
-        hostfile=plan.hostfile or no_hostfile,
+        hostfile=no_hostfile,
         master_port=free_port(),
         entry=["--no_local_rank", "--module", "advisor.measure.collectives_rank"],
         executable=deepspeed_launcher(),
-        check_hostfile=False,  # no_hostfile must not exist; a given one was read already
-        shell_proof=False,  # sizes, paths and backend names: nothing a shell changes
+        check_hostfile=False,  # no_hostfile must not exist
+        shell_proof=False,  # no remote shell on one host
     )
+    return local_launch(command, rank_environment())
+
+
+def torch_command(plan: LaunchPlan, args: list[str], torch_backend: str, no_hostfile: Path) -> list[str]:
+    """The runner command alone (what the log's first line shows); `torch_launch` is what runs."""
+    return torch_launch(plan, args, torch_backend, no_hostfile, no_hostfile.parent).command
 
 
 def mpi_command(plan: LaunchPlan, args: list[str], extra: Sequence[str]) -> list[str]:
@@ -222,27 +249,29 @@ def rank_environment() -> dict[str, str]:
     return env
 
 
-def launch(command: list[str], log_path: Path, timeout_s: float) -> None:
-    """Run a launcher in its own session, output to `log_path`; kill the whole session if it hangs."""
+def launch(command: list[str] | RemoteLaunch, log_path: Path, timeout_s: float) -> None:
+    """Run a launcher in its own session, output to `log_path`; kill the whole session if it hangs. A
+    plain command runs here with `rank_environment()`; a RemoteLaunch in its folder and environment, its
+    secrets file there only while it runs."""
+    from sdzero.cluster.remote_launch import local_launch
+
+    started = local_launch(command, rank_environment()) if isinstance(command, list) else command
+    name = started.command[0]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        log.write("$ " + " ".join(command) + "\n")
+    with log_path.open("w") as log, started.secrets_written():
+        log.write("$ " + " ".join(started.command) + "\n")
         log.flush()
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=rank_environment(), start_new_session=True
-        )
+        process = started.popen(stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_session(process)
-            raise CommRunError(f"{command[0]} did not finish in {timeout_s:.0f} s; see {log_path}") from None
+            raise CommRunError(f"{name} did not finish in {timeout_s:.0f} s; see {log_path}") from None
         finally:
             if process.poll() is None:  # interrupted (Ctrl-C, SIGTERM, SIGHUP: sdzero.process.children)
                 _kill_session(process)
     if returncode != 0:
-        raise CommRunError(
-            f"{Path(command[0]).name} exited with {returncode}; see {log_path}:\n{_tail(log_path)}"
-        )
+        raise CommRunError(f"{Path(name).name} exited with {returncode}; see {log_path}:\n{_tail(log_path)}")
 
 
 def _kill_session(process: subprocess.Popen[bytes]) -> None:
@@ -275,12 +304,16 @@ def run_backend(
 ) -> tuple[pd.DataFrame, Path]:
     """Launch one backend's ranks, wait, and read rank 0's CSV."""
     min_bytes, max_bytes, budget_s = sweep
+    work_dir = Path(os.path.abspath(work_dir))  # remote torch ranks run in it: no path relative to here
     csv_path = work_dir / f"{backend}.csv"
     csv_path.unlink(missing_ok=True)  # a stale file must not pass for this run's result
     args = rank_args(backend, csv_path, min_bytes, max_bytes, budget_s)
+    work_dir.mkdir(parents=True, exist_ok=True)  # the secrets file goes there before the log does
     if backend == "torch":
-        command = torch_command(plan, args, torch_backend, work_dir / "no-hostfile")
+        command = torch_launch(plan, args, torch_backend, work_dir / "no-hostfile", work_dir)
     else:
+        # mpirun hands its ranks their folder and -x values itself (orted chdirs, no remote shell line
+        # holds them), so it stays a plain command.
         command = mpi_command(plan, args, mpirun_args)
     log_path = work_dir / f"{backend}.log"
     launch(command, log_path, timeout_s=2.0 * budget_s + STARTUP_SLACK_S)

@@ -32,7 +32,8 @@ from typing import Any
 from advisor.measure.contention import CpuSample, others_cpu_share, sample
 from advisor.measure.grid import TrialSpec
 from sdzero.checkpoint.checkpointer import CHECKPOINTS
-from sdzero.cluster.launch_command import deepspeed_command, one_host_command
+from sdzero.cluster.launch_command import TRAIN_SCRIPT, one_host_command
+from sdzero.cluster.remote_launch import RemoteLaunch, launch_from_here, local_launch
 from sdzero.constants import GIB
 from sdzero.telemetry.step_interval import StepInterval, median_interval
 
@@ -153,11 +154,31 @@ def adaptive_args(settings: TrialSettings) -> list[str]:
     return args
 
 
-def trial_command(spec: TrialSpec, settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
+def trial_launch(
+    spec: TrialSpec,
+    settings: TrialSettings,
+    ds_config: Path,
+    trial_dir: Path,
+    environ: Mapping[str, str] | None = None,
+) -> RemoteLaunch:
+    """The trial's launch: this host's ranks through DeepSpeed's per-node launcher (2-3 s sooner than the
+    runner), or the hostfile's through sdzero.cluster.remote_launch, each remote rank in `trial_dir`
+    (whatever its name) with the values of the advisor's folder's env file exactly, secrets by file."""
     args = trainer_args(settings, ds_config, trial_dir)
-    if settings.hostfile is None:  # this host's ranks: DeepSpeed's per-node launcher, 2-3 s sooner
-        return one_host_command(args, spec.ranks_per_node)
-    return deepspeed_command(args, num_gpus=spec.ranks_per_node, hostfile=settings.hostfile)
+    if settings.hostfile is None:
+        return local_launch(one_host_command(args, spec.ranks_per_node), environ)
+    return launch_from_here(
+        args,
+        TRAIN_SCRIPT,
+        trial_dir,
+        hostfile=settings.hostfile,
+        num_gpus=spec.ranks_per_node,
+        environ=environ,
+    )
+
+
+def trial_command(spec: TrialSpec, settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
+    return trial_launch(spec, settings, ds_config, trial_dir).command
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,17 +266,15 @@ def run_trial(
     metrics = trial_dir / "run" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     log_path, profile_path = trial_dir / "log.txt", trial_dir / "profile.json"
-    command = trial_command(spec, settings, ds_config, trial_dir)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    launch = trial_launch(spec, settings, ds_config, trial_dir, env)
     started = time.monotonic()
-    with log_path.open("w") as log:
-        log.write("$ " + " ".join(command) + "\n")
+    with log_path.open("w") as log, launch.secrets_written():
+        log.write("$ " + " ".join(launch.command) + "\n")
         log.flush()
         # Own session: the launcher, its ranks and their data-loader workers share one process group,
         # which is what gets killed when the trial hangs.
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        process = launch.popen(stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         watch = _Watch(log_path, metrics, profile_path, session=process.pid)
         try:
             killed_for = _wait(process, settings, watch, started)

@@ -18,13 +18,14 @@ So sdzero hands that line nothing a shell could change and nothing secret:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,15 +118,29 @@ class RemoteLaunch:
             handle.flush()
             os.fsync(handle.fileno())
 
+    @contextlib.contextmanager
+    def secrets_written(self) -> Iterator[None]:
+        """The secrets file exists while the body runs the launch, and is removed however it ends."""
+        self.write_secrets()
+        try:
+            yield
+        finally:
+            if self.secrets_file is not None:
+                self.secrets_file.unlink(missing_ok=True)
+
+    def popen(self, **kwargs: Any) -> subprocess.Popen[bytes]:
+        """The runner started in its folder with its environment (inside `secrets_written`); for callers
+        that watch it themselves (own session, log file, timeouts)."""
+        return subprocess.Popen(self.command, cwd=self.runner_cwd, env=self.runner_env, **kwargs)
+
     def run(self) -> int:
         """Start the runner, forward a termination to it, and remove the secrets file when it ends.
 
         Ctrl-C reaches the runner from the terminal itself (one process group), so this process only
         waits; a SIGTERM or SIGHUP sent to it alone (a scheduler, `kill`) is passed on, and DeepSpeed's
         runner then stops the remote ranks."""
-        self.write_secrets()
-        try:
-            runner = subprocess.Popen(self.command, cwd=self.runner_cwd, env=self.runner_env)
+        with self.secrets_written():
+            runner = self.popen()
 
             def forward(signum: int, _frame: Any) -> None:
                 runner.send_signal(signum)
@@ -137,27 +152,37 @@ class RemoteLaunch:
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
-        finally:
-            if self.secrets_file is not None:
-                self.secrets_file.unlink(missing_ok=True)
         return code if code >= 0 else 128 - code
+
+
+def local_launch(command: list[str], environ: Mapping[str, str] | None = None) -> RemoteLaunch:
+    """A launch that starts no remote shell (this host's ranks only): `command` as it is, in this folder,
+    so callers run one-host and hostfile launches alike."""
+    return RemoteLaunch(command, Path.cwd(), dict(os.environ if environ is None else environ), {}, {}, None)
 
 
 def remote_launch(
     train_args: list[str],
-    entry: Path,
+    entry: Path | Sequence[str],
     values: dict[str, str],
     workdir: Path,
     *,
     hostfile: Path,
-    master_addr: str,
+    master_addr: str | None,
     master_port: int | None = None,
     launcher: str | None = None,
     launcher_args: str | None = None,
     environ: Mapping[str, str] | None = None,
+    num_gpus: int | None = None,
+    local_rank: bool = True,
 ) -> RemoteLaunch:
     """The runner command that starts `entry TRAIN_ARGS` on every host of `hostfile`, in `workdir`, with
-    `values` set (secrets by file), through sdzero.process.rank_entry."""
+    `values` set (secrets by file), through sdzero.process.rank_entry.
+
+    `entry` is a script or `["-m", MODULE]`; `local_rank=False` is DeepSpeed's `--no_local_rank`, for
+    ranks that read LOCAL_RANK from the environment (`sdzero cache`, the collectives benchmark), whose
+    argv has no place for `--local_rank=N`. `master_addr=None` leaves it to DeepSpeed (the first host's
+    `hostname -I`), as a plain `deepspeed --hostfile` launch does."""
     env = dict(os.environ if environ is None else environ)
     shell_safe_or_refuse("the Python interpreter", sys.executable)
     runner_cwd = Path(shell_safe_or_refuse("sdzero's folder", str(REPO_ROOT)))
@@ -167,21 +192,55 @@ def remote_launch(
     secrets_file = workdir / f"{SECRETS_PREFIX}{secrets.token_hex(8)}.json" if hidden else None
     payload = Payload(
         cwd=str(workdir),
-        command=[str(entry), *train_args],
+        command=[str(entry), *train_args] if isinstance(entry, Path) else [*entry, *train_args],
         env=plain,
         secrets_file=None if secrets_file is None else str(secrets_file),
     )
     command = deepspeed_command(
         [encode_payload(payload)],
+        num_gpus=num_gpus,
         hostfile=Path(os.path.abspath(hostfile)),  # the runner starts elsewhere: no relative path
         master_addr=master_addr,
         master_port=master_port,
         launcher=launcher,
         launcher_args=launcher_args,
-        entry=["--module", MODULE],
+        entry=["--module", MODULE] if local_rank else ["--no_local_rank", "--module", MODULE],
         shell_proof=False,  # one base64 word already
     )
     exported = deepspeed_exported(env)
     runner_env = {k: v for k, v in env.items() if k not in exported}
     runner_env["DS_ENV_FILE"] = os.devnull  # not a regular file: DeepSpeed reads no env file at all
     return RemoteLaunch(command, runner_cwd, runner_env, plain, hidden, secrets_file)
+
+
+def launch_from_here(
+    args: list[str],
+    entry: Path | Sequence[str],
+    workdir: Path,
+    *,
+    hostfile: Path,
+    num_gpus: int | None = None,
+    master_port: int | None = None,
+    local_rank: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> RemoteLaunch:
+    """`remote_launch` with the values a plain `deepspeed --hostfile` started from this folder would have
+    forwarded (this environment's exported names, $HOME's and this folder's env file: where
+    `sdzero advise --hostfile` and the user put them), the ranks running in `workdir`.
+
+    The launches that once called DeepSpeed's runner directly (`sdzero cache --hostfile`, the advisor's
+    hostfile trials and collectives benchmark) go through here, so none of them hands a remote shell an
+    unquoted folder, a value to expand or a secret to print."""
+    env = dict(os.environ if environ is None else environ)
+    return remote_launch(
+        args,
+        entry,
+        forwarded_values(Path.cwd(), env),
+        workdir,
+        hostfile=hostfile,
+        master_addr=None,
+        master_port=master_port,
+        environ=env,
+        num_gpus=num_gpus,
+        local_rank=local_rank,
+    )

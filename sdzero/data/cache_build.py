@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from sdzero.data.cache import (
 )
 from sdzero.data.images import Record, open_rgb, resize_and_crop
 from sdzero.errors import UserError
+
+if TYPE_CHECKING:
+    from sdzero.cluster.remote_launch import RemoteLaunch
 
 log = logging.getLogger("sdzero.data.cache")
 
@@ -473,10 +476,25 @@ def _write_index(
     write_json_atomic(out / INDEX_NAME, index)
 
 
-def launcher_command(cache_args: list[str], num_gpus: int | None, hostfile: Path | None) -> list[str]:
-    """`deepspeed ... --module sdzero.cli cache ARGS`: every rank (on every host) builds its share."""
-    from sdzero.cluster.launch_command import deepspeed_command
+def cache_launch(cache_args: list[str], num_gpus: int | None, hostfile: Path | None) -> RemoteLaunch:
+    """`deepspeed ... sdzero.cli cache ARGS`: every rank (on every host) builds its share.
 
-    # --no_local_rank: the ranks read RANK/LOCAL_RANK from the environment, as the trainer does.
-    entry = ["--no_local_rank", "--module", "sdzero.cli", "cache"]
-    return deepspeed_command(cache_args, num_gpus=num_gpus, hostfile=hostfile, entry=entry)
+    With a hostfile the ranks start through sdzero.cluster.remote_launch, in the folder the user ran
+    `sdzero cache` from (so a relative --data or --out means what it did there, whatever the folder's
+    name) and with the values of that folder's env file exactly; without one, DeepSpeed's runner starts
+    this host's ranks, with no remote shell in between."""
+    from sdzero.cluster.launch_command import deepspeed_command
+    from sdzero.cluster.remote_launch import launch_from_here, local_launch
+
+    if hostfile is None:
+        # --no_local_rank: the ranks read RANK/LOCAL_RANK from the environment, as the trainer does.
+        entry = ["--no_local_rank", "--module", "sdzero.cli", "cache"]
+        return local_launch(deepspeed_command(cache_args, num_gpus=num_gpus, entry=entry))
+    return launch_from_here(
+        ["cache", *cache_args],
+        ["-m", "sdzero.cli"],
+        Path.cwd(),
+        hostfile=hostfile,
+        num_gpus=num_gpus,
+        local_rank=False,
+    )

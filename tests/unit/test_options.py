@@ -134,13 +134,12 @@ def test_cache_profile_and_advise_share_one_inputs_group():
 
 
 def test_cache_takes_max_image_pixels_to_every_rank(monkeypatch, tmp_path):
-    import subprocess
-
     import sdzero.data.cache_build
     import sdzero.data.images
+    from sdzero.cluster.remote_launch import RemoteLaunch
 
     seen: dict[str, typing.Any] = {}
-    monkeypatch.setattr(subprocess, "call", lambda cmd: seen.setdefault("cmd", cmd) and 0)
+    monkeypatch.setattr(RemoteLaunch, "run", lambda launch: seen.setdefault("cmd", launch.command) and 0)
     base = ["cache", "--model", "m", "--data", str(tmp_path), "--out", str(tmp_path / "c")]
     result = CliRunner().invoke(app, [*base, "--max-image-pixels", "1234", "--num-gpus", "2"])
     assert result.exit_code == 0, result.output

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 from advisor.measure import trials
+from sdzero.cluster.remote_launch import local_launch
 
 SAVES_ON_SIGTERM = textwrap.dedent("""
     import signal, sys, time
@@ -26,9 +27,8 @@ SAVES_ON_SIGTERM = textwrap.dedent("""
 def test_a_timed_out_trial_leaves_no_checkpoint(tmp_path, monkeypatch):
     trial_dir = tmp_path / "trial"
     trial_dir.mkdir()
-    monkeypatch.setattr(
-        trials, "trial_command", lambda *a: [sys.executable, "-c", SAVES_ON_SIGTERM, str(trial_dir)]
-    )
+    command = [sys.executable, "-c", SAVES_ON_SIGTERM, str(trial_dir)]
+    monkeypatch.setattr(trials, "trial_launch", lambda *a: local_launch(command, a[-1]))
     monkeypatch.setattr(trials, "POLL_S", 0.05)
     settings = trials.TrialSettings(
         model="m", data=Path("d"), steps=1, warmup_steps=0, trial_timeout_s=1.5, stall_timeout_s=None
