@@ -250,7 +250,10 @@ def _refuse_foreign(out: Path) -> None:
     if not out.is_dir() or (out / INDEX_NAME).is_file() or (out / BUILD_NAME).is_file():
         return
     ignored = {LOCK_NAME, *(p.name for p in _leftovers(out))}
-    if any(p.name not in ignored for p in out.iterdir()):
+    # A build's own index files while it writes them (sdzero.atomic: `.NAME.XXXX.tmp`, then renamed):
+    # a second build arriving in that instant must hear that the folder is in use, not that it is foreign.
+    own_temp = tuple(f".{name}." for name in (INDEX_NAME, BUILD_NAME, LOCK_NAME))
+    if any(p.name not in ignored and not p.name.startswith(own_temp) for p in out.iterdir()):
         raise UserError(f"--out {out} exists and is not a cache folder; choose an empty or new folder")
 
 

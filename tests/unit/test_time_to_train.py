@@ -341,15 +341,19 @@ def test_the_out_folder_is_refused_while_another_live_run_holds_it(
 
 
 def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_path, tiny_model, synth_data):
+    from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA
     from advisor.report.terminal import error_line
 
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "drift.json").write_text(json.dumps({"noise_floor": 0.0512}))
+    # three brackets of the reference, 1.0, 1.05 and 0.95 s: the pooled repeat spread of ln(step)
+    (tmp_path / "out" / "drift.json").write_text(json.dumps({"reference_step_s": [1.0, 1.05, 0.95]}))
+    logs = [math.log(v) for v in (1.0, 1.05, 0.95)]
+    floor = math.sqrt(sum((v - sum(logs) / 3) ** 2 for v in logs) / 2) / MEAN_ABS_TO_SIGMA
     rec = advise_on_synthetic_trials(
         monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
     ).recommendation
-    assert rec["noise_floor"] == pytest.approx(0.0512) and rec["error"]["trials"] > 0
-    assert "(this machine's noise floor 5.1%)" in error_line(rec)
+    assert rec["noise_floor"] == pytest.approx(floor) and rec["error"]["trials"] > 0
+    assert f"(this machine's noise floor {floor:.1%})" in error_line(rec)
     (tmp_path / "out" / "drift.json").unlink()
     rec = advise_on_synthetic_trials(
         monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
