@@ -174,10 +174,18 @@ def train(
     master_port: Annotated[int | None, cli_option("master_port", panel=LAUNCH_PANEL)] = DEFAULTS.master_port,
 ) -> None:
     """Launch sdzero/train.py through the deepspeed launcher; other options go to the trainer
-    (`python sdzero/train.py --help` lists them)."""
+    (`python sdzero/train.py --help` lists them). With --hostfile it is `sdzero launch`: the hosts are
+    checked, and the launch folder and forwarded values reach every rank exactly."""
     from sdzero.cluster.launch_command import deepspeed_command
 
-    cmd = deepspeed_command(list(ctx.args), num_gpus=num_gpus, hostfile=hostfile, master_port=master_port)
+    if hostfile is not None:
+        if num_gpus is not None:
+            raise UserError(
+                "--num-gpus with --hostfile: the hostfile's slots= say how many ranks each host runs; "
+                "drop --num-gpus (or set slots= per host)"
+            )
+        launch(ctx, hostfile, DEFAULTS.launcher, DEFAULTS.master_addr, master_port)
+    cmd = deepspeed_command(list(ctx.args), num_gpus=num_gpus, master_port=master_port)
     typer.echo("+ " + " ".join(cmd), err=True)
     raise typer.Exit(subprocess.call(cmd))
 

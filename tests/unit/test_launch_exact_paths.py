@@ -152,3 +152,40 @@ def test_the_benchmark_with_a_hostfile_runs_its_ranks_in_the_work_folder(here, t
     assert_exact(launch, work, command)
     assert launch.command[-4] == "--no_local_rank"
     assert decode_payload(launch.command[-1]).env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
+
+
+def test_sdzero_train_with_a_hostfile_is_sdzero_launch(here, monkeypatch):
+    """`sdzero train --hostfile` takes `sdzero launch`'s path (hosts checked, folder and values exact),
+    not DeepSpeed's runner line; --num-gpus beside it is one line, exit 2, nothing started."""
+    from typer.testing import CliRunner
+
+    from sdzero import cli
+    from sdzero.cluster import hostfile as hostfile_module
+
+    seen: dict = {}
+
+    class Plan:
+        command = ["deepspeed", "--hostfile", "hosts", "PAYLOAD"]
+
+        class launch:  # noqa: N801 - stands in for RemoteLaunch
+            @staticmethod
+            def run() -> int:
+                seen["ran"] = True
+                return 7
+
+    def plan_launch(hostfile, train_args, launcher, master_addr, master_port):
+        seen.update(hostfile=hostfile, args=train_args, launcher=launcher, port=master_port)
+        return Plan
+
+    monkeypatch.setattr(hostfile_module, "plan_launch", plan_launch)
+    monkeypatch.setattr(hostfile_module, "describe", lambda plan: ["checked"])
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: pytest.fail("DeepSpeed's runner was called"))
+    hosts = here.parent / "hosts"
+    result = CliRunner().invoke(cli.app, ["train", "--hostfile", str(hosts), "--", "--model", "m x"])
+    assert result.exit_code == 7 and seen["ran"] and seen["args"] == ["--model", "m x"]
+    assert seen["hostfile"] == hosts and seen["launcher"] == "pdsh"
+    seen.clear()
+    both = CliRunner().invoke(
+        cli.app, ["train", "--hostfile", str(hosts), "--num-gpus", "2", "--", "--model", "m"]
+    )
+    assert both.exit_code == 2 and "--num-gpus with --hostfile" in both.output and not seen
