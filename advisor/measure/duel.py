@@ -216,8 +216,12 @@ def repeat_groups(folder: Path) -> list[list[float]]:
 def _clean_raw_steps(path: Path) -> list[tuple[str, float]]:
     """(trial_id, raw median step) of every clean measurement in a trials.csv, in file order."""
     from advisor.measure.trial_table import read_trials
+    from sdzero.errors import UserError
 
-    table = read_trials(path)
+    try:
+        table = read_trials(path)
+    except UserError:  # not the runner's table (an advise folder's own trials.csv): no repeats in it
+        return []
     if table.empty or "step_s_raw" not in table:
         return []
     out = []
