@@ -42,6 +42,8 @@ DUEL_ORDER = (0, 1, 1, 0)
 DUEL_SCHEMA = 1
 DUEL_FILE = "duel.json"
 """Beside drift.json: the duels of the setup."""
+POOLED_NOTE = "duel legs"
+"""In the notes of a config's row pooled from its duel legs (not a measurement of its own)."""
 
 
 @dataclass(frozen=True)
@@ -189,14 +191,44 @@ def pooled_log_spread(groups: Iterable[Sequence[float]]) -> tuple[float | None, 
 
 def repeat_groups(folder: Path) -> list[list[float]]:
     """Every repeat a run made of the same work, raw (uncorrected) median steps grouped by config: the
-    reference's clean brackets (drift.json) and each duel config's legs (duel.json)."""
+    reference's clean brackets (drift.json), and each config measured more than once (a duel's legs
+    with the config's earlier trial, a trial run again for drift) from duel.json and the run's
+    trials.csv. Contended trials and a duel's pooled rows are not measurements of their own."""
+    folder = Path(folder)
     groups: list[list[float]] = []
     try:
-        steps = json.loads((Path(folder) / "drift.json").read_text()).get("reference_step_s") or []
+        steps = json.loads((folder / "drift.json").read_text()).get("reference_step_s") or []
         groups.append([float(x) for x in steps])
     except (OSError, ValueError, AttributeError, TypeError):
         pass
-    for duel in read_duels(Path(folder) / DUEL_FILE):
-        for trial in (duel.a, duel.b):
-            groups.append([leg.step_s for leg in duel.legs if leg.trial_id == trial])
-    return groups
+    by_trial: dict[str, list[float]] = {}
+    for path in (folder / "profile" / "trials.csv", folder / "trials.csv"):
+        if path.is_file():
+            for trial, step in _clean_raw_steps(path):
+                by_trial.setdefault(trial, []).append(step)
+            break
+    for duel in read_duels(folder / DUEL_FILE):
+        for leg in duel.legs:
+            by_trial.setdefault(leg.trial_id, []).append(leg.step_s)
+    return groups + [steps for steps in by_trial.values() if len(steps) > 1]
+
+
+def _clean_raw_steps(path: Path) -> list[tuple[str, float]]:
+    """(trial_id, raw median step) of every clean measurement in a trials.csv, in file order."""
+    from advisor.measure.trial_table import read_trials
+    from sdzero.errors import UserError
+
+    try:
+        table = read_trials(path)
+    except UserError:  # not the runner's table (an advise folder's own trials.csv): no repeats in it
+        return []
+    if table.empty or "step_s_raw" not in table:
+        return []
+    out = []
+    for row in table.to_dict("records"):
+        pooled = POOLED_NOTE in str(row.get("notes") or "")
+        contended = str(row.get("contended")).lower() in ("true", "1")
+        step = float(row["step_s_raw"]) if row.get("step_s_raw") is not None else math.nan
+        if row.get("status") == "ok" and not pooled and not contended and step > 0:
+            out.append((str(row["trial_id"]), step))
+    return out

@@ -49,6 +49,7 @@ from advisor.measure.drift import (
 from advisor.measure.duel import (
     DUEL_FILE,
     DUEL_ORDER,
+    POOLED_NOTE,
     Duel,
     Leg,
     Pooled,
@@ -236,7 +237,7 @@ class TrialRunner:
             step_time_s=_num(row.get("step_time_s")) * scale,
             samples_per_s=_num(row.get("samples_per_s")) / scale,
             measured_at=pooled.at,
-            notes=f"the pooled median of its {pooled.legs} duel legs (trials/{spec.trial_id}/duel-*)",
+            notes=f"the pooled median of its {pooled.legs} {POOLED_NOTE} (trials/{spec.trial_id}/duel-*)",
         )
         append_row(self.csv_path, row)
 

@@ -504,6 +504,10 @@ def test_a_rematch_with_room_runs_a_duel_and_pools_its_legs(tmp_path, no_config_
     history = read_trials(tmp_path / "profile" / "trials.csv")
     assert (history["trial_id"] == a.trial_id).sum() == 2  # the first trial kept, the pooled row after it
     assert any(line.startswith("duel:") for line in runner.answer_lines())
+    from advisor.model.uncertainty import run_noise_floor
+
+    # the run's repeats: each config's first trial and its two legs (the pooled rows are not counted)
+    assert run_noise_floor(tmp_path)[1] == 2 * (3 - 1)
 
 
 def test_a_duel_leg_that_fails_leaves_the_rows_as_they_were(tmp_path, no_config_check):
