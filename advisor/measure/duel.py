@@ -44,6 +44,8 @@ DUEL_FILE = "duel.json"
 """Beside drift.json: the duels of the setup."""
 POOLED_NOTE = "duel legs"
 """In the notes of a config's row pooled from its duel legs (not a measurement of its own)."""
+POOLED_STOP = "duel"
+"""That row's `stopped_by`: its interval is the legs' pooled one, not one trial's stop rule."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from advisor.measure.duel import (
     DUEL_FILE,
     DUEL_ORDER,
     POOLED_NOTE,
+    POOLED_STOP,
     Duel,
     Leg,
     Pooled,
@@ -237,6 +238,7 @@ class TrialRunner:
             step_time_s=_num(row.get("step_time_s")) * scale,
             samples_per_s=_num(row.get("samples_per_s")) / scale,
             measured_at=pooled.at,
+            stopped_by=POOLED_STOP,  # no one trial's stop rule: its interval is the legs' and their spread
             notes=f"the pooled median of its {pooled.legs} {POOLED_NOTE} (trials/{spec.trial_id}/duel-*)",
         )
         append_row(self.csv_path, row)

@@ -99,7 +99,8 @@ factor's relative uncertainty and `bracketed` whether a later bracket closed the
 `step_time_median_s` (what the models fit), `step_time_s` and `samples_per_s` are corrected for the drift;
 `step_s_lo`/`_hi` are the corrected median's interval, the correction's uncertainty included. `contended`:
 other processes took more than CONTENDED_SHARE of the cores while it measured (`others_cpu_share`);
-`measured_at`: epoch seconds, the middle of its measured window; `stopped_by`: what ended its measuring."""
+`measured_at`: epoch seconds, the middle of its measured window; `stopped_by`: what ended its measuring
+(`duel` for a row pooled from a duel's legs, advisor.measure.duel)."""
 
 TEXT_COLUMNS: tuple[str, ...] = (
     "trial_id",

@@ -92,7 +92,14 @@ def test_advise_end_to_end_writes_the_contract_files(advised):
 
 def test_trials_measure_to_an_interval_and_the_reference_is_recorded(advised):
     out = advised["out"]
-    ok = pd.read_csv(out / "profile" / "trials.csv").query("status == 'ok'")
+    table = pd.read_csv(out / "profile" / "trials.csv").query("status == 'ok'")
+    pooled = table[
+        table["stopped_by"] == "duel"
+    ]  # a duel's configs: their legs pooled (advisor.measure.duel)
+    assert pooled["notes"].str.contains("duel legs").all()
+    assert (pooled["step_s_lo"] <= pooled["step_time_median_s"]).all()
+    assert (pooled["step_time_median_s"] <= pooled["step_s_hi"]).all()
+    ok = table[table["stopped_by"] != "duel"]
     # at least 5 measured steps, then until the interval is tight or a cap (30 steps, 6 s of steps)
     assert set(ok["stopped_by"]) <= {"interval", "time cap", "step cap"}
     assert ok["measured_steps"].between(5, 31).all()

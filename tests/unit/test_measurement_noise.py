@@ -499,7 +499,7 @@ def test_a_rematch_with_room_runs_a_duel_and_pools_its_legs(tmp_path, no_config_
     assert len(duels) == 1 and duels[0].pairs == 2 and not duels[0].tied  # 0.1*8*1.2 vs 0.1*8*1.4
     assert math.exp(duels[0].log_ratio) == pytest.approx(1.2 / 1.4, rel=0.02)
     rows = table.set_index("trial_id")
-    assert "duel legs" in rows.at[a.trial_id, "notes"]
+    assert "duel legs" in rows.at[a.trial_id, "notes"] and rows.at[a.trial_id, "stopped_by"] == "duel"
     assert rows.at[a.trial_id, "step_time_median_s"] == pytest.approx(0.96, rel=0.02)
     history = read_trials(tmp_path / "profile" / "trials.csv")
     assert (history["trial_id"] == a.trial_id).sum() == 2  # the first trial kept, the pooled row after it
