@@ -1,7 +1,7 @@
 """`sdzero advise --max-nodes 32` for real on the tiny default: 2 ranks through the deepspeed launcher.
 
-One advise run (module fixture, ~80 s on 2 idle cores: the collectives benchmark and the 3 seed trials,
-which run whatever the budget; a 1-minute budget leaves none for model-chosen or check trials, whose choice
+One advise run (module fixture, ~100 s on 2 idle cores: the collectives benchmark and the 4 seed trials,
+the micro-batch 4 reference and each stage's micro-batch 1, which run whatever the budget; a 1-minute budget leaves none for model-chosen or check trials, whose choice
 and held-out error tests/unit/test_advice.py and test_advisor_comm_costing.py replay) serves every test
 here: its files, the memory model against the bytes its trials measured, and the recommended JSON trained
 for 2 steps by the trainer.
@@ -24,6 +24,7 @@ from advisor.model.memory import ZeroSettings, trained_numels
 from sdzero.cluster.launch_command import shipped_config
 from sdzero.config.lr_rule import DEFAULT_LR_SCALING
 from sdzero.errors import EXIT_USER_ERROR, UserError
+from sdzero.telemetry.step_interval import interval_is_tight, median_interval
 
 pytestmark = pytest.mark.dist
 
@@ -96,15 +97,22 @@ def test_trials_measure_to_an_interval_and_the_reference_is_recorded(advised):
     pooled = table[
         table["stopped_by"] == "duel"
     ]  # a duel's configs: their legs pooled (advisor.measure.duel)
-    assert pooled["notes"].str.contains("duel legs").all()
+    assert pooled["notes"].astype(str).str.contains("duel legs").all()
     assert (pooled["step_s_lo"] <= pooled["step_time_median_s"]).all()
     assert (pooled["step_time_median_s"] <= pooled["step_s_hi"]).all()
     ok = table[table["stopped_by"] != "duel"]
     # at least 5 measured steps, then until the interval is tight or a cap (30 steps, 6 s of steps)
     assert set(ok["stopped_by"]) <= {"interval", "time cap", "step cap"}
     assert ok["measured_steps"].between(5, 31).all()
-    tight = ok[ok["stopped_by"] == "interval"]
-    assert ((tight["step_s_raw_hi"] - tight["step_s_raw_lo"]) / 2 <= 0.05 * tight["step_s_raw"]).all()
+    # An "interval" stop: the probe voted once the interval of the steps so far was within the 3% target,
+    # and the vote travels with the next step's statistics, so a step or two more may be measured after it
+    # (on a short trial one slow step then widens the final interval past the target).
+    for row in ok[ok["stopped_by"] == "interval"].itertuples():
+        times = json.loads((Path(row.trial_dir) / "profile.json").read_text())["step_times_s"]
+        voted = next(
+            n for n in range(5, len(times) + 1) if interval_is_tight(median_interval(times[:n]), 0.03)
+        )
+        assert len(times) - voted <= 2, (row.trial_id, voted, len(times))
     assert (ok["step_s_lo"] <= ok["step_time_median_s"]).all()
     assert (ok["step_time_median_s"] <= ok["step_s_hi"]).all()
     drift = json.loads((out / "drift.json").read_text())
