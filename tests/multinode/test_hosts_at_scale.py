@@ -32,6 +32,12 @@ neighbours) cannot make a working quota fail it nor a missing one pass it."""
 RANK_CPUS = 0.15
 """Per rank of the 2-slot host: the same 0.3 cores a host of the 4 gets, split between its two ranks."""
 RANKSHARE = Path(cpushare.__file__).with_name("rankshare")
+RANK_WORK = (
+    "import time\nt, c = time.perf_counter(), time.process_time()\nx = 0\n"
+    "for i in range(1_000_000): x += i * i\n"
+    "print(time.perf_counter() - t, time.process_time() - c)"
+)
+"""WORK that also says how much CPU it got: its wall seconds, then its CPU seconds."""
 WORK = (
     "import time\nt = time.perf_counter()\nx = 0\n"
     "for i in range(1_000_000): x += i * i\n"  # ~0.08 CPU-s: ~0.27 s at 0.3 of a core
@@ -112,7 +118,7 @@ def test_a_rank_takes_its_own_share_inside_the_one_host_trial(cluster4):
 def rank_work(address: str, local_rank: int, cpus: float) -> subprocess.Popen:
     """WORK started over ssh as a rank of its host would be (LOCAL_RANK, SDZERO_RANK_CPUS, rankshare)."""
     env = f"SDZERO_RANK_CPUS={cpus} LOCAL_RANK={local_rank} PYTHONPATH={RANKSHARE}"
-    code = WORK + "\nprint(open('/proc/self/cgroup').read())"
+    code = RANK_WORK + "\nprint(open('/proc/self/cgroup').read())"
     return subprocess.Popen(
         ["ssh", "-o", "BatchMode=yes", address, f'{env} {sys.executable} -c "{code}"'],
         stdout=subprocess.PIPE,
@@ -123,30 +129,36 @@ def rank_work(address: str, local_rank: int, cpus: float) -> subprocess.Popen:
 def test_a_two_rank_hosts_ranks_each_get_their_share_and_teardown_removes_the_groups():
     """A host with 2 slots: each rank started over ssh moves into a group of its own inside the host's
     (rankshare; the host's sshd runs in its network namespace only, so /sys/fs/cgroup is visible), and a
-    rank computes as fast with its peer busy as alone: the peer cannot lend it the host's idle share.
-    Then teardown removes the host's groups."""
+    rank alone cannot borrow its idle peer's share: it gets its own quota of a core, not the host's.
+    Then teardown removes the host's groups.
+
+    Judged by the share of a core the rank's work got (CPU seconds over wall seconds), not by timing it
+    against a paired run: two children of one quota group are throttled by the parent's slices now and
+    then (a paired rank took 1.5-1.9x its time alone in 2 of 5 runs here), which is not what this is about."""
     if cpushare.detect().version != 1:
         pytest.skip("cgroup v2: a group with processes cannot give children a cpu quota")
     small = Cluster(hosts=1, slots=2, cpus_per_host=2 * RANK_CPUS).up()
     try:
         host, group = small.members[0], small.cpu_group(small.members[0])
         assert group.is_dir()
-        alone, together = [], []
-        for _ in range(2):  # the fastest of 2: other load only ever slows a run down
+        shares = []
+        for _ in range(2):
             first = rank_work(host.address, 0, RANK_CPUS)
             out = first.communicate(timeout=60)[0]
             assert f"/{group.name}/rank0\n" in out, out
-            alone.append(float(out.split()[0]))
+            wall, cpu = (float(v) for v in out.split()[:2])
+            shares.append(cpu / wall)
             pair = [rank_work(host.address, r, RANK_CPUS) for r in (0, 1)]
             outs = [p.communicate(timeout=60)[0] for p in pair]
             assert f"/{group.name}/rank1\n" in outs[1], outs[1]
-            together.append(float(outs[0].split()[0]))
         quota, period = (
             int((group / "rank0" / f).read_text()) for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us")
         )
         assert quota / period == pytest.approx(RANK_CPUS, rel=1e-3)  # whole microseconds
-        # Sharing the host's 0.3 cores freely, a rank alone would run on all of it: 2x faster than paired.
-        assert min(together) / min(alone) < 1 + SHARE_RTOL, f"rank 0: {alone} s alone, {together} s paired"
+        # Alone on a host quota of 2 x 0.15 cores, a rank without a group of its own would get 0.3 of a
+        # core; with one, 0.15. Other load only lowers a share: the bound half-way cannot fail a working
+        # quota, nor pass a missing one.
+        assert max(shares) < RANK_CPUS * (1 + SHARE_RTOL), f"rank 0 alone got {shares} of a core"
     finally:
         small.down()
     assert not group.exists()
