@@ -37,6 +37,7 @@ import numpy as np
 from sdzero.atomic import write_json_atomic
 
 Z95 = 1.959964
+"""The two-sided 95% quantile of the normal distribution (advisor.model.uncertainty uses this one too)."""
 DUEL_ORDER = (0, 1, 1, 0)
 """A B B A: the legs' order, indexes into the duel's two configs."""
 DUEL_SCHEMA = 1

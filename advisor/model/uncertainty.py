@@ -49,10 +49,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from advisor.measure.duel import Duel, pooled_log_spread, repeat_groups
+from advisor.measure.duel import Z95, Duel, pooled_log_spread, repeat_groups
 
-Z95 = 1.959964
-"""The two-sided 95% quantile of the normal distribution."""
 MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2)
 """A normal spread's sigma over its mean absolute deviation: the noise floor is a mean |deviation|."""
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -382,8 +380,7 @@ def _value(row: pd.Series, column: str) -> float:
 
 
 def _halfwidth(row: pd.Series) -> float:
-    value = row.get("compare_halfwidth", 0.0)
-    return 0.0 if value is None or pd.isna(value) else float(value)
+    return _value(row, "compare_halfwidth")
 
 
 TIE_RULE = (
