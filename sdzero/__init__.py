@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -38,4 +39,16 @@ def use_venv_build_tools(environ: MutableMapping[str, str] = os.environ) -> None
         environ["PATH"] = f"{path}{os.pathsep}{bin_dir}" if path else bin_dir
 
 
+def thread_only_progress_lock() -> None:
+    """Give tqdm (our bars, and diffusers' and the hub's, which share its lock) a lock of this process's
+    threads only. Its default adds a multiprocessing semaphore that forked children (the data loader's
+    workers) share: one that dies holding it leaves every later bar of the parent waiting for ever, at
+    any line where the garbage collector closes an old bar (a unit-test worker hung so for 45 minutes,
+    in tqdm.__del__). No bar of ours is drawn from two processes at once."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 use_venv_build_tools()
+thread_only_progress_lock()

@@ -169,15 +169,16 @@ class TrialRunner:
         if self.seen.trials_since_bracket and self._room_for(self._bracket_cost()):
             self.bracket()
 
-    def rematch(self, trial_ids: list[str]) -> pd.DataFrame:
+    def rematch(self, trial_ids: list[str], reserve_s: float = 0.0) -> pd.DataFrame:
         """Measure the first two of these configs again: a duel, A B B A (advisor.measure.duel), when the
-        budget has room for its four legs; else once each, back to back, their new rows replacing the old."""
+        budget has room for its four legs; else once each, back to back, their new rows replacing the old.
+        `reserve_s` of the budget stays free for what comes after (advise's check trials)."""
         specs = [self.specs[t] for t in trial_ids if t in self.specs][:2]
         if len(specs) < 2:
             return self.table()
-        if self._room_for(len(DUEL_ORDER) * self._trial_cost()):
+        if self._room_for(len(DUEL_ORDER) * self._trial_cost() + reserve_s):
             return self.duel(specs[0], specs[1])
-        if not self._room_for(sum(self._trial_cost() for _ in specs)):
+        if not self._room_for(sum(self._trial_cost() for _ in specs) + reserve_s):
             return self.table()
         self.say("rematch: " + " and ".join(s.trial_id for s in specs) + " measured again, back to back")
         for spec in specs:

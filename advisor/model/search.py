@@ -10,11 +10,18 @@ not to fit (in the trial or at the target), those above an out-of-memory trial o
 predicted more than DOMINATED_MARGIN slower than the best prediction; measure the fastest of the rest.
 It stops when nothing is left: the best predicted config is then measured.
 
+Second micro-batches: when the model has nothing left to pick and the budget still has room for more than
+the trials kept in reserve (`reserve_trials`: the check trials that come after the search), each ladder
+measured at one micro-batch only gets a second one (`slope_specs`: its largest that fits), so that its
+stage's compute has a line of its own (advisor.model.step_time) instead of the slope of the others; the
+model then picks again. A 5-minute default run ended in 178 of its 300 s with ZeRO-3 measured at one
+micro-batch and its micro-batches 2-8 off by 15-17% (docs/advisor.md, round 3).
+
 Noise: configs are compared by measurements corrected for the machine's drift (advisor.measure.runner
 brackets the trials with a reference config). When the two fastest measured configs are within each
 other's intervals (`contenders`), the search has them measured again, A B B A (`rematch`: a duel,
-advisor.measure.duel, when the runner offers it and the budget has room; it stops one trial early to
-leave that room), so that a slow minute does not decide between them.
+advisor.measure.duel, when the runner offers it and the budget has room beside the reserve; it stops one
+trial early to leave that room), so that a slow minute does not decide between them.
 
 `run_specs` is injected: `sdzero advise` runs real trials, bench/advisor_accuracy.py replays a measured
 full grid through the very same choices.
@@ -55,6 +62,59 @@ def seed_specs(plan: GridPlan) -> list[TrialSpec]:
     smallest = [ladder[0] for ladder in plan.ladders]
     reference = plan.reference
     return [reference, *(s for s in smallest if s != reference)] if reference else smallest
+
+
+def slope_specs(
+    plan: GridPlan,
+    trials: pd.DataFrame,
+    numels: tuple[int, ...],
+    zero: ZeroSettings,
+    measured_net: Network,
+    usable_bytes: float,
+    in_reach: Callable[[int], bool] = lambda micro_batch: True,
+) -> list[TrialSpec]:
+    """For each ladder with one micro-batch measured (ok) and no other, its largest unmeasured micro-batch
+    that the model predicts to fit and the global batch can use (`in_reach`): the widest lever for the
+    ladder's own slope where a prediction can need it. Fastest predicted first (on the trials' own
+    machine), so that a budget with room for one measures the one that matters most."""
+    ok = trials[trials["status"] == "ok"]
+    if ok.empty:
+        return []
+    models = fit_models(trials, numels, zero, measured_net)
+    measured = set(ok["trial_id"].astype(str))
+    scored: list[tuple[float, TrialSpec]] = []
+    for ladder in plan.ladders:
+        if sum(spec.trial_id in measured for spec in ladder) != 1:
+            continue
+        for spec in reversed(ladder):
+            if _blocked(spec, trials) or not in_reach(spec.micro_batch):
+                continue
+            mem = models.memory.per_rank_bytes(
+                spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
+            )
+            if mem["total"] > usable_bytes:
+                continue
+            net = replace(measured_net, gpus_per_node=spec.ranks_per_node)
+            step = models.timing.predict(
+                spec.zero_stage, spec.precision, spec.micro_batch, 1, 1, net, spec.offload
+            )
+            scored.append((step.samples_per_s, spec))
+            break
+    scored.sort(key=lambda t: -t[0])
+    return [spec for _, spec in scored]
+
+
+def _reach(
+    target_net: Network, target_nodes: int | Sequence[int], target: BatchTarget | None
+) -> Callable[[int], bool]:
+    """Whether the global batch admits a micro-batch at some node count the search judges."""
+    node_counts = (target_nodes,) if isinstance(target_nodes, int) else tuple(target_nodes)
+
+    def in_reach(micro_batch: int) -> bool:
+        world = target_net.gpus_per_node
+        return any(grad_accum_for(micro_batch, n * world, target) is not None for n in node_counts)
+
+    return in_reach
 
 
 def _blocked(spec: TrialSpec, trials: pd.DataFrame) -> bool:
@@ -177,13 +237,17 @@ def run_search(
     budget_s: float,
     max_trials: int | None = None,
     log: Callable[[str], None] | None = None,
+    reserve_trials: int = 0,
 ) -> SearchResult:
-    """Seeds, then model-chosen trials while the budget allows. `run_specs` returns the whole trial table."""
+    """Seeds, then model-chosen trials while the budget allows. `run_specs` returns the whole trial table.
+    `reserve_trials` trials' worth of the budget is kept from the second micro-batches and the duel (not
+    from the model's own picks) for what runs after the search: advise's check trials."""
     say = log or (lambda message: None)
     started = time.monotonic()
     result = SearchResult(pd.DataFrame(), plan.max_trials)
     trials = run_specs(seed_specs(plan))
     limit = max_trials if max_trials is not None else plan.max_trials
+    per_trial = 0.0
     while len(trials) < limit:
         walls = pd.to_numeric(trials.get("wall_s", pd.Series(dtype=float)), errors="coerce").dropna()
         per_trial = float(walls.mean()) if len(walls) else 0.0
@@ -191,7 +255,7 @@ def run_search(
         if per_trial > left:
             result.log.append(f"stopped: --budget-minutes reached after {len(trials)} trials")
             break
-        if _duel_now(run_specs, trials, per_trial, left):
+        if _duel_now(run_specs, trials, per_trial, left, reserve_trials * per_trial):
             result.log.append(
                 f"stopped after {len(trials)} trials to leave the budget's last "
                 f"{left:.0f} s to a duel of the two closest configs"
@@ -200,15 +264,58 @@ def run_search(
         spec, why = choose_next(
             plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
         )
+        if spec is None:
+            spec, why = _second_micro_batch(
+                plan,
+                trials,
+                numels,
+                zero,
+                measured_net,
+                usable_bytes,
+                _reach(target_net, target_nodes, target),
+                left,
+                per_trial,
+                reserve_trials,
+                why,
+            )
         result.log.append(why)
         say(why)
         if spec is None:
             break
         result.chosen_by_model.append(spec.trial_id)
         trials = run_specs([spec])
-    trials = _rematch(run_specs, trials, result, budget_s - (time.monotonic() - started), say)
+    reserve_s = reserve_trials * per_trial
+    left = budget_s - (time.monotonic() - started) - reserve_s
+    trials = _rematch(run_specs, trials, result, left, say, reserve_s)
     result.trials = trials
     return result
+
+
+def _second_micro_batch(
+    plan: GridPlan,
+    trials: pd.DataFrame,
+    numels: tuple[int, ...],
+    zero: ZeroSettings,
+    measured_net: Network,
+    usable_bytes: float,
+    in_reach: Callable[[int], bool],
+    left_s: float,
+    per_trial: float,
+    reserve_trials: int,
+    done_why: str,
+) -> tuple[TrialSpec | None, str]:
+    """Once the model has nothing left to pick (`done_why`): the first of `slope_specs`, if the budget has
+    room for it beside the reserve; else None and `done_why`."""
+    specs = slope_specs(plan, trials, numels, zero, measured_net, usable_bytes, in_reach)
+    if not specs:
+        return None, done_why
+    if per_trial * (1 + reserve_trials) > left_s:
+        return None, f"{done_why}; no room for a second micro-batch of {specs[0].trial_id}'s ladder"
+    spec = specs[0]
+    return spec, (
+        f"second micro-batch: {spec.trial_id}, so that its stage's compute gets a slope of its own "
+        f"({done_why.split(' (')[0]})"
+    )
 
 
 def contenders(trials: pd.DataFrame) -> list[str]:
@@ -232,13 +339,18 @@ def contenders(trials: pd.DataFrame) -> list[str]:
 
 
 def _duel_now(
-    run_specs: Callable[[list[TrialSpec]], pd.DataFrame], trials: pd.DataFrame, per_trial: float, left: float
+    run_specs: Callable[[list[TrialSpec]], pd.DataFrame],
+    trials: pd.DataFrame,
+    per_trial: float,
+    left: float,
+    reserve_s: float = 0.0,
 ) -> bool:
-    """Whether the budget left holds a duel but not one more trial besides: with the two fastest measured
-    configs within each other's intervals, telling them apart is then worth more than one more config."""
+    """Whether the budget left, less `reserve_s`, holds a duel but not one more trial besides: with the two
+    fastest measured configs within each other's intervals, telling them apart is then worth more than one
+    more config."""
     if getattr(run_specs, "rematch", None) is None or len(contenders(trials)) < 2:
         return False
-    legs = len(DUEL_ORDER) * per_trial
+    legs = len(DUEL_ORDER) * per_trial + reserve_s
     return legs <= left < legs + per_trial
 
 
@@ -248,8 +360,10 @@ def _rematch(
     result: SearchResult,
     left_s: float,
     say: Callable[[str], None],
+    reserve_s: float = 0.0,
 ) -> pd.DataFrame:
-    """The two closest contenders measured again back to back, when the runner can and time allows."""
+    """The two closest contenders measured again back to back, when the runner can and time allows:
+    `left_s` is the budget left less `reserve_s`, which the runner keeps free too."""
     rematch = getattr(run_specs, "rematch", None)
     pair = contenders(trials)
     if rematch is None or len(pair) < 2:
@@ -262,7 +376,7 @@ def _rematch(
     line = f"rematch: {pair[0]} and {pair[1]} are within each other's intervals; measured again"
     result.log.append(line)
     say(line)
-    return rematch(pair)
+    return rematch(pair, reserve_s=reserve_s)
 
 
 CHECK_TRIALS = 2

@@ -2,8 +2,12 @@
 
 Compute per micro-step is fitted to the trials as a + b x micro_batch, with an intercept per ZeRO stage,
 precision and offload (the stage changes hooks, gathers and the optimizer's share; offload moves the
-optimizer to the CPU) and a slope per precision (the
-network's work per sample does not depend on the stage). A trial's compute is its step time minus the
+optimizer to the CPU) and a slope per precision, shared by the groups measured at one micro-batch (the
+network's work per sample is the same at every stage). A group measured at two or more micro-batches
+gets a line of its own (`group_slopes`): what the stage adds per micro-step grows with the micro-batch
+too (docs/advisor.md, calibration round 1: from micro-batch 1 to 4 ZeRO-3's step grew by 0.11 s,
+ZeRO-1's by 0.04 s), and a shared slope would put the average growth on every stage's unmeasured
+micro-batches. A trial's compute is its step time minus the
 time its ranks spent inside collectives (DeepSpeed's comms_logger, plus the time they then waited for
 async calls, which the trial times itself: sdzero.training.probe.WaitMeter).
 
@@ -127,6 +131,9 @@ class TimeModel:
     wait_sigma_s: dict[int, float] = field(default_factory=dict)
     """Per stage: the ranks' compute spread per synchronisation, seconds, from what the 1-node trials'
     ranks spent in collectives beyond the link's cost (advisor.model.sync_wait); 0 where unmeasured."""
+    group_slopes: dict[Group, float] = field(default_factory=dict)
+    """Seconds per sample of a group measured at 2+ micro-batches, fitted on its own trials (its intercept
+    in `intercepts` is then its own line's); the other groups of its precision use `slopes`."""
 
     def syncs(self, stage: int, grad_accum: int) -> int:
         """Synchronisations a step: per micro-step where the stage's large collectives repeat per
@@ -141,8 +148,13 @@ class TimeModel:
             # A precision never measured borrows a measured one's figures (the same network and data).
             precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]
         group = (stage, precision, offload)
+        if group in self.group_slopes:
+            return max(self.intercepts[group] + self.group_slopes[group] * micro_batch, 1e-9)
         if precision in self.slopes:
-            fitted = {g: v for g, v in self.intercepts.items() if g[1] == precision}
+            # A group with a line of its own lends neither figure: its intercept pairs with its own slope.
+            fitted = {
+                g: v for g, v in self.intercepts.items() if g[1] == precision and g not in self.group_slopes
+            } or {g: v for g, v in self.intercepts.items() if g[1] == precision}
             return max(_closest(fitted, group) + self.slopes[precision] * micro_batch, 1e-9)
         mine = {g: v for g, v in self.proportional.items() if g[1] == precision}
         return max(_closest(mine, group) * micro_batch, 1e-9)
@@ -348,6 +360,8 @@ def fit_time_model(
     intercepts = {g: float(coef[i]) for i, g in enumerate(groups)}
     slopes = {p: float(coef[len(groups) + j]) for j, p in enumerate(fitted)}
     model = TimeModel(intercepts, slopes, {}, {}, notes, proportional=proportional)
+    for group, (intercept, slope) in _own_lines(fit, y).items():
+        model.intercepts[group], model.group_slopes[group] = intercept, slope
     measured_once = ok[ok["once_s"].notna()]
     for (stage, precision, offload), rows in measured_once.groupby(["zero_stage", "precision", "offload"]):
         model.once_per_step_s[(int(stage), str(precision), str(offload))] = float(rows["once_s"].median())
@@ -358,6 +372,23 @@ def fit_time_model(
     if model.side_stream:
         model.phase_shares = _phase_shares(ok, model, mixes)
     return model
+
+
+def _own_lines(fit: pd.DataFrame, compute: np.ndarray) -> dict[Group, tuple[float, float]]:
+    """(intercept, slope) of each group measured at two or more micro-batches, fitted on its trials alone.
+    A line whose slope comes out negative (two noisy points close together: more samples cannot cost
+    less) is not kept; the group stays on its precision's shared slope."""
+    lines: dict[Group, tuple[float, float]] = {}
+    keys = list(zip(fit["zero_stage"], fit["precision"], fit["offload"], strict=True))
+    for key in sorted(set(keys)):
+        mine = np.array([k == key for k in keys], dtype=bool)
+        mb = fit.loc[mine, "micro_batch"].to_numpy(dtype=float)
+        if len(np.unique(mb)) < 2:
+            continue
+        slope, intercept = np.polyfit(mb, compute[mine], 1)
+        if slope > 0:
+            lines[(int(key[0]), str(key[1]), str(key[2]))] = (float(intercept), float(slope))
+    return lines
 
 
 def _side_stream(ok: pd.DataFrame) -> bool:

@@ -20,7 +20,7 @@ from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import Network, build_network
 from advisor.model.predict import grad_accum_for
 from advisor.model.prediction_error import check_rows, fit_models, validation_table
-from advisor.model.search import SearchResult, check_specs, run_search
+from advisor.model.search import CHECK_TRIALS, SearchResult, check_specs, run_search
 from advisor.stages.inputs import AdviseInputs
 from advisor.target import device_memory_bytes
 from sdzero.atomic import write_csv_atomic
@@ -166,6 +166,9 @@ def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredT
         inputs.target,
         budget_s,
         log=inputs.say,
+        # the check trials (CHECK_TRIALS and the accumulation check) run after the search: their room is
+        # kept from the second micro-batches and the duel
+        reserve_trials=CHECK_TRIALS + 1,
     )
     if search.trials[search.trials["status"] == "ok"].empty:
         raise UserError(f"no trial succeeded; see the logs under {inputs.out_dir / 'profile' / 'trials'}")

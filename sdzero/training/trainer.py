@@ -204,11 +204,13 @@ class Trainer:
         self.step_log = StepLog(
             lag, self.ds.global_batch, self.writer, self.engine.monitor, self._on_record, bar
         )
-        for step in range(first, last + 1):
-            if self.train_step(step):
-                break
-        self.step_log.flush()
-        bar.close()
+        try:
+            for step in range(first, last + 1):
+                if self.train_step(step):
+                    break
+            self.step_log.flush()
+        finally:
+            bar.close()  # on a step that raises too (a preemption): not left to the garbage collector
         self.skipped_images += self.batches.check_late()  # the last epoch's late failures
         self._emit("on_finish")
         metrics_path = str(self.cfg.output_dir / "metrics.jsonl")

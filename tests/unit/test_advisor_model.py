@@ -393,16 +393,28 @@ def replayer(full: pd.DataFrame):
 
 
 def advise_on_synthetic_trials(
-    monkeypatch, tmp_path: Path, tiny_model, synth_data, wall_s: float = 10.0, **options
+    monkeypatch,
+    tmp_path: Path,
+    tiny_model,
+    synth_data,
+    wall_s: float = 10.0,
+    step_noise: float = 0.0,
+    **options,
 ):
     """run_advise with trials answered from the synthetic grid (accumulation checks included) and no
-    collectives benchmark."""
+    collectives benchmark. `step_noise`: a relative sigma of seeded noise on every trial's step time (the
+    synthetic steps lie on the model's own lines, which held-out errors of zero would give intervals of
+    zero width)."""
     import advisor.advise as advise
     import advisor.measure.collectives_launch
     import advisor.measure.profile
     import advisor.stages.measure
 
-    full = with_accumulation_checks(grid_trials()).assign(wall_s=wall_s).set_index("trial_id")
+    full = with_accumulation_checks(grid_trials()).assign(wall_s=wall_s)
+    if step_noise:
+        noisy = full["step_time_s"] * np.exp(step_noise * np.random.default_rng(7).standard_normal(len(full)))
+        full = full.assign(step_time_s=noisy, samples_per_s=full["global_batch"] / noisy)
+    full = full.set_index("trial_id")
 
     def no_comm(*_args, **_kwargs):
         raise advisor.measure.collectives_launch.CommRunError("skipped in this test")

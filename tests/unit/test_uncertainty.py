@@ -284,7 +284,9 @@ def test_an_advise_run_carries_intervals_everywhere(monkeypatch, tmp_path, tiny_
     from advisor.report.advise_page import build_advise_report
     from advisor.report.terminal import print_advice
 
-    rec = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data).recommendation
+    rec = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, step_noise=0.03
+    ).recommendation
     predictions = pd.read_csv(tmp_path / "out" / "predictions.csv")
     for figure in ("step_time_s", "samples_per_s", "time_to_train_s", "gpu_hours", "mem_per_rank_bytes"):
         assert (predictions[f"{figure}_lo"] < predictions[figure]).all(), figure
