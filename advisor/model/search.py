@@ -89,19 +89,27 @@ def slope_specs(
         for spec in reversed(ladder):
             if _blocked(spec, trials) or not in_reach(spec.micro_batch):
                 continue
-            mem = models.memory.per_rank_bytes(
-                spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
-            )
-            if mem["total"] > usable_bytes:
-                continue
-            net = replace(measured_net, gpus_per_node=spec.ranks_per_node)
-            step = models.timing.predict(
-                spec.zero_stage, spec.precision, spec.micro_batch, 1, 1, net, spec.offload
-            )
-            scored.append((step.samples_per_s, spec))
-            break
+            rate = _own_machine_rate(models, spec, measured_net, usable_bytes)
+            if rate is not None:
+                scored.append((rate, spec))
+                break
     scored.sort(key=lambda t: -t[0])
     return [spec for _, spec in scored]
+
+
+def _own_machine_rate(
+    models: Models, spec: TrialSpec, measured_net: Network, usable_bytes: float
+) -> float | None:
+    """Predicted samples/s of `spec` as a trial would run it (its ranks, one node, accumulation 1), or
+    None where the model predicts it not to fit in `usable_bytes`."""
+    mem = models.memory.per_rank_bytes(
+        spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
+    )
+    if mem["total"] > usable_bytes:
+        return None
+    net = replace(measured_net, gpus_per_node=spec.ranks_per_node)
+    step = models.timing.predict(spec.zero_stage, spec.precision, spec.micro_batch, 1, 1, net, spec.offload)
+    return step.samples_per_s
 
 
 def _reach(
@@ -399,22 +407,8 @@ def check_specs(
     models = fit_models(trials, numels, zero, measured_net)
     scored = []
     for spec in (s for ladder in plan.ladders for s in ladder):
-        if _blocked(spec, trials):
-            continue
-        mem = models.memory.per_rank_bytes(
-            spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
-        )
-        if mem["total"] > usable_bytes:
-            continue
-        step = models.timing.predict(
-            spec.zero_stage,
-            spec.precision,
-            spec.micro_batch,
-            1,
-            1,
-            replace(measured_net, gpus_per_node=spec.ranks_per_node),
-            spec.offload,
-        )
-        scored.append((step.samples_per_s, spec))
+        rate = None if _blocked(spec, trials) else _own_machine_rate(models, spec, measured_net, usable_bytes)
+        if rate is not None:
+            scored.append((rate, spec))
     scored.sort(key=lambda t: -t[0])
     return [spec for _, spec in scored[:n]]

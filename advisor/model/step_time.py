@@ -379,15 +379,13 @@ def _own_lines(fit: pd.DataFrame, compute: np.ndarray) -> dict[Group, tuple[floa
     A line whose slope comes out negative (two noisy points close together: more samples cannot cost
     less) is not kept; the group stays on its precision's shared slope."""
     lines: dict[Group, tuple[float, float]] = {}
-    keys = list(zip(fit["zero_stage"], fit["precision"], fit["offload"], strict=True))
-    for key in sorted(set(keys)):
-        mine = np.array([k == key for k in keys], dtype=bool)
-        mb = fit.loc[mine, "micro_batch"].to_numpy(dtype=float)
+    for (stage, precision, offload), rows in fit.groupby(["zero_stage", "precision", "offload"]):
+        mb = rows["micro_batch"].to_numpy(dtype=float)
         if len(np.unique(mb)) < 2:
             continue
-        slope, intercept = np.polyfit(mb, compute[mine], 1)
+        slope, intercept = np.polyfit(mb, compute[rows.index], 1)
         if slope > 0:
-            lines[(int(key[0]), str(key[1]), str(key[2]))] = (float(intercept), float(slope))
+            lines[(int(stage), str(precision), str(offload))] = (float(intercept), float(slope))
     return lines
 
 
