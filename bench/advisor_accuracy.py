@@ -1,20 +1,28 @@
 """Is the advisor calibrated on models it never saw? (2 ranks on the CPU, tiny models, the default budget)
 
 For each model and round:
-1. `sdzero advise --max-nodes 1` at its default budget (5 minutes on a CPU), as a user would run it;
-2. the whole 1-node grid (ZeRO 1-3 x bf16 x micro-batch 1, 2, 4, 8) measured with `sdzero profile`'s
-   runner, bracketed by its own reference config, as the ground truth;
-the two in alternating order between rounds, so neither always runs in the slower minutes.
+1. the whole 1-node grid (ZeRO 1-3 x bf16 x micro-batch 1, 2, 4, 8), measured with `sdzero profile`'s
+   runner: the ground truth's first pass;
+2. `sdzero advise --max-nodes 1` at its default budget (5 minutes on a CPU), as a user would run it;
+3. the same grid again: the ground truth's second pass.
 
-Each run corrects its trials to its own reference's first bracket (advisor.measure.drift); the two are
-put on one machine speed by the median ratio over the configs both measured (printed with its spread:
-how well two runs of the same configs agree on this machine).
+The two passes bracket the advise run in time, and every run re-measures the same reference config (the
+advise search's first seed, advisor.measure.grid.GridPlan.reference) every few trials. Those brackets,
+from all three runs, are one timeline of this machine's speed (advisor.measure.drift): each grid trial
+is corrected by it to the speed of the advise run's first bracket, the speed the advise run corrects its
+own trials to (scaling by the shared reference; item 7's protocol, bench/scaleout_accuracy.py). A
+config's ground truth is the geometric mean of its two passes, its interval their intervals and their
+disagreement combined. Rounds measured before this protocol (one grid pass) are judged as they were: the
+grid scaled to the advise run by the median ratio over the configs both measured.
+
 Then, from the advise run's own files (trials, validation.csv, drift.json) and its own code
 (advisor.model.prediction_error.fit_models, advisor.model.uncertainty), each grid config is predicted at
 the ground truth's batch shape with its 95% interval, and:
 
 - **error**: step-time MAPE on the grid configs the advise run did not measure;
-- **noise floor**: the advise run's (drift.json) and the ground truth's;
+- **noise floor**: the advise run's (drift.json) and the ground truth's: the two passes' repeat spread
+  over every config and the reference's brackets (one measurement's noise between runs minutes apart,
+  which is also what each of the advise run's single trials carries against the truth);
 - **coverage**: the share of grid configs whose measured step lies in its predicted interval; and, since
   the ground truth is a measurement too, the share whose prediction and measurement differ by less than
   their two 95% half-widths in quadrature;
@@ -124,7 +132,75 @@ def _key(row) -> tuple[int, str, int, str]:
     return config_key(row)
 
 
-def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, rec: dict) -> dict:
+def _drift(folder: Path):
+    """A run's reference brackets (drift.json), or None."""
+    from advisor.measure.drift import Drift
+
+    path = folder / "drift.json"
+    return Drift.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+def _shape(row) -> tuple:
+    """A config at one accumulation (the advise run's checks add some)."""
+    return (*_key(row), int(row["grad_accum"]))
+
+
+def joint_truth(
+    advise_dir: Path, passes: list[tuple[Path, pd.DataFrame]]
+) -> tuple[pd.DataFrame, dict] | None:
+    """The grid's passes on the advise run's machine speed, one row per config, and how they agree.
+
+    Every run re-measured the same reference, so their brackets are one timeline of the machine's speed;
+    a grid trial's raw step divided by that timeline's factor at its time, times the advise run's first
+    bracket's factor, is the trial on the machine the advise run corrected its own trials to. None when
+    the runs do not share a reference or a pass is missing (the bench falls back to the median ratio)."""
+    from advisor.measure.drift import Correction, Drift, corrected_interval
+    from advisor.measure.duel import pooled_log_spread
+    from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA
+
+    runs = [_drift(advise_dir)] + [_drift(folder) for folder, _ in passes]
+    if len(passes) < 2 or any(r is None or not r.clean() for r in runs):
+        return None
+    if len({r.reference for r in runs}) != 1:
+        print(f"  the runs' references differ ({sorted({r.reference for r in runs})}): median-ratio scale")
+        return None
+    joint = Drift(runs[0].reference, "joint", [b for r in runs for b in r.brackets])
+    advise_factor = runs[0].base_s / joint.base_s  # the advise run's first bracket on the joint timeline
+    measured: dict[tuple, list[tuple[float, float, float]]] = {}
+    first: dict[tuple, pd.Series] = {}
+    for _, table in passes:
+        for _, row in table[table["status"] == "ok"].iterrows():
+            c = joint.correction_at(float(row["measured_at"]))
+            to_advise = Correction(c.factor / advise_factor, c.uncertainty, c.bracketed, c.jump)
+            raw = (float(row["step_s_raw"]), float(row["step_s_raw_lo"]), float(row["step_s_raw_hi"]))
+            measured.setdefault(_shape(row), []).append(corrected_interval(*raw, to_advise))
+            first.setdefault(_shape(row), row)
+    rows = []
+    for shape, steps in measured.items():
+        logs = [math.log(step) for step, _, _ in steps]
+        centre = math.exp(float(np.mean(logs)))
+        own = math.hypot(*((hi - lo) / 2 / step for step, lo, hi in steps)) / len(steps)
+        disagreement = (max(logs) - min(logs)) / 2  # each pass's distance from their centre (two passes)
+        half = math.hypot(own, disagreement)
+        row = first[shape].copy()
+        row["truth_s"], row["step_s_lo"], row["step_s_hi"] = centre, centre * (1 - half), centre * (1 + half)
+        row["passes_s"] = [step for step, _, _ in steps]
+        rows.append(row)
+    sigma, dof = pooled_log_spread([[step for step, _, _ in steps] for steps in measured.values()])
+    agreement = {
+        "grid_noise_floor": None if sigma is None else sigma / MEAN_ABS_TO_SIGMA,
+        "grid_noise_dof": dof,
+        "pass_ratios": [s[1][0] / s[0][0] for s in measured.values() if len(s) > 1],
+        "joint_brackets": len(joint.clean()),
+        "joint_range": [
+            min(b.step_s for b in joint.clean()) / joint.base_s,
+            max(b.step_s for b in joint.clean()) / joint.base_s,
+        ],
+    }
+    return pd.DataFrame(rows).reset_index(drop=True), agreement
+
+
+def evaluate(advise_dir: Path, model: Path, passes: list[tuple[Path, pd.DataFrame]], rec: dict) -> dict:
     """Predict every grid config from the advise run's own files, and judge the predictions."""
     from advisor.measure.duel import read_duels
     from advisor.measure.grid import load_base_config
@@ -148,22 +224,33 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
         trials, validation, floor, 0.0, True, noise_dof=dof, duels=read_duels(advise_dir / "duel.json")
     )
 
-    truth = grid[grid["status"] == "ok"].copy()
-    truth["truth_s"] = measured_step_s(truth).to_numpy()
-
-    # One machine speed for both runs: each run is corrected to its own reference's first bracket, so the
-    # two differ by a common factor; it is the median ratio over every config both runs measured (one
-    # shared config would carry its own measurement's noise into every figure). Their spread says how
-    # well the two runs agree at all.
-    def shape(row: pd.Series) -> tuple:  # a config at one accumulation: the advise run's checks add some
-        return (*_key(row), int(row["grad_accum"]))
-
-    advise_steps = dict(zip((shape(r) for _, r in trials.iterrows()), measured_step_s(trials), strict=True))
+    advise_steps = dict(zip((_shape(r) for _, r in trials.iterrows()), measured_step_s(trials), strict=True))
+    joint = joint_truth(advise_dir, passes)
+    if joint is not None:  # both passes on the advise run's machine through the shared reference
+        truth, agreement = joint
+        scale, method = 1.0, "reference"
+    else:
+        # One pass: each run is corrected to its own reference's first bracket, so the two differ by a
+        # common factor; it is the median ratio over every config both runs measured (one shared config
+        # would carry its own measurement's noise into every figure).
+        grid_dir, grid = passes[0]
+        truth = grid[grid["status"] == "ok"].copy()
+        truth["truth_s"] = measured_step_s(truth).to_numpy()
+        shared = [
+            advise_steps[_shape(r)] / float(r["truth_s"])
+            for _, r in truth.iterrows()
+            if _shape(r) in advise_steps
+        ]
+        scale, method = (float(np.median(shared)) if shared else 1.0), "median ratio"
+        truth["truth_s"] *= scale
+        floor_g, dof_g = _noise_floor(grid_dir)
+        agreement = {"grid_noise_floor": floor_g, "grid_noise_dof": dof_g}
+    # How well the two runs agree on the configs both measured (after the scale): the between-run spread.
     ratios = [
-        advise_steps[shape(r)] / float(r["truth_s"]) for _, r in truth.iterrows() if shape(r) in advise_steps
+        advise_steps[_shape(r)] / float(r["truth_s"])
+        for _, r in truth.iterrows()
+        if _shape(r) in advise_steps
     ]
-    scale = float(np.median(ratios)) if ratios else 1.0
-    truth["truth_s"] *= scale
     measured_keys = {_key(r) for _, r in trials.iterrows()}
     rows = []
     for _, row in truth.iterrows():
@@ -213,8 +300,9 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
         )
     )
     held = float(error[unmeasured].mean()) if unmeasured.any() else math.nan
-    grid_floor, grid_dof = _noise_floor(grid_dir)
+    grid_floor = agreement["grid_noise_floor"]
     goal = max(0.10, 1.5 * max(floor or 0.0, grid_floor or 0.0))  # either run's noise is in the error
+    between = float(np.mean([abs(r - 1) for r in ratios])) if ratios else None
     table["inside"] = inside
     table["error"] = error
     return {
@@ -224,8 +312,10 @@ def evaluate(advise_dir: Path, model: Path, grid_dir: Path, grid: pd.DataFrame, 
         "error_all": float(error.mean()),
         "noise_floor": floor,
         "noise_dof": dof,
-        "grid_noise_floor": grid_floor,
-        "grid_noise_dof": grid_dof,
+        **agreement,
+        "scale_method": method,
+        "between_runs": between,
+        "cross_run_median": float(np.median(ratios)) if ratios else None,
         "coverage": float(inside.mean()),
         "coverage_with_truth_noise": float(consistent.mean()),
         "cross_run_ratios": [float(r) for r in ratios],
@@ -287,24 +377,25 @@ def main() -> None:
             folder = work / kind / f"round{r}"
             folder.mkdir(parents=True, exist_ok=True)
             model = None if kind == "default" else write_model(kind, work)
-            steps = [("advise", None), ("grid", None)]
-            if r % 2 == 0:
-                steps.reverse()  # alternate which run takes the earlier minutes
-            rec: dict = {}
-            grid = pd.DataFrame()
             grid_model = model or _embedded_model(work)
-            for name, _ in steps:
+            # The grid's two passes bracket the advise run (one grid pass first, the advise run, the
+            # second pass); rounds of the earlier protocol have one pass, "grid" only.
+            passes: list[tuple[Path, pd.DataFrame]] = []
+            names = ["grid", "advise", "grid-after"]
+            if args.reevaluate and not (folder / "grid-after").is_dir():
+                names = ["grid", "advise"]
+            rec: dict = {}
+            for name in names:
                 if name == "advise":
                     rec = run_advise(model, data, folder / "advise")
                 elif args.reevaluate:  # the finished grid's last attempt of each trial, nothing run
                     from advisor.measure.trial_table import read_trials
 
-                    grid = read_trials(folder / "grid" / "trials.csv").drop_duplicates(
-                        "trial_id", keep="last"
-                    )
+                    table = read_trials(folder / name / "trials.csv")
+                    passes.append((folder / name, table.drop_duplicates("trial_id", keep="last")))
                 else:
-                    grid = run_grid(grid_model, data, folder / "grid")
-            results[key] = evaluate(folder / "advise", grid_model, folder / "grid", grid, rec)
+                    passes.append((folder / name, run_grid(grid_model, data, folder / name)))
+            results[key] = evaluate(folder / "advise", grid_model, passes, rec)
             results_path.write_text(json.dumps(results, indent=1, default=float))
             show(key, results[key])
     print(summary_table(results))
@@ -325,10 +416,16 @@ def show(key: str, r: dict) -> None:
         f"({r.get('coverage_with_truth_noise', float('nan')):.0%} with the truth's own interval), "
         f"pick {r['pick']} / best {r['grid_best']} = {r['pick_over_best']:.3f}"
         f" ({'within' if r['pick_within_noise'] else 'outside'} noise); trials {r['trials_run']}/{r['grid']}; "
-        f"runs' speed ratio {r['scale_to_advise_machine']:.3f} "
+        f"runs' speed ratio {_runs_ratio(r):.3f} by {r.get('scale_method', 'median ratio')} "
         f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f} over shared configs)",
         flush=True,
     )
+
+
+def _runs_ratio(r: dict) -> float:
+    """The advise run's steps over the truth's on the configs both measured: the median of their ratios
+    (scaled by the shared reference), or the scale itself (scaled by that median)."""
+    return r.get("cross_run_median") or r["scale_to_advise_machine"]
 
 
 def summary_table(results: dict) -> str:
@@ -347,7 +444,7 @@ def summary_table(results: dict) -> str:
             f"{(r['noise_floor'] or 0):.1%} / {(r['grid_noise_floor'] or 0):.1%} | {r['coverage']:.0%} "
             f"({r.get('coverage_with_truth_noise', float('nan')):.0%}) | "
             f"{r['pick']} / {r['grid_best']} = {r['pick_over_best']:.3f} | {r['pick_within_noise']} | "
-            f"{r['trials_run']}/{r['grid']} | {r['scale_to_advise_machine']:.2f} "
+            f"{r['trials_run']}/{r['grid']} | {_runs_ratio(r):.2f} "
             f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f}) | "
             f"{r['goals_met']} |"
         )
