@@ -167,7 +167,7 @@ def joint_truth(
         print(f"  the runs' references differ ({sorted({r.reference for r in runs})}): median-ratio scale")
         return None
     joint = Drift(runs[0].reference, "joint", [b for r in runs for b in r.brackets])
-    advise_factor = runs[0].base_s / joint.base_s  # the advise run's first bracket on the joint timeline
+    advise_factor = joint.correction_at(runs[0].clean()[0].at).factor  # its first bracket, on the timeline
     measured: dict[tuple, list[tuple[float, float, float]]] = {}
     first: dict[tuple, pd.Series] = {}
     for _, table in passes:

@@ -16,6 +16,17 @@ bracket's speed, with the typical jump between brackets as its uncertainty, unti
 closes its gap. Trials whose gap jumped by more than DRIFT_RERUN_JUMP are run again (once) when the
 budget allows (advisor.measure.runner).
 
+One reference measured once per bracket carries its own noise into every trial near it: on the test
+machine a bracket was once 0.109 s where the reference's other brackets and two grid runs around it
+measured 0.13-0.18 s, and every trial of that run was "corrected" by up to 1.6x for a drift the other
+configs measured twice in the same minutes did not show (advisor accuracy bench, round 5). So the
+timeline is fitted to every repeat the run has: the reference's brackets and each other config measured
+more than once (a trial run again for drift, a duel's legs), as one penalised least-squares problem in
+ln(step) (`fit_timeline`): each measurement is its config's own speed times the machine's slowness at its
+time, that slowness piecewise linear between the brackets, its changes penalised as a random walk whose
+weight leave-one-out chooses. A jump that a later bracket or a repeat confirms is followed (the
+brackets' interpolation, as before); a jump nothing confirms is shrunk towards a steady machine.
+
 `noise_floor` is the reference's repeat spread: the mean |r_i / median(r) - 1| over its brackets, which is
 what a model with no error at all would show as its mean absolute error against single uncorrected trials
 on this machine. `corrected_floor` is what is left after the correction: each inner bracket predicted from
@@ -24,6 +35,7 @@ its neighbours by the same interpolation.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -33,6 +45,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from advisor.measure.duel import Z95
 from sdzero.atomic import write_json_atomic
 
 DRIFT_RERUN_JUMP = 0.20
@@ -74,17 +89,44 @@ class Correction:
     """|r_after / r_before - 1| of the trial's gap (0 outside a closed gap)."""
 
 
+@dataclass(frozen=True)
+class Repeat:
+    """A clean measurement (raw median step) of a config other than the reference, one of two or more
+    of that config: evidence on the machine's speed between the times it measured."""
+
+    trial_id: str
+    at: float
+    step_s: float
+
+
 @dataclass
 class Drift:
-    """The reference's brackets of one setup, in the order measured."""
+    """The reference's brackets of one setup, in the order measured, and the other configs' repeats."""
 
     reference: str = ""
     setup: str = ""
     brackets: list[Bracket] = field(default_factory=list)
+    repeats: list[Repeat] = field(default_factory=list)
 
     def clean(self) -> list[Bracket]:
         valid = [b for b in self.brackets if not b.contended and b.step_s > 0]
         return sorted(valid, key=lambda b: b.at)
+
+    def timeline(self) -> list[Bracket]:
+        """The clean brackets with the machine's fitted slowness in place of the reference's own steps
+        (the first bracket's step times the fitted factor; its interval scaled alike and widened by the
+        fit's own uncertainty where the repeats leave residuals): what the correction interpolates."""
+        clean = self.clean()
+        fitted = fit_timeline(clean, self.repeats)
+        if fitted is None:
+            return clean
+        base = clean[0].step_s
+        out = []
+        for b, factor, spread in zip(clean, fitted.factors, fitted.spreads, strict=True):
+            half = math.hypot(b.rel_halfwidth, spread)
+            step = base * factor
+            out.append(Bracket(b.at, step, step * (1 - half), step * (1 + half), False, b.trial_dir))
+        return out
 
     @property
     def base_s(self) -> float | None:
@@ -92,11 +134,11 @@ class Drift:
         return clean[0].step_s if clean else None
 
     def jumps(self) -> list[float]:
-        clean = self.clean()
-        return [abs(b.step_s / a.step_s - 1) for a, b in zip(clean, clean[1:], strict=False)]
+        line = self.timeline()
+        return [abs(b.step_s / a.step_s - 1) for a, b in zip(line, line[1:], strict=False)]
 
     def correction_at(self, at: float | None) -> Correction:
-        clean = self.clean()
+        clean = self.timeline()
         if not clean or at is None or math.isnan(at):
             return Correction(1.0, 0.0, False)
         base = clean[0].step_s
@@ -142,16 +184,27 @@ class Drift:
             )
         factors = [b.step_s / clean[0].step_s for b in clean]
         floor = self.noise_floor() or 0.0
-        return (
+        line = (
             f"drift: the reference {self.reference} measured {len(clean)} times, at {min(factors):.2f}-"
             f"{max(factors):.2f}x its first speed (repeat spread {floor:.1%}); trials corrected for it"
         )
+        others = {r.trial_id for r in self.repeats if sum(o.trial_id == r.trial_id for o in self.repeats) > 1}
+        fitted = fit_timeline(clean, self.repeats)
+        if fitted is not None:
+            with_others = f" and {len(others)} other config(s) measured more than once" if others else ""
+            line += (
+                f", by a timeline fitted to its brackets{with_others}: the machine at "
+                f"{min(fitted.factors):.2f}-{max(fitted.factors):.2f}x (smoothing {fitted.smoothing:g}, "
+                f"chosen by leave-one-out; a left-out measurement predicted within {fitted.loo_error:.1%})"
+            )
+        return line
 
     # ---------------------------------------------------------------------------------------------- JSON
 
     def to_json(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         clean = self.clean()
         base = self.base_s
+        fitted = fit_timeline(clean, self.repeats)
         return {
             "schema": DRIFT_SCHEMA,
             "reference": self.reference,
@@ -162,9 +215,19 @@ class Drift:
             "base_step_s": base,
             "reference_step_s": [b.step_s for b in clean],
             "series": [
-                {"at": _iso(b.at), "at_s": b.at, "factor": b.step_s / base if base else None} for b in clean
+                {
+                    "at": _iso(b.at),
+                    "at_s": b.at,
+                    "factor": b.step_s / base if base else None,
+                    "fitted_factor": line.step_s / base if base else None,
+                }
+                for b, line in zip(clean, self.timeline(), strict=True)
             ],
             "brackets": [{**asdict(b), "at_iso": _iso(b.at)} for b in self.brackets],
+            "repeats": [asdict(r) for r in self.repeats],
+            "timeline": None
+            if fitted is None
+            else {"smoothing": fitted.smoothing, "loo_error": fitted.loo_error},
             "line": self.summary_line(),
             **(extra or {}),
         }
@@ -173,7 +236,124 @@ class Drift:
     def from_json(cls, data: dict[str, Any]) -> Drift:
         fields = {f for f in Bracket.__dataclass_fields__}
         brackets = [Bracket(**{k: v for k, v in b.items() if k in fields}) for b in data.get("brackets", [])]
-        return cls(str(data.get("reference", "")), str(data.get("setup", "")), brackets)
+        repeats = [
+            Repeat(str(r["trial_id"]), float(r["at"]), float(r["step_s"])) for r in data.get("repeats", [])
+        ]
+        return cls(str(data.get("reference", "")), str(data.get("setup", "")), brackets, repeats)
+
+
+def _knot_weights(knots: Sequence[float], at: float) -> np.ndarray:
+    """The machine's log-slowness at `at` as weights on its values at the knots: linear between two,
+    the end knot's value outside them."""
+    w = np.zeros(len(knots))
+    if at <= knots[0]:
+        w[0] = 1.0
+    elif at >= knots[-1]:
+        w[-1] = 1.0
+    else:
+        k = int(np.searchsorted(knots, at, side="right")) - 1
+        span = knots[k + 1] - knots[k]
+        x = (at - knots[k]) / span if span > 0 else 0.0
+        w[k], w[k + 1] = 1.0 - x, x
+    return w
+
+
+SMOOTHING_CHOICES = (0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0)
+"""Candidates for the ratio of one measurement's noise variance to one gap's drift variance: 0.01 follows
+every bracket (the brackets' interpolation), 100 calls their differences noise about a steady machine.
+`fit_timeline` picks the one that predicts each left-out measurement best."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The machine's fitted slowness at each clean bracket."""
+
+    factors: list[float]
+    """Against the first bracket (1.0 there)."""
+    spreads: list[float]
+    """Relative 95% uncertainty of each factor (0 at the first: the base it is measured against)."""
+    smoothing: float
+    """The SMOOTHING_CHOICES value leave-one-out picked."""
+    loo_error: float
+    """RMS of ln(measured / predicted) over the left-out measurements at that smoothing."""
+
+
+def fit_timeline(brackets: Sequence[Bracket], repeats: Sequence[Repeat]) -> Timeline | None:
+    """The machine's slowness over time, fitted to the reference's brackets and the other configs' repeats.
+
+    ln(step_i) = ln(speed of i's config) + L(t_i): L piecewise linear between the brackets' times, 0 at the
+    first, and a penalty `smoothing` x sum (L_k - L_{k-1})^2 (a random-walk prior on the drift, in units
+    of one measurement's noise). The smoothing is the SMOOTHING_CHOICES value whose fits, each without
+    one measurement inside the bracketed span, predict the left-out ones best (a tie goes to the least
+    smoothing: the brackets as measured), so the data decide whether a bracket that jumped was the
+    machine or the bracket: a jump the next bracket or a repeat confirms is followed, one nothing
+    confirms is shrunk. The factors' uncertainty is the fit's posterior spread with
+    the left-out error as one measurement's noise. None with nothing to leave out (fewer than three
+    brackets and no repeat between the first and the last): the brackets' own steps are then the
+    timeline."""
+    return _fit_timeline(tuple(brackets), tuple(repeats))
+
+
+@functools.lru_cache(maxsize=64)
+def _fit_timeline(brackets: tuple[Bracket, ...], repeats: tuple[Repeat, ...]) -> Timeline | None:
+    """fit_timeline's body, cached: a correction asks for the same fit once per row."""
+    knots = [b.at for b in brackets]
+    groups: dict[str, list[Repeat]] = {}
+    for r in repeats:
+        if r.step_s > 0 and math.isfinite(r.at):
+            groups.setdefault(r.trial_id, []).append(r)
+    repeated = [g for g in groups.values() if len(g) > 1]
+    if len(knots) < 2 or (len(knots) < 3 and not repeated):
+        return None
+    n, width = len(knots), len(knots) + len(repeated)  # L_1..L_{n-1}, then one speed per config
+    rows, logs, times_of = [], [], []
+    for config, measured in enumerate(
+        [[(b.at, b.step_s) for b in brackets]] + [[(r.at, r.step_s) for r in g] for g in repeated]
+    ):
+        for at, step_s in measured:
+            row = np.zeros(width)
+            row[: n - 1] = _knot_weights(knots, at)[1:]  # L at the first bracket is 0: the base
+            row[n - 1 + config] = 1.0
+            rows.append(row)
+            logs.append(math.log(step_s))
+            times_of.append(at)
+    a, y = np.array(rows), np.array(logs)
+    penalty = np.zeros((n - 1, width))
+    for k in range(n - 1):  # L_{k+1} - L_k, with L_0 = 0
+        penalty[k, k] = 1.0
+        if k:
+            penalty[k, k - 1] = -1.0
+
+    def solve(smoothing: float, keep: np.ndarray) -> np.ndarray:
+        lhs = np.vstack([a[keep], math.sqrt(smoothing) * penalty])
+        rhs = np.concatenate([y[keep], np.zeros(n - 1)])
+        return np.linalg.lstsq(lhs, rhs, rcond=None)[0]
+
+    # Left out in turn: the measurements strictly inside the bracketed span. Outside it the timeline
+    # holds its end value whatever the smoothing, so they would score every choice alike.
+    times = np.array(times_of)
+    inner = [i for i in range(len(y)) if knots[0] < times[i] < knots[-1]]
+    if not inner:
+        return None
+
+    def loo(smoothing: float) -> float:
+        errors = []
+        for i in inner:
+            keep = np.arange(len(y)) != i
+            errors.append(y[i] - a[i] @ solve(smoothing, keep))
+        return float(np.sqrt(np.mean(np.square(errors))))
+
+    scores = {smoothing: loo(smoothing) for smoothing in SMOOTHING_CHOICES}
+    best = min(scores.values())
+    smoothing = min(s for s, score in scores.items() if score <= best * (1 + 1e-9) + 1e-12)
+    solution = solve(smoothing, np.ones(len(y), dtype=bool))
+    precision = a.T @ a + smoothing * penalty.T @ penalty
+    cov = scores[smoothing] ** 2 * np.linalg.inv(precision)
+    levels = np.concatenate([[0.0], solution[: n - 1]])
+    spreads = np.concatenate([[0.0], np.sqrt(np.clip(np.diag(cov)[: n - 1], 0.0, None))])
+    return Timeline(
+        [math.exp(v) for v in levels], [Z95 * float(v) for v in spreads], smoothing, scores[smoothing]
+    )
 
 
 def _iso(at: float) -> str:

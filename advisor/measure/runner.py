@@ -9,7 +9,8 @@ them:
   after a batch of trials (the check trials) or when the budget has room for no more than a bracket.
   Its repeats go to `<trial>/bracket-N/` and drift.json, not to trials.csv (they are not new configs).
   After every bracket each trial's row is corrected for the machine's drift (advisor.measure.drift):
-  `step_time_median_s` and the columns beside it become the time on the first bracket's machine.
+  `step_time_median_s` and the columns beside it become the time on the first bracket's machine. The
+  drift is fitted to the brackets and to every other config measured more than once (`_repeats`).
 - **Contention.** A trial during which other processes took the cores (advisor.measure.contention) is run
   again at once, once; if the second run is contended too it stays flagged (`contended`, its interval
   widened by the share it lost) and the line says so.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,7 @@ from advisor.measure.drift import (
     DRIFT_RERUN_JUMP,
     Bracket,
     Drift,
+    Repeat,
     corrected_interval,
     gap_trials,
     read_drift,
@@ -420,12 +423,29 @@ class TrialRunner:
 
     # ------------------------------------------------------------------------------------ correction
 
+    def _repeats(self, rows: pd.DataFrame) -> list[Repeat]:
+        """Clean raw measurements of each config besides the reference measured more than once (a trial
+        run again, a duel's legs beside the config's trial): the timeline's evidence beside the brackets
+        (advisor.measure.drift.fit_timeline). A duel's pooled row is its legs, not one more."""
+        found = [
+            Repeat(str(row["trial_id"]), _num(row.get("measured_at")), _num(row.get("step_s_raw")))
+            for row in rows.to_dict("records")
+            if str(row.get("stopped_by")) != POOLED_STOP
+            and not _truthy(row.get("contended"))
+            and str(row["trial_id"]) != self.drift.reference
+        ]
+        found += [Repeat(leg.trial_id, leg.at, leg.step_s) for duel in self.duels for leg in duel.legs]
+        found = [r for r in found if r.step_s > 0 and math.isfinite(r.at)]
+        counts = Counter(r.trial_id for r in found)
+        return [r for r in found if counts[r.trial_id] > 1]
+
     def _correct(self) -> None:
         """Every row of this setup corrected for the brackets so far; drift.json written."""
         table = read_trials(self.csv_path)
         if table.empty:
             return
         mine = table.index[(table["setup_id"].astype(str) == self.setup) & (table["status"] == "ok")]
+        self.drift.repeats = self._repeats(table.loc[mine])
         changed = False
         for i in mine:
             row = table.loc[i]

@@ -20,10 +20,13 @@ from advisor.measure import contention
 from advisor.measure.contention import CpuSample, is_contended, others_cpu_share, session_cpu_s
 from advisor.measure.csv_tables import read_whole_rows
 from advisor.measure.drift import (
+    SMOOTHING_CHOICES,
     Bracket,
     Correction,
     Drift,
+    Repeat,
     corrected_interval,
+    fit_timeline,
     read_drift,
     write_drift,
 )
@@ -88,10 +91,10 @@ def test_a_trial_between_two_brackets_is_corrected_by_the_interpolated_speed():
 
 
 def test_after_the_last_bracket_its_speed_holds_with_the_typical_jump_as_uncertainty():
-    drift = brackets((0.0, 1.0), (60.0, 1.1), (120.0, 1.0))
+    drift = brackets((0.0, 1.0), (60.0, 1.1))
     after = drift.correction_at(150.0)
-    assert after.factor == pytest.approx(1.0) and not after.bracketed
-    assert after.uncertainty == pytest.approx(statistics_median([0.1, 1 / 1.1 - 1]), rel=1e-6)
+    assert after.factor == pytest.approx(1.1) and not after.bracketed
+    assert after.uncertainty == pytest.approx(0.1, rel=1e-6)
     assert Drift().correction_at(10.0) == Correction(1.0, 0.0, False)  # no reference yet: no correction
 
 
@@ -584,3 +587,95 @@ def test_the_runs_noise_floor_pools_every_repeat_it_made(tmp_path):
     logs = [math.log(v) for v in (1.0, 1.1, 0.9)]
     squares = sum((v - sum(logs) / 3) ** 2 for v in logs) + 2 * (math.log(1.2) / 2) ** 2
     assert floor == pytest.approx(math.sqrt(squares / dof) / MEAN_ABS_TO_SIGMA)
+
+
+# --------------------------------------------------------------------------------------------------
+# The drift timeline fitted to every repeat, not to the reference alone
+
+
+def test_two_brackets_alone_are_the_timeline():
+    drift = brackets((0, 1.0), (100, 1.3), width=0.02)
+    assert fit_timeline(drift.clean(), []) is None  # nothing inside the span to leave out
+    assert [b.step_s for b in drift.timeline()] == [1.0, 1.3]
+    # a config measured once is no evidence on the drift
+    assert fit_timeline(drift.clean(), [Repeat("a", 50, 0.5), Repeat("b", 70, 0.7)]) is None
+
+
+def test_a_drift_the_brackets_confirm_is_followed_and_a_lone_jump_is_not():
+    steady_climb = brackets((0, 1.0), (100, 1.1), (200, 1.2), (300, 1.3), width=0.02)
+    fitted = fit_timeline(steady_climb.clean(), [])
+    assert fitted.smoothing == min(SMOOTHING_CHOICES)
+    assert fitted.factors == pytest.approx([1.0, 1.1, 1.2, 1.3], rel=0.01)
+    # one bracket 30% off between steady ones: the neighbours predict it no better with the jump kept
+    lone = brackets((0, 1.0), (100, 1.0), (200, 1.3), (300, 1.0), (400, 1.0), width=0.02)
+    fitted = fit_timeline(lone.clean(), [])
+    assert fitted.smoothing > 1 and max(fitted.factors) < 1.1
+    assert lone.correction_at(200).factor < 1.1
+
+
+def test_repeats_that_agree_with_the_reference_leave_its_drift_as_it_was():
+    drift = brackets((0, 1.0), (100, 1.2), (200, 1.2), width=0.02)
+    drift.repeats = [
+        Repeat("a", 0, 0.5),
+        Repeat("a", 200, 0.6),
+        Repeat("b", 100, 0.24),
+        Repeat("b", 250, 0.24),
+    ]
+    fitted = fit_timeline(drift.clean(), drift.repeats)
+    assert fitted.factors == pytest.approx([1.0, 1.2, 1.2], rel=0.01)
+    assert fitted.spreads == pytest.approx([0.0, 0.0, 0.0], abs=0.01)  # next to no residual: little doubt
+    assert drift.correction_at(150).factor == pytest.approx(1.2, rel=0.01)
+
+
+def test_a_bracket_that_the_repeats_contradict_moves_the_timeline_less():
+    # The reference's middle bracket is 40% slow, and two configs measured before and after it on each
+    # side say the machine did not move: the fitted slowness there lies between, with a doubt it states.
+    drift = brackets((0, 1.0), (100, 1.4), (200, 1.0), width=0.02)
+    drift.repeats = [Repeat("a", 40, 0.5), Repeat("a", 140, 0.5), Repeat("b", 60, 0.3), Repeat("b", 160, 0.3)]
+    fitted = fit_timeline(drift.clean(), drift.repeats)
+    assert fitted.factors[0] == 1.0 and 1.0 <= fitted.factors[1] < 1.25 and fitted.spreads[1] > 0.01
+    assert abs(drift.correction_at(140).factor - 1) < abs(1.4 * 0.6 + 1.0 * 0.4 - 1) / 2
+    assert "2 other config(s) measured more than once" in drift.summary_line()
+    assert "chosen by leave-one-out" in drift.summary_line()
+
+
+def test_drift_json_keeps_the_repeats_and_the_fitted_factors(tmp_path):
+    drift = brackets((0, 1.0), (100, 1.4), (200, 1.0), width=0.02)
+    drift.repeats = [Repeat("a", 40, 0.5), Repeat("a", 140, 0.5)]
+    write_drift(tmp_path / "drift.json", drift)
+    data = json.loads((tmp_path / "drift.json").read_text())
+    assert data["series"][1]["factor"] == pytest.approx(1.4) and data["series"][1]["fitted_factor"] < 1.4
+    back = read_drift(tmp_path / "drift.json", drift.setup)
+    assert back.repeats == drift.repeats
+    assert back.correction_at(140).factor == pytest.approx(drift.correction_at(140).factor)
+
+
+class OutlierBracket(Machine):
+    """A steady machine whose reference measures 40% slow once, at its first re-measure."""
+
+    def __call__(self, spec, settings, config, trial_dir, env=None):
+        outcome = super().__call__(spec, settings, config, trial_dir, env)
+        if trial_dir.name == "bracket-1":
+            outcome.profile = {**outcome.profile}
+            outcome.profile["step_times_s"] = [s * 1.4 for s in outcome.profile["step_times_s"]]
+            outcome.profile["step_time_median_s"] *= 1.4
+        return outcome
+
+
+def test_the_runner_fits_its_drift_to_the_trials_it_ran_twice(tmp_path, no_config_check):
+    machine = OutlierBracket(lambda t: 1.0)
+    runner = make_runner(tmp_path, machine, bracket_every=3, rerun_jump=0.2)
+    runner(SPECS[:4])  # the seeds
+    table = runner(SPECS[4:6])  # bracket 1 jumps 40%: its gap's trials run again; a bracket closes the batch
+    names = [name for _, name in machine.calls]
+    assert "bracket-1" in names and names[-1].startswith("bracket-") and names[-1] != "bracket-1"
+    true = {s.trial_id: 0.1 * s.micro_batch * (1 + 0.2 * s.zero_stage) for s in SPECS}
+    error = (table["step_time_median_s"] / table["trial_id"].map(true) - 1).abs()
+    clean = runner.drift.clean()  # the brackets' own interpolation, as the correction was before the fit
+    times, steps = [b.at for b in clean], [b.step_s / clean[0].step_s for b in clean]
+    naive = table["step_s_raw"] / table["measured_at"].map(lambda t: float(np.interp(t, times, steps)))
+    naive_error = (naive / table["trial_id"].map(true) - 1).abs()
+    assert naive_error.max() > 0.15  # the outlier, interpolated into its neighbours
+    assert error.max() < naive_error.max() / 2
+    drift = json.loads((tmp_path / "drift.json").read_text())
+    assert {r["trial_id"] for r in drift["repeats"]} == {s.trial_id for s in SPECS[1:4]}
