@@ -415,16 +415,22 @@ def show(key: str, r: dict) -> None:
         f"pick {r['pick']} / best {r['grid_best']} = {r['pick_over_best']:.3f}"
         f" ({'within' if r['pick_within_noise'] else 'outside'} noise); trials {r['trials_run']}/{r['grid']}; "
         f"runs' speed ratio {r['scale_to_advise_machine']:.3f} by {r.get('scale_method', 'median ratio')} "
-        f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f} over shared configs)",
+        f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f} over shared "
+        f"configs{_between(r)})",
         flush=True,
     )
+
+
+def _between(r: dict) -> str:
+    """The mean disagreement of the two runs on the configs both measured, where the round has it."""
+    return f"; {r['between_runs']:.1%} apart" if r.get("between_runs") is not None else ""
 
 
 def summary_table(results: dict) -> str:
     lines = [
         f"cpu: {results.get('cpu')}",
         "| model | round | held-out error | goal | noise floor (advise / grid) | coverage (with truth's interval) "
-        "| pick / best | within noise | trials | runs' ratio (spread) | goals met |",
+        "| pick / best | within noise | trials | runs' ratio (spread; mean apart) | goals met |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
@@ -437,8 +443,8 @@ def summary_table(results: dict) -> str:
             f"({r.get('coverage_with_truth_noise', float('nan')):.0%}) | "
             f"{r['pick']} / {r['grid_best']} = {r['pick_over_best']:.3f} | {r['pick_within_noise']} | "
             f"{r['trials_run']}/{r['grid']} | {r['scale_to_advise_machine']:.2f} "
-            f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f}) | "
-            f"{r['goals_met']} |"
+            f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f}"
+            f"{_between(r)}) | {r['goals_met']} |"
         )
     return "\n".join(lines)
 
