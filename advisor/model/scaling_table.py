@@ -308,9 +308,17 @@ def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
         if after is not None:
             text += f"; {_nodes(larger[0])} {after[0]:.1%} ({after[1]:.1%}-{after[2]:.1%})"
         borderline = own[1] < bar or (after is not None and after[2] >= bar)
+        # The same config at both counts: its compute cancels and the interval is the link's alone, which
+        # an assumed preset does not have; zero width there is not certainty.
+        unknown_link = own[1] == own[2] and "link assumed" in str(row.get("provenance", ""))
+        caveat = (
+            " (the intervals hold the link's spread alone, and the link is assumed: --hostfile measures it)"
+        )
         if not borderline:
             where = "both intervals" if after is not None else "its interval, and no larger count was asked"
-            return f"node count sure: {text}, the {bar:.0%} bar outside {where}"
+            return f"node count sure: {text}, the {bar:.0%} bar outside {where}" + (
+                caveat if unknown_link else ""
+            )
         which = larger[0] if after is not None and after[2] >= bar else chosen
         return f"node count borderline: {text}; the {bar:.0%} bar falls inside {_nodes(which)}' interval"
     if rule.name == "deadline":

@@ -231,6 +231,19 @@ def test_the_knee_is_sure_when_the_bar_is_outside_both_intervals():
     assert line.startswith("node count sure: 2 nodes keep 95.0% efficiency (93.1%-96.9%); 4 nodes 60.0%")
 
 
+def test_a_sure_knee_on_an_assumed_link_says_its_interval_holds_no_link_spread():
+    rows = []
+    for n, eff in {1: 1.0, 2: 0.95, 4: 0.6}.items():  # one config at every count, no link spread
+        row = _row("z2-mb4", 2, 4, 100.0 * n * eff, 1e9, nodes=n)
+        rows.append(row | {"compare_halfwidth": 0.05, "link_halfwidth": 0.0})
+    table = scaling_table(pd.DataFrame(rows), [1, 2, 4], 0.8, "assumed", {"z2-mb4"})
+    line = node_confidence(NodeRule(0.8), table, 2)
+    assert line.startswith("node count sure: 2 nodes keep 95.0% efficiency (95.0%-95.0%)")
+    assert line.endswith("the link is assumed: --hostfile measures it)")
+    measured = scaling_table(pd.DataFrame(rows), [1, 2, 4], 0.8, "measured", {"z2-mb4"})
+    assert "assumed" not in node_confidence(NodeRule(0.8), measured, 2)
+
+
 def test_the_knee_is_borderline_when_the_next_count_may_keep_the_bar():
     table = _table({1: (1.0, 0.0), 2: (0.95, 0.02), 4: (0.78, 0.05)})
     line = node_confidence(NodeRule(0.8), table, 2)
