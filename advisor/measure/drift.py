@@ -39,6 +39,7 @@ import functools
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -188,7 +189,8 @@ class Drift:
             f"drift: the reference {self.reference} measured {len(clean)} times, at {min(factors):.2f}-"
             f"{max(factors):.2f}x its first speed (repeat spread {floor:.1%}); trials corrected for it"
         )
-        others = {r.trial_id for r in self.repeats if sum(o.trial_id == r.trial_id for o in self.repeats) > 1}
+        counts = Counter(r.trial_id for r in self.repeats)
+        others = [trial for trial, n in counts.items() if n > 1]
         fitted = fit_timeline(clean, self.repeats)
         if fitted is not None:
             with_others = f" and {len(others)} other config(s) measured more than once" if others else ""
