@@ -6,14 +6,20 @@ A predicted step time is uncertain for three reasons, each measured by the run i
 - **the measurement**: a config a trial ran is pinned by that trial, whose 95% interval (trials.csv
   `step_s_lo`/`_hi`: the bootstrap over its steps and the drift correction's uncertainty) is its own;
 - **the fit**: a config nobody ran is as uncertain as the model is on configs it did not see. That is
-  the spread of the held-out errors in validation.csv (the check trials and the leave-one-out refits), less
-  the part of it that is the held-out trials' own measurement noise, and widened for the few errors it
-  rests on (Student's t, not 1.96, with as many degrees of freedom as errors). The errors come in two
+  the spread of the held-out errors in validation.csv (the check trials and the leave-one-out refits),
+  widened for the few errors it rests on (Student's t, not 1.96, with as many degrees of freedom as
+  errors). Not every prediction leans on its trials alike (advisor.model.leverage): a check at
+  micro-batch 8 predicted from trials at 1 and 4 is an extrapolation, 3-4x as uncertain in variance as a
+  config between measured points. So each error is divided by the spread its own prediction had (its
+  fit's relative variance at that config, plus one for the held-out trial's own noise), their rms is the
+  spread of one trial's worth of evidence, and each unmeasured config's interval is that times the
+  square root of its own relative variance under the final fit. The errors come in two
   kinds, kept apart: a trial held out while another trial of its ZeRO stage and precision stayed in the
   fit says how well the model interpolates inside a measured group (most unmeasured configs: another
   micro-batch); one held out as its group's only trial says how well the model borrows a group's costs
   from the others (a stage no trial ran). Pooled, the second kind, often several times larger, would
-  widen every interval;
+  widen every interval. A validation table without the fit's own rows (an older folder) is not
+  scaled: the errors' rms less the held-out trials' own noise is the fit's spread on every config;
 - **the link**, across nodes: the inter-node collectives are costed from alpha-beta fits whose relative
   residuals (comm_fit.json `rel_rmse`) say how far one op's time strays from its line; that share of the
   step's exposed inter-node time. A link that was assumed (a preset, a user figure) has no spread to give:
@@ -50,6 +56,7 @@ import numpy as np
 import pandas as pd
 
 from advisor.measure.duel import Z95, Duel, pooled_log_spread, repeat_groups
+from advisor.model.leverage import FitPoints, group_of
 
 MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2)
 """A normal spread's sigma over its mean absolute deviation: the noise floor is a mean |deviation|."""
@@ -83,8 +90,9 @@ class Spread:
     typical_measured: float = 0.0
     """The median of `measured`: the noise a trial of an unmeasured config would have."""
     model: float = 0.0
-    """The fit's relative sigma on configs it did not see whose stage and precision a trial measured
-    (measurement noise taken out)."""
+    """The fit's relative sigma on configs it did not see whose stage and precision a trial measured:
+    per unit of relative variance (advisor.model.leverage) where `fit_points` is known, else on every
+    such config alike (measurement noise taken out)."""
     model_dof: int = 0
     """How many held-out errors `model` rests on."""
     cross: float = 0.0
@@ -92,6 +100,9 @@ class Spread:
     cross_dof: int = 0
     measured_groups: frozenset[tuple[int, str]] = frozenset()
     """(stage, precision) pairs some trial measured."""
+    fit_points: FitPoints = field(default_factory=FitPoints)
+    """The trials of the final fit, for each unmeasured config's relative variance (empty: an older
+    folder, every unmeasured config at the model's spread)."""
     noise: float = 0.0
     """This machine's repeat spread as a sigma (the noise floor x sqrt(pi/2)); 0 when not measured."""
     noise_dof: int = 0
@@ -124,13 +135,34 @@ class Spread:
         """One line for the answer: where the intervals come from."""
         parts = [
             f"{len(self.measured)} measured config(s) by their own trial",
-            f"the others by the fit's held-out spread ({self.model:.1%} sigma over {self.model_dof} errors "
-            f"inside a measured stage, {self.cross:.1%} over {self.cross_dof} for a stage no trial ran)",
+            f"the others by the fit's held-out spread ({self.model:.1%} sigma{self._per_trial} over "
+            f"{self.model_dof} errors inside a measured stage, {self.cross:.1%} over {self.cross_dof} for a "
+            "stage no trial ran)",
         ]
         parts.append(f"noise floor {self.noise / MEAN_ABS_TO_SIGMA:.1%}" if self.noise else "no noise floor")
         if self.link:
             parts.append(f"link {self.link:.1%} per op")
         return "95% intervals: " + "; ".join(parts)
+
+    @property
+    def _per_trial(self) -> str:
+        if not self.fit_points.groups:
+            return ""
+        return " per trial's worth of evidence, scaled by how far each config is from the measured ones"
+
+    def group_measured(self, key: ConfigKey) -> float:
+        """The median own sigma of the measured configs of `key`'s stage, precision and offload (the
+        typical trial's where none ran)."""
+        mine = [v for k, v in self.measured.items() if (k[0], k[1], k[3]) == (key[0], key[1], key[3])]
+        return float(np.median(mine)) if mine else self.typical_measured
+
+    def fit_scale(self, key: ConfigKey) -> float:
+        """How many `model` sigmas an unmeasured config of `key` is uncertain by: the square root of its
+        relative variance under the final fit (1 where that is unknown)."""
+        if not self.fit_points.groups:
+            return 1.0
+        variance = self.fit_points.relative_variance((key[0], key[1], key[3]), key[2])
+        return math.sqrt(variance) if variance is not None else 1.0
 
 
 def _sigma_of_interval(step: float, lo: float, hi: float) -> float:
@@ -230,6 +262,45 @@ def _group_errors(
     return errors[inside], errors[~inside]
 
 
+def _scaled_errors(validation: pd.DataFrame, trials: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+    """The held-out step-time errors, each divided by the sigma its prediction had in units of one trial's
+    noise (sqrt(1 + the relative variance of its fit at that config), advisor.model.leverage): (those
+    whose fit kept a trial of their group, the others unscaled). A check was predicted by the fit on the
+    search's trials (validation's held_out false rows), a leave-one-out row by that fit less its own
+    trial. None when the table cannot say which trials each fit had (an older folder)."""
+    needed = {"config_id", "quantity", "held_out", "predicted", "measured"}
+    if validation.empty or not needed <= set(validation) or trials.empty or "trial_id" not in trials:
+        return None
+    rows = validation[validation["quantity"] == "step_time_s"]
+    held = rows["held_out"].astype(bool)
+    fitted = set(rows.loc[~held, "config_id"].astype(str))
+    ok = trials[trials["status"] == "ok"] if "status" in trials else trials
+    by_id = {str(r["trial_id"]): r for r in ok.drop_duplicates("trial_id", keep="last").to_dict("records")}
+    if not fitted or not fitted <= set(by_id):
+        return None
+    check = (
+        rows["check"].fillna(False).astype(bool) if "check" in rows else pd.Series(False, index=rows.index)
+    )
+    inside, across = [], []
+    for i, row in rows[held].iterrows():
+        measured, predicted = pd.to_numeric(pd.Series([row["measured"], row["predicted"]]), errors="coerce")
+        trial = by_id.get(str(row["config_id"]))
+        if not measured > 0 or pd.isna(predicted):
+            continue
+        if trial is None:
+            return None
+        error = float(predicted / measured - 1)
+        basis = fitted if check[i] else fitted - {str(row["config_id"])}
+        variance = FitPoints.of(ok, only=basis).relative_variance(
+            group_of(trial), float(trial["micro_batch"])
+        )
+        if variance is None:
+            across.append(error)
+        else:
+            inside.append(error / math.sqrt(1 + variance))
+    return np.array(inside), np.array(across)
+
+
 def _fit_sigma(errors: np.ndarray, own: float) -> float:
     """The fit's sigma from held-out errors. A held-out error compares a prediction with one noisy
     measurement: that noise is taken out so it is not counted twice beside the noise floor. But a
@@ -261,7 +332,8 @@ def estimate_spread(
     measured = measured_spreads(trials)
     own = list(measured.values())
     typical_own = float(np.median(own)) if own else 0.0
-    inside, across = _group_errors(validation, trials, "step_time_s")
+    scaled = _scaled_errors(validation, trials)
+    inside, across = scaled if scaled is not None else _group_errors(validation, trials, "step_time_s")
     pooled = np.concatenate([inside, across])
     if not inside.size:  # no group kept a second trial: the pooled errors are all there is
         inside = pooled
@@ -285,11 +357,15 @@ def estimate_spread(
     return Spread(
         measured=measured,
         typical_measured=typical_own,
-        model=_fit_sigma(inside, typical_own),
+        # Scaled errors already count the held-out trial's own noise as one trial's worth of variance.
+        model=max(_rms(inside), typical_own)
+        if scaled is not None and inside.size
+        else _fit_sigma(inside, typical_own),
         model_dof=int(inside.size),
         cross=_fit_sigma(across, typical_own),
         cross_dof=int(across.size),
         measured_groups=groups,
+        fit_points=FitPoints.of(trials) if scaled is not None else FitPoints(),
         noise=noise,
         noise_dof=noise_dof,
         duels=duel_halfwidths(trials, duels),
@@ -315,7 +391,10 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     pinned = ~np.isnan(own)
     noise = Z95 * np.where(pinned, np.nan_to_num(own), spread.typical_measured)
     in_group = np.array([(k[0], k[1]) in spread.measured_groups for k in keys], dtype=bool)
-    borrowed = np.where(in_group, spread.model_halfwidth, spread.cross_halfwidth)
+    scale = np.array([spread.fit_scale(k) for k in keys]) * _fitted_share(table)
+    # A config between measured ones rests on them: never surer than the typical trial of its group.
+    floor = Z95 * np.array([spread.group_measured(k) for k in keys])
+    borrowed = np.where(in_group, np.maximum(spread.model_halfwidth * scale, floor), spread.cross_halfwidth)
     fit = np.where(pinned, Z95 * np.nan_to_num(own), borrowed)
     step = table["step_time_s"].to_numpy(dtype=float)
     inter = table["exposed_inter_s"].to_numpy(dtype=float) if "exposed_inter_s" in table else 0.0 * step
@@ -346,6 +425,17 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
         mem * (1 + mem_half),
     )
     return table
+
+
+def _fitted_share(table: pd.DataFrame) -> np.ndarray:
+    """Each row's step less its exposed inter-node time, as a share of the step: the part the trials'
+    fit predicts (the inter-node part is costed from the link's fits, whose spread is the link's)."""
+    step = table["step_time_s"].to_numpy(dtype=float)
+    if "exposed_inter_s" not in table:
+        return np.ones_like(step)
+    inter = pd.to_numeric(table["exposed_inter_s"], errors="coerce").fillna(0.0).to_numpy(dtype=float)
+    share = np.divide(step - inter, step, out=np.ones_like(step), where=step > 0)
+    return np.clip(share, 0.0, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------ ties
