@@ -288,7 +288,23 @@ def test_a_gap_with_too_much_drift_is_measured_again(tmp_path, no_config_check):
     runner(SPECS[:5])
     ran = [trial for trial, name in machine.calls if not name.startswith("bracket")]
     assert ran.count(SPECS[1].trial_id) + ran.count(SPECS[2].trial_id) + ran.count(SPECS[3].trial_id) >= 4
+    # the re-runs confirm the jump, so every trial measured before it in the gap is run again
+    assert ran.count(SPECS[1].trial_id) == 2
     assert json.loads((tmp_path / "drift.json").read_text())["reruns"]
+
+
+def test_a_jump_the_first_re_runs_disprove_stops_the_re_runs(tmp_path, no_config_check):
+    # The reference's own first run was fast (a lone 0.7x minute); the machine did not change after it.
+    first_call = 1.7e9 + 20
+    machine = Machine(lambda t: 0.7 if t == first_call else 1.0)
+    runner = make_runner(tmp_path, machine, bracket_every=3, rerun_jump=0.2)
+    runner(SPECS[:5])
+    ran = [trial for trial, name in machine.calls if not name.startswith("bracket")]
+    again = [trial for trial in {s.trial_id for s in SPECS[1:4]} if ran.count(trial) > 1]
+    assert len(again) == 1  # one re-run showed the machine steady: the other two were not run again
+    drift = json.loads((tmp_path / "drift.json").read_text())
+    assert [r["trial_id"] for r in drift["reruns"]] == again
+    assert runner.drift.correction_at(first_call + 30).jump < 0.2
 
 
 def test_a_resumed_run_runs_nothing_again(tmp_path, no_config_check):
@@ -523,4 +539,7 @@ def test_the_runner_fits_its_drift_to_the_trials_it_ran_twice(tmp_path, no_confi
     assert naive_error.max() > 0.15  # the outlier, interpolated into its neighbours
     assert error.max() < naive_error.max() / 2
     drift = json.loads((tmp_path / "drift.json").read_text())
-    assert {r["trial_id"] for r in drift["repeats"]} == {s.trial_id for s in SPECS[1:4]}
+    # the first re-run of the gap already showed the machine steady: the fitted jump fell below the
+    # policy, and the gap's other two trials were not run again
+    assert {r["trial_id"] for r in drift["repeats"]} == {SPECS[1].trial_id}
+    assert [r["trial_id"] for r in drift["reruns"]] == [SPECS[1].trial_id]
