@@ -154,7 +154,8 @@ ERROR_EXPLAINED = (
 
 def error_summary(validation: pd.DataFrame) -> dict[str, dict[str, float | int | None]]:
     """{"held_out": {...}, "leave_one_out": {...}}: step-time and memory MAPE and the number of trials
-    behind each (held_out has 0 trials and no figures when no check trial ran)."""
+    behind each (held_out has 0 trials and no figures when no check trial ran); held_out's `beyond`: how
+    many checks were extrapolations (`checks_beyond`)."""
     out: dict[str, dict[str, float | int | None]] = {}
     for key, which in (("held_out", "check"), ("leave_one_out", "leave_one_out")):
         rows = validation[(is_check(validation) == (which == "check")) & validation["held_out"].astype(bool)]
@@ -163,7 +164,27 @@ def error_summary(validation: pd.DataFrame) -> dict[str, dict[str, float | int |
             "memory_mape": mape(validation, "mem_per_rank_bytes", which=which),
             "trials": int(rows["config_id"].nunique()),
         }
+    out["held_out"]["beyond"] = checks_beyond(validation) if out["held_out"]["trials"] else None
     return out
+
+
+def checks_beyond(validation: pd.DataFrame) -> int:
+    """How many check configs lay outside the micro-batches the search measured their ZeRO stage at (or
+    at a stage it never ran): predicted by extrapolating a line, which their error then judges, not the
+    interpolation most unmeasured configs get (advisor.model.leverage)."""
+    if validation.empty or not {"micro_batch", "zero_stage", "config_id"} <= set(validation):
+        return 0
+    fitted = validation[~validation["held_out"].astype(bool) & ~is_check(validation)]
+    reach = fitted.groupby("zero_stage")["micro_batch"].agg(["min", "max"])
+    checks = validation[is_check(validation)].drop_duplicates("config_id")
+    beyond = 0
+    for _, row in checks.iterrows():
+        stage = row["zero_stage"]
+        inside = (
+            stage in reach.index and reach.loc[stage, "min"] <= row["micro_batch"] <= reach.loc[stage, "max"]
+        )
+        beyond += not inside
+    return beyond
 
 
 def error_by(validation: pd.DataFrame, column: str, quantity: str = "step_time_s") -> pd.DataFrame:

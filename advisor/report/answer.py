@@ -31,12 +31,26 @@ def _floor(rec: dict[str, Any]) -> str:
     return f" (this machine's noise floor {_percent(floor)})" if isinstance(floor, (int, float)) else ""
 
 
+def beyond_clause(error: dict[str, Any]) -> str:
+    """' (2 of them beyond the micro-batches their stage was measured at: extrapolations)' where checks
+    were; their error is the harsher test, and the intervals count it for less (advisor.model.leverage)."""
+    beyond = error.get("beyond")
+    if not isinstance(beyond, int) or not beyond:
+        return ""
+    them = (
+        "it"
+        if error.get("trials") == 1
+        else ("all of them" if beyond == error.get("trials") else f"{beyond} of them")
+    )
+    return f" ({them} beyond the micro-batches their stage was measured at: extrapolations)"
+
+
 def held_out_sentence(rec: dict[str, Any]) -> str:
     """The one held-out error, as the terminal and recommendation.json give it."""
     error = rec.get("error") or {}
     if error.get("trials"):
         return (
-            f"Held-out error on {error['trials']} configs run after the fit: step time "
+            f"Held-out error on {error['trials']} configs run after the fit{beyond_clause(error)}: step time "
             f"{_percent(error.get('step_time_mape'))}{_floor(rec)}, memory {_percent(error.get('memory_mape'))}."
         )
     if error.get("step_time_mape") is not None:  # a recommendation.json from before the trial count

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from advisor.model.scaling_table import short_provenance
 from advisor.model.time_to_train import cost_of, hours, money
-from advisor.report.answer import plus_minus
+from advisor.report.answer import beyond_clause, plus_minus
 from sdzero.constants import GIB
 
 
@@ -176,7 +176,7 @@ def error_line(rec: dict[str, Any]) -> str:
     error, loo = rec.get("error", {}), rec.get("leave_one_out", {})
     if error.get("trials"):
         held = (
-            f"held-out error on {error['trials']} configs run after the fit: step time "
+            f"held-out error on {error['trials']} configs run after the fit{beyond_clause(error)}: step time "
             f"{_percent(error.get('step_time_mape'))}{floor_clause(rec)}, memory {_percent(error.get('memory_mape'))}"
         )
     else:

@@ -151,3 +151,41 @@ def test_an_older_validation_table_keeps_the_unscaled_spread():
     table = add_intervals(pd.DataFrame([_row("z1-mb8", 1, 8, 0.24)]), spread)
     assert table.iloc[0]["step_time_s_hi"] / 0.24 - 1 == pytest.approx(t_quantile(2) * spread.model)
     assert np.isfinite(table["step_time_s_lo"]).all()
+
+
+def test_the_answer_says_how_many_checks_were_extrapolations():
+    from advisor.model.prediction_error import error_summary
+    from advisor.report.answer import held_out_sentence
+    from advisor.report.terminal import error_line
+
+    def row(config: str, stage: int, mb: int, held: bool, check: bool) -> dict:
+        return {
+            "config_id": config,
+            "quantity": "step_time_s",
+            "predicted": 1.1,
+            "measured": 1.0,
+            "held_out": held,
+            "check": check,
+            "zero_stage": stage,
+            "micro_batch": mb,
+        }
+
+    search = [
+        row("z1-mb1", 1, 1, False, False),
+        row("z1-mb4", 1, 4, False, False),
+        row("z2-mb1", 2, 1, False, False),
+    ]
+    checks = [
+        row("z1-mb2", 1, 2, True, True),
+        row("z1-mb8", 1, 8, True, True),
+        row("z3-mb1", 3, 1, True, True),
+    ]
+    held = error_summary(pd.DataFrame(search + checks))["held_out"]
+    assert held["beyond"] == 2 and held["trials"] == 3  # mb8 beyond 1-4, and a stage the search never ran
+    rec = {"error": held, "noise_floor": 0.05}
+    assert "(2 of them beyond the micro-batches their stage was measured at: extrapolations)" in error_line(
+        rec
+    )
+    assert "2 of them beyond" in held_out_sentence(rec)
+    inside = error_summary(pd.DataFrame(search + checks[:1]))["held_out"]
+    assert inside["beyond"] == 0 and "beyond" not in error_line({"error": inside})
