@@ -304,7 +304,11 @@ def evaluate(advise_dir: Path, model: Path, passes: list[tuple[Path, pd.DataFram
     between = float(np.mean([abs(r / scale - 1) for r in ratios])) if ratios else None
     table["inside"] = inside
     table["error"] = error
+    # How informative the intervals are, beside how often they hold: their mean 95% half-width
+    half = (table["step_time_s_hi"] - table["step_time_s_lo"]) / 2 / table["step_time_s"]
     return {
+        "halfwidth_unmeasured": float(half[unmeasured].mean()) if unmeasured.any() else math.nan,
+        "halfwidth_measured": float(half[~unmeasured].mean()) if (~unmeasured).any() else math.nan,
         "trials_run": int(len(trials)),
         "grid": int(len(table)),
         "held_out_error": held,
@@ -412,12 +416,21 @@ def show(key: str, r: dict) -> None:
         f"  {key}: held-out error {r['held_out_error']:.1%} (goal <= {r['error_goal']:.0%}; noise floor "
         f"{(r['noise_floor'] or 0):.1%}, grid's {(r['grid_noise_floor'] or 0):.1%}), coverage {r['coverage']:.0%} "
         f"({r.get('coverage_with_truth_noise', float('nan')):.0%} with the truth's own interval), "
-        f"pick {r['pick']} / best {r['grid_best']} = {r['pick_over_best']:.3f}"
+        f"{_widths(r)}pick {r['pick']} / best {r['grid_best']} = {r['pick_over_best']:.3f}"
         f" ({'within' if r['pick_within_noise'] else 'outside'} noise); trials {r['trials_run']}/{r['grid']}; "
         f"runs' speed ratio {r['scale_to_advise_machine']:.3f} by {r.get('scale_method', 'median ratio')} "
         f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f} over shared "
         f"configs{_between(r)})",
         flush=True,
+    )
+
+
+def _widths(r: dict) -> str:
+    """The intervals' mean half-widths (unmeasured / measured configs), where the round recorded them."""
+    if "halfwidth_unmeasured" not in r:
+        return ""
+    return (
+        f"intervals +-{r['halfwidth_unmeasured']:.0%} unmeasured / +-{r['halfwidth_measured']:.0%} measured, "
     )
 
 
@@ -430,8 +443,9 @@ def summary_table(results: dict) -> str:
     lines = [
         f"cpu: {results.get('cpu')}",
         "| model | round | held-out error | goal | noise floor (advise / grid) | coverage (with truth's interval) "
-        "| pick / best | within noise | trials | runs' ratio (spread; mean apart) | goals met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| interval half-width (unmeasured / measured) | pick / best | within noise | trials "
+        "| runs' ratio (spread; mean apart) | goals met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
         if "/" not in key:
@@ -441,6 +455,7 @@ def summary_table(results: dict) -> str:
             f"| {kind} | {rnd.removeprefix('round')} | {r['held_out_error']:.1%} | {r['error_goal']:.0%} | "
             f"{(r['noise_floor'] or 0):.1%} / {(r['grid_noise_floor'] or 0):.1%} | {r['coverage']:.0%} "
             f"({r.get('coverage_with_truth_noise', float('nan')):.0%}) | "
+            f"{r.get('halfwidth_unmeasured', float('nan')):.0%} / {r.get('halfwidth_measured', float('nan')):.0%} | "
             f"{r['pick']} / {r['grid_best']} = {r['pick_over_best']:.3f} | {r['pick_within_noise']} | "
             f"{r['trials_run']}/{r['grid']} | {r['scale_to_advise_machine']:.2f} "
             f"({min(r.get('cross_run_ratios') or [1]):.2f}-{max(r.get('cross_run_ratios') or [1]):.2f}"
