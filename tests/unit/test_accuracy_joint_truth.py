@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from bench_scripts import load_bench
+from trial_rows import ok_trial
 
 from advisor.measure.drift import Bracket, Drift, write_drift
 
@@ -30,18 +31,14 @@ def trials(*rows: tuple[int, int, float, float]) -> pd.DataFrame:
     """Grid rows (stage, micro-batch, measured at, raw median step), each with a +-4% interval."""
     return pd.DataFrame(
         [
-            {
-                "status": "ok",
-                "zero_stage": stage,
-                "precision": "bf16",
-                "micro_batch": mb,
-                "offload": "none",
-                "grad_accum": 1,
-                "measured_at": at,
-                "step_s_raw": step,
-                "step_s_raw_lo": step * 0.96,
-                "step_s_raw_hi": step * 1.04,
-            }
+            ok_trial(
+                stage,
+                mb,
+                measured_at=at,
+                step_s_raw=step,
+                step_s_raw_lo=step * 0.96,
+                step_s_raw_hi=step * 1.04,
+            )
             for stage, mb, at, step in rows
         ]
     )

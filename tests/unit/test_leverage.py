@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from trial_rows import ok_trial
 
 from advisor.model.leverage import FitPoints
 from advisor.model.uncertainty import Z95, add_intervals, estimate_spread, t_quantile
@@ -19,19 +20,15 @@ def _trials(rows: list[tuple[str, int, int, float]], half: float = 0.04) -> pd.D
     """(trial_id, stage, micro-batch, step s) per ok trial, each with a +-`half` interval."""
     return pd.DataFrame(
         [
-            {
-                "trial_id": trial,
-                "status": "ok",
-                "zero_stage": stage,
-                "precision": "bf16",
-                "micro_batch": mb,
-                "offload": "none",
-                "grad_accum": 1,
-                "step_time_s": step,
-                "step_time_median_s": step,
-                "step_s_lo": step * (1 - half),
-                "step_s_hi": step * (1 + half),
-            }
+            ok_trial(
+                stage,
+                mb,
+                trial_id=trial,
+                step_time_s=step,
+                step_time_median_s=step,
+                step_s_lo=step * (1 - half),
+                step_s_hi=step * (1 + half),
+            )
             for trial, stage, mb, step in rows
         ]
     )

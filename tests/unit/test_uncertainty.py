@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from trial_rows import ok_trial
 
 from advisor.model.recommend import why_not
 from advisor.model.scaling_table import NodeRule, node_confidence, scaling_table
@@ -54,17 +55,14 @@ def _trials(rows: list[tuple[int, int, float, float]]) -> pd.DataFrame:
     """(stage, micro-batch, step s, relative 95% half-width) per ok trial."""
     return pd.DataFrame(
         [
-            {
-                "status": "ok",
-                "zero_stage": stage,
-                "precision": "bf16",
-                "micro_batch": mb,
-                "offload": "none",
-                "step_time_s": step,
-                "step_time_median_s": step,
-                "step_s_lo": step * (1 - half),
-                "step_s_hi": step * (1 + half),
-            }
+            ok_trial(
+                stage,
+                mb,
+                step_time_s=step,
+                step_time_median_s=step,
+                step_s_lo=step * (1 - half),
+                step_s_hi=step * (1 + half),
+            )
             for stage, mb, step, half in rows
         ]
     )
