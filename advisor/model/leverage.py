@@ -60,9 +60,8 @@ class FitPoints:
             rows = rows.drop_duplicates("trial_id", keep="last")
             if only is not None:
                 rows = rows[rows["trial_id"].astype(str).isin(set(only))]
-        steps = measured_step_s(rows)
         accum = pd.to_numeric(rows["grad_accum"], errors="coerce") if "grad_accum" in rows else 1.0
-        per_micro = (steps / accum).to_numpy(dtype=float) if "grad_accum" in rows else steps.to_numpy(float)
+        per_micro = (measured_step_s(rows) / accum).to_numpy(dtype=float)
         groups: dict[Group, list[Point]] = {}
         for row, seconds in zip(rows.to_dict("records"), per_micro, strict=True):
             if seconds > 0:

@@ -216,10 +216,8 @@ def _duel_columns(
 
 
 def config_key(row: pd.Series | dict) -> ConfigKey:
-    precision = row["precision"] if "precision" in row else row["dtype"]
-    offload = row.get("offload", "none")
-    offload = "none" if offload is None or (isinstance(offload, float) and math.isnan(offload)) else offload
-    return (int(row["zero_stage"]), str(precision), int(row["micro_batch"]), str(offload))
+    stage, precision, offload = group_of(row)
+    return (stage, precision, int(row["micro_batch"]), offload)
 
 
 def held_out_errors(validation: pd.DataFrame, quantity: str) -> np.ndarray:
