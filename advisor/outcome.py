@@ -34,6 +34,7 @@ from advisor.model.search import CHECK_TRIALS, SearchResult
 from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
 from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
+from sdzero.telemetry.environment import bf16_emulated
 
 GPU_HOURS = "GPU-h"
 """The unit of the hours a run holds its devices (rank-hours when the ranks are CPU processes)."""
@@ -101,8 +102,10 @@ def measured_ids(trials: pd.DataFrame) -> set[str]:
 
 
 def provenance(o: Outcome) -> dict[str, Any]:
+    # bf16 emulated in software is several times slower than fp32: the figures of such a CPU say so
+    emulated = bf16_emulated() if o.trial_device["device"] == "cpu" else ""
     here = (
-        f"a CPU ({o.trial_ranks} ranks)"
+        f"a CPU ({o.trial_ranks} ranks{'; ' + emulated if emulated else ''})"
         if o.trial_device["device"] == "cpu"
         else f"{o.trial_ranks} {o.trial_device['device']} device(s)"
     )

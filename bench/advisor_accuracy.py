@@ -36,7 +36,11 @@ Goal (#28): error <= max(10%, 1.5 x noise floor), coverage >= 90%, the pick with
 every round, every model. Models: the embedded default (SD 1.5-shaped tiny), a wider and deeper SD 1.5
 UNet, and the SDXL-shaped tiny (two text encoders, pooled `text_time` embedding).
 
-    python bench/advisor_accuracy.py [--work DIR] [--models default,wide,sdxl] [--rounds 2]
+    python bench/advisor_accuracy.py [--work DIR] [--models default,wide,sdxl] [--rounds 2] [--no-avx512]
+
+`--no-avx512` runs everything as on a host without AVX-512 (bf16 emulated, several times slower): torch's
+kernels are kept at AVX2 (NO_AVX512_ENV, inherited by every trial's ranks), which on this AMD EPYC makes
+a tiny UNet's bf16 step about 6x slower and its fp32 step no slower; the CPU line says so.
 
 Results accumulate in <work>/accuracy.json (a rerun with the same --work skips finished rounds).
 """
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -58,6 +63,8 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MODELS = ("default", "wide", "sdxl")
+NO_AVX512_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+"""ATen's vectorised ops and oneDNN's matmuls and convolutions kept at AVX2 (sdzero.telemetry.environment)."""
 
 
 def write_model(kind: str, where: Path) -> Path:
@@ -354,7 +361,14 @@ def main() -> None:
     p.add_argument(
         "--reevaluate", action="store_true", help="judge finished rounds again from their folders (no runs)"
     )
+    p.add_argument(
+        "--no-avx512",
+        action="store_true",
+        help="keep torch below AVX-512 in every run (bf16 emulated), as on a host without it",
+    )
     args = p.parse_args()
+    if args.no_avx512:
+        os.environ.update(NO_AVX512_ENV)  # before torch loads here, and inherited by every launch
     work = args.work or Path(tempfile.mkdtemp(prefix="advisor_accuracy_"))
     work.mkdir(parents=True, exist_ok=True)
     results_path = work / "accuracy.json"

@@ -187,7 +187,7 @@ class Drift:
         floor = self.noise_floor() or 0.0
         line = (
             f"drift: the reference {self.reference} measured {len(clean)} times, at {min(factors):.2f}-"
-            f"{max(factors):.2f}x its first speed (repeat spread {floor:.1%}); trials corrected for it"
+            f"{max(factors):.2f}x its first step time (repeat spread {floor:.1%}); trials corrected for it"
         )
         counts = Counter(r.trial_id for r in self.repeats)
         others = [trial for trial, n in counts.items() if n > 1]

@@ -12,6 +12,8 @@ What the duel gives:
 - `log_ratio`: ln(step_A / step_B) from the legs' raw medians, each config's level fitted beside a drift
   line over the legs' times (`paired`; not the brackets' correction: the legs ran within a few minutes,
   and the line is fitted to them, not to another config);
+- `rate_log_ratio`: ln(throughput_A / throughput_B), the figure the verdict is on: the two configs may
+  take different batches a step (micro-batch 8 against 4), and then a longer step can be the faster one;
 - `halfwidth`: its 95% half-width, from the legs' own intervals and how far the legs strayed from the
   line (one degree of freedom with four legs: a rough figure, added to the legs' own noise, not
   instead of it);
@@ -105,31 +107,37 @@ class Duel:
     """95% half-width of log_ratio."""
     pairs: int
     legs: tuple[Leg, ...] = ()
+    batch_log_ratio: float = 0.0
+    """ln(samples a step of a / of b): 0 for configs with the same batch a step (duel files before it)."""
+
+    @property
+    def rate_log_ratio(self) -> float:
+        """ln(throughput_a / throughput_b): > 0 when a is the faster. Its 95% half-width is `halfwidth`
+        (the batches are exact; only the steps were measured)."""
+        return self.batch_log_ratio - self.log_ratio
 
     @property
     def tied(self) -> bool:
-        return abs(self.log_ratio) <= self.halfwidth
+        return abs(self.rate_log_ratio) <= self.halfwidth
 
     def line(self) -> str:
-        faster, slower = (self.b, self.a) if self.log_ratio > 0 else (self.a, self.b)
-        ratio = math.exp(abs(self.log_ratio))
-        lo, hi = (
-            math.exp(abs(self.log_ratio) - self.halfwidth),
-            math.exp(abs(self.log_ratio) + self.halfwidth),
-        )
+        faster, slower = (self.a, self.b) if self.rate_log_ratio > 0 else (self.b, self.a)
+        gap = abs(self.rate_log_ratio)
+        ratio, lo, hi = math.exp(gap), math.exp(gap - self.halfwidth), math.exp(gap + self.halfwidth)
         verdict = "within noise: a tie" if self.tied else f"{faster} is faster"
         return (
             f"duel: {self.a} and {self.b} measured again A B B A ({self.pairs} pairs): {faster} "
-            f"{ratio:.3f}x the speed of {slower} (95% {lo:.3f}-{hi:.3f}), {verdict}"
+            f"{ratio:.3f}x the samples/s of {slower} (95% {lo:.3f}-{hi:.3f}), {verdict}"
         )
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "tied": self.tied, "line": self.line()}
 
 
-def paired(a: str, b: str, legs: list[Leg]) -> Duel:
+def paired(a: str, b: str, legs: list[Leg], batch_ratio: float = 1.0) -> Duel:
     """The duel of `a` and `b` from its legs (in DUEL_ORDER): ln(step) fitted as each config's own level
-    plus one drift line over the legs' times, by least squares.
+    plus one drift line over the legs' times, by least squares. `batch_ratio`: samples a step of `a` over
+    those of `b` (what turns the step ratio into the throughput ratio the verdict is on).
 
     A B B A with a drift that is linear over the four legs gives each config the same mean time, so the
     drift leaves their difference; the one residual degree of freedom left measures how far the machine
@@ -149,7 +157,15 @@ def paired(a: str, b: str, legs: list[Leg]) -> Duel:
     contrast = np.zeros(x.shape[1])
     contrast[:2] = (1.0, -1.0)
     variance = float(contrast @ np.linalg.pinv(x.T @ x) @ contrast) * (own + strayed)
-    return Duel(a, b, float(coef[0] - coef[1]), Z95 * math.sqrt(variance), len(legs) // 2, tuple(legs))
+    return Duel(
+        a,
+        b,
+        float(coef[0] - coef[1]),
+        Z95 * math.sqrt(variance),
+        len(legs) // 2,
+        tuple(legs),
+        math.log(batch_ratio),
+    )
 
 
 def write_duels(path: Path, setup: str, duels: list[Duel]) -> None:
@@ -170,6 +186,7 @@ def read_duels(path: Path, setup: str | None = None) -> list[Duel]:
                 float(d["halfwidth"]),
                 int(d["pairs"]),
                 tuple(Leg(**leg) for leg in d.get("legs", ())),
+                float(d.get("batch_log_ratio", 0.0)),
             )
             for d in data["duels"]
         ]

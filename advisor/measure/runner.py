@@ -219,12 +219,21 @@ class TrialRunner:
             self._add_pooled_row(
                 spec, outcome, trial_dir, pool([g for g in legs if g.trial_id == spec.trial_id])
             )
-        result = paired(a.trial_id, b.trial_id, legs)
+        result = paired(a.trial_id, b.trial_id, legs, self._samples_per_step(a) / self._samples_per_step(b))
         self.duels.append(result)
         write_duels(self.duel_path, self.setup, self.duels)
         self.say(result.line())
         self._correct()
         return self.table()
+
+    def _samples_per_step(self, spec: TrialSpec) -> int:
+        """Samples one optimizer step of `spec` takes per rank (the ranks are the same in a duel)."""
+        accum = (
+            spec.grad_accum
+            if spec.grad_accum is not None
+            else self.base.get("gradient_accumulation_steps", 1)
+        )
+        return spec.micro_batch * int(accum)
 
     def _add_pooled_row(
         self, spec: TrialSpec, outcome: TrialOutcome, trial_dir: Path, pooled: Pooled
@@ -285,7 +294,7 @@ class TrialRunner:
         self.drift.brackets.append(added)
         if previous and not added.contended:
             self.say(
-                f"bracket {n}: the reference at {added.step_s / previous[0].step_s:.2f}x its first speed"
+                f"bracket {n}: the reference's step at {added.step_s / previous[0].step_s:.2f}x its first"
             )
         self._correct()
         self._rerun_drifted()

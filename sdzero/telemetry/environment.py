@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,38 @@ def environment_snapshot() -> dict[str, Any]:
 def cpu_kind() -> str:
     """The CPU model and whether it has AVX-512, for benchmark output: without it bf16 is emulated and
     several times slower than fp32, so a figure means little without saying which kind produced it."""
+    emulated = bf16_emulated()
+    return f"{_cpu_model()}, {emulated or 'with AVX-512'}"
+
+
+def bf16_emulated() -> str:
+    """Why this CPU runs bf16 in software ('without AVX-512 (bf16 emulated)', or AVX-512 capped by a
+    variable), or '' when it has AVX-512 in use."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         flags = ""
-    avx512 = "with AVX-512" if " avx512f" in flags else "without AVX-512 (bf16 emulated)"
-    return f"{_cpu_model()}, {avx512}"
+    if " avx512f" not in flags:
+        return "without AVX-512 (bf16 emulated)"
+    cap = isa_cap()
+    return f"with AVX-512 capped by {cap} (bf16 emulated)" if cap else ""
+
+
+ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""Variables that keep torch's kernels (ATen's vectorised ops, oneDNN's matmuls and convolutions) below
+AVX-512 on a CPU that has it: how an AVX-512 host runs as one without (bench/advisor_accuracy.py --no-avx512)."""
+
+
+def isa_cap(environ: Mapping[str, str] | None = None) -> str:
+    """The variables set here that keep torch below AVX-512 ('NAME=value, ...'), or '' when none does."""
+    env = os.environ if environ is None else environ
+    capped = []
+    for name in ISA_CAP_VARS:
+        value = env.get(name, "").strip()
+        # ATen: default / avx2 / avx512; oneDNN: SSE41 .. AVX2_VNNI_2, AVX512_CORE.., AVX10_.., ALL
+        if value and not value.upper().startswith(("AVX512", "AVX10", "ALL")):
+            capped.append(f"{name}={value}")
+    return ", ".join(capped)
 
 
 def _cpu_model() -> str:

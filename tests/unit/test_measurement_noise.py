@@ -396,6 +396,23 @@ def test_a_duel_between_equal_configs_on_a_jumpy_machine_is_a_tie():
     assert duel.halfwidth > Z95 * math.sqrt(4 * (0.01 / Z95) ** 2) / 2
 
 
+def test_a_duel_between_micro_batches_is_judged_by_throughput_not_by_step():
+    # a: micro-batch 8, steps 1.9x b's at micro-batch 4: a longer step, yet 8/1.9 = 4.21 samples per
+    # unit against b's 4.00, so a is 5.3% faster in samples/s (the step ratio alone says b by 1.9x)
+    legs = [_leg("a", 1.90, 0, 0.004), _leg("b", 1.00, 1, 0.004), _leg("b", 1.00, 2, 0.004)]
+    legs.append(_leg("a", 1.90, 3, 0.004))
+    duel = paired("a", "b", legs, batch_ratio=8 / 4)
+    assert math.exp(duel.rate_log_ratio) == pytest.approx(8 / 1.9 / 4, rel=1e-6)
+    assert not duel.tied and "a is faster" in duel.line() and "1.053x the samples/s of b" in duel.line()
+    same = paired("a", "b", legs)  # as if both took the same batch: b's shorter step wins
+    assert "b is faster" in same.line() and same.rate_log_ratio == pytest.approx(-duel.log_ratio)
+    # within noise when the throughputs are close: 8/2.0 against 4/1.0
+    close = paired(
+        "a", "b", [_leg("a", 2.0, 0), _leg("b", 1.0, 1), _leg("b", 1.02, 2), _leg("a", 2.0, 3)], 2.0
+    )
+    assert close.tied and "within noise" in close.line()
+
+
 def test_pooled_legs_carry_their_spread_not_only_their_own_intervals():
     steady = pool([_leg("a", 1.0, 0), _leg("a", 1.0, 10)])
     jumpy = pool([_leg("a", 0.9, 0), _leg("a", 1.1, 10)])
@@ -543,3 +560,15 @@ def test_the_runner_fits_its_drift_to_the_trials_it_ran_twice(tmp_path, no_confi
     # policy, and the gap's other two trials were not run again
     assert {r["trial_id"] for r in drift["repeats"]} == {SPECS[1].trial_id}
     assert [r["trial_id"] for r in drift["reruns"]] == [SPECS[1].trial_id]
+
+
+def test_a_duel_across_micro_batches_writes_its_batch_ratio(tmp_path, no_config_check):
+    machine = Machine(lambda t: 1.0)
+    runner = make_runner(tmp_path, machine, bracket_every=0)
+    a, b = SPECS[3], SPECS[2]  # z1 mb8 (step 0.96 s), z1 mb4 (step 0.48 s): the same samples/s
+    runner([a, b])
+    runner.rematch([a.trial_id, b.trial_id])
+    (duel,) = read_duels(tmp_path / "duel.json", "setup")
+    assert math.exp(duel.batch_log_ratio) == pytest.approx(2.0)
+    assert math.exp(duel.log_ratio) == pytest.approx(2.0, rel=0.02)  # mb8's step is twice mb4's
+    assert abs(duel.rate_log_ratio) < 0.02 and duel.tied

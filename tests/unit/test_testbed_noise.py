@@ -58,3 +58,22 @@ def test_steal_is_the_share_of_cpu_time_the_hypervisor_kept(bench):
 
 def test_cpu_kind_says_whether_bf16_is_in_hardware():
     assert ("with AVX-512" in cpu_kind()) != ("without AVX-512" in cpu_kind())
+
+
+def test_an_isa_cap_below_avx512_is_named_and_one_at_or_above_is_not():
+    from sdzero.telemetry.environment import isa_cap
+
+    assert isa_cap({}) == ""
+    assert isa_cap({"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}) == ""
+    assert isa_cap({"ONEDNN_MAX_CPU_ISA": "ALL"}) == ""
+    both = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert isa_cap(both) == "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2"
+    assert isa_cap({"DNNL_MAX_CPU_ISA": "avx2_vnni"}) == "DNNL_MAX_CPU_ISA=avx2_vnni"
+
+
+def test_cpu_kind_names_the_cap_that_emulates_bf16_on_an_avx512_host(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    kind = cpu_kind()
+    assert "bf16 emulated" in kind
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in kind or "without AVX-512" in kind
