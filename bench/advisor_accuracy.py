@@ -294,6 +294,8 @@ def evaluate(advise_dir: Path, model: Path, passes: list[tuple[Path, pd.DataFram
     )
     error = (table["step_time_s"] / table["truth_s"] - 1).abs()
     unmeasured = ~table["measured_by_advise"].astype(bool)
+    if rec.get("usable_memory_bytes"):  # the advise run's device memory, as its own tie rule weighed it
+        table["usable_bytes"] = float(rec["usable_memory_bytes"])
     pick = pick_config(table).row
     best = table.loc[table["truth_rate"].idxmax()]
     mine = table[table["config_id"] == pick["config_id"]].iloc[0]

@@ -138,6 +138,7 @@ def predict_table(
                     "bucket_bytes": mem["buckets"],
                     "frozen_bytes": mem["frozen"],
                     "feasible": mem["total"] <= usable_bytes,
+                    "usable_bytes": usable_bytes,  # what the tie rule weighs memory differences against
                 }
             )
     table = pd.DataFrame(rows)

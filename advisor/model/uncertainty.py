@@ -65,7 +65,11 @@ _T975 |= {10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
 MIN_MEMORY_SPREAD = 0.01
 """Memory is measured to the byte but varies with allocator state: never claim better than 1%."""
 SIMILAR_MEMORY = 0.10
-"""Tied configs within this fraction of the least memory per rank count as needing the same memory."""
+"""Tied configs whose memory per rank is within this fraction of the device's usable memory (the
+predictions' `usable_bytes`) above the least count as needing the same memory: they leave the same
+headroom in practice, and the faster-predicted one should not lose for a saving the run cannot use (an
+emulated-bf16 run, where most of the grid was within noise, picked ZeRO-3 for 0.12 GiB of 10.6 usable,
+and the grid measured it at 0.81x the best). Without the usable memory: this fraction of the least."""
 KEY_COLUMNS = ("zero_stage", "precision", "micro_batch", "offload")
 
 
@@ -473,7 +477,8 @@ def _halfwidth(row: pd.Series) -> float:
 
 TIE_RULE = (
     f"a tie (their difference within noise) goes to the least memory per rank (configs within "
-    f"{SIMILAR_MEMORY:.0%} of it count as equal), then the simpler ZeRO stage, then the faster prediction"
+    f"{SIMILAR_MEMORY:.0%} of the device's usable memory of it count as equal), then the simpler ZeRO "
+    "stage, then the faster prediction"
 )
 
 
@@ -499,6 +504,15 @@ class Pick:
         return f"{self.row['config_id']} {verb} {', '.join(others)} within noise: {TIE_RULE}"
 
 
+def _memory_scale(rows: pd.DataFrame, least: float) -> float:
+    """What memory differences are measured against (SIMILAR_MEMORY): the device's usable bytes where the
+    predictions carry them (never less than the least config's own), else the least config's memory."""
+    if "usable_bytes" not in rows:
+        return least
+    usable = pd.to_numeric(rows["usable_bytes"], errors="coerce").max()
+    return max(float(usable), least) if pd.notna(usable) else least
+
+
 def pick_config(rows: pd.DataFrame) -> Pick:
     """The config to run among `rows` (those that fit at one node count): the fastest, unless others tie
     with it, when TIE_RULE decides among the tied."""
@@ -507,7 +521,8 @@ def pick_config(rows: pd.DataFrame) -> Pick:
     if len(tied) < 2:
         return Pick(fastest, fastest, [str(fastest["config_id"])])
     least = float(tied["mem_per_rank_bytes"].min())
-    light = tied[tied["mem_per_rank_bytes"].astype(float) <= least * (1 + SIMILAR_MEMORY)]
+    similar = least + SIMILAR_MEMORY * _memory_scale(tied, least)
+    light = tied[tied["mem_per_rank_bytes"].astype(float) <= similar]
     ordered = light.sort_values(["zero_stage", "samples_per_s"], ascending=[True, False])
     ids = [str(c) for c in tied.sort_values("samples_per_s", ascending=False)["config_id"]]
     return Pick(ordered.iloc[0], fastest, ids)

@@ -79,6 +79,10 @@ def test_advise_end_to_end_writes_the_contract_files(advised):
         assert chatter not in result.output
     assert (out / "plan_inputs.json").is_file()
     assert rec["error"]["trials"] == len(rec["check_trials"]) and rec["leave_one_out"]["trials"] >= 3
+    if not rec["check_trials"]:  # a budget too short for them says which budget would run them
+        note = next(n for n in rec["notes"] if n.startswith("no budget left for check trials"))
+        minutes = int(note.split("--budget-minutes ")[1].split()[0])
+        assert minutes >= 2 and "with the same --out runs them" in note
     assert rec["trials_run"] < rec["full_grid"] == 12  # the search measured a part of the grid
     assert f"trials run: {rec['trials_run']} of a full grid of 12" in result.output
     validation = pd.read_csv(out / "validation.csv")

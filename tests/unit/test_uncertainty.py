@@ -194,6 +194,17 @@ def test_a_tie_goes_to_less_memory_then_the_simpler_stage():
     assert "chosen over the faster-predicted" in pick.describe() and "least memory" in pick.describe()
 
 
+def test_memory_differences_are_weighed_against_the_device_usable_memory():
+    # 2-4 GB per rank on a 100 GB device: the same headroom; the simpler stage, then the faster, wins
+    roomy = _tied_rows().assign(usable_bytes=100e9)
+    pick = pick_config(roomy)
+    assert pick.row["config_id"] == "z1-mb8" and not pick.broke_tie
+    assert "usable memory" in pick.describe()
+    # on a 12 GB device 1.2 GB matters: z2-mb8 (3.0 GB) is within it of the least (2.0 GB), z1-mb8 is not
+    tight = _tied_rows().assign(usable_bytes=12e9)
+    assert pick_config(tight).row["config_id"] == "z2-mb8"
+
+
 def test_without_a_tie_the_fastest_wins_and_nothing_is_said():
     rows = _tied_rows()
     rows["compare_halfwidth"] = 0.001
