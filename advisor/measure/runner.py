@@ -99,6 +99,9 @@ class _Record:
     reruns: list[dict[str, str]] = field(default_factory=list)
     rerun_done: set[str] = field(default_factory=set)
     calls: int = 0
+    batch_left: int = 0
+    """Trials of the current call still to run, the one starting included: their room is kept from drift
+    re-runs (the caller counted on it: advise's check trials)."""
 
 
 class TrialRunner:
@@ -141,11 +144,13 @@ class TrialRunner:
         """Run the specs not yet finished; return every trial of the setup (the last attempt of each)."""
         self.seen.calls += 1
         done = finished_trials(read_trials(self.csv_path), self.setup)
+        todo = [spec for spec in specs if spec.trial_id not in done]
         ran = 0
-        for spec in specs:
-            if spec.trial_id not in done:
-                self.run_one(spec)
-                ran += 1
+        for spec in todo:
+            self.seen.batch_left = len(todo) - ran
+            self.run_one(spec)
+            ran += 1
+        self.seen.batch_left = 0
         if ran and (len(specs) > 1 and self.seen.calls > 1 or self._only_a_bracket_left()):
             self.close()  # a batch (the check trials), or the budget's end: close the open gap now
         return self.table()
@@ -403,7 +408,9 @@ class TrialRunner:
                 for trial_id, at in self._drifted()
                 if trial_id not in self.seen.rerun_done and trial_id != reference and trial_id in self.specs
             ]
-            if not pending or not self._room_for(self._trial_cost()):
+            # a re-run, and then the call's own trials: re-runs that crowded out the check trials ran
+            # a 5-minute advise 64 s over (calibration round 12, default: three re-runs before three checks)
+            if not pending or not self._room_for(self._trial_cost() * (1 + self.seen.batch_left)):
                 break
             trial_id, at = pending[0]
             self.seen.rerun_done.add(trial_id)

@@ -293,6 +293,23 @@ def test_a_gap_with_too_much_drift_is_measured_again(tmp_path, no_config_check):
     assert json.loads((tmp_path / "drift.json").read_text())["reruns"]
 
 
+def test_drift_re_runs_leave_the_batchs_own_trials_their_room(tmp_path, no_config_check, monkeypatch):
+    # The budget's clock is the machine's (20 s a trial). A jump inside the first gap would have its
+    # three trials run again; the batch whose first trial finds the bracket due (two trials) was counted
+    # on by the caller, so the re-runs take only what the deadline leaves beside those two.
+    machine = Machine(lambda t: 1.0 if t < 1.7e9 + 50 else 1.5)
+    monkeypatch.setattr("advisor.measure.runner.time.monotonic", lambda: machine.clock)
+    runner = make_runner(tmp_path, machine, bracket_every=3, rerun_jump=0.2)
+    runner.deadline = machine.clock + 8 * 20.0 + 1  # 4 seeds, a bracket, one re-run, the batch of 2
+    runner(SPECS[:4])
+    runner(SPECS[4:6])  # the batch (the check trials)
+    names = [name for _, name in machine.calls]
+    ran = [trial for trial, name in machine.calls if not name.startswith("bracket")]
+    assert names.count("bracket-1") == 1 and ran[-2:] == [SPECS[4].trial_id, SPECS[5].trial_id]
+    assert len(ran) == 4 + 1 + 2  # one re-run: a second would have pushed the batch past the deadline
+    assert machine.clock <= runner.deadline  # and no closing bracket: no room was left for one
+
+
 def test_a_jump_the_first_re_runs_disprove_stops_the_re_runs(tmp_path, no_config_check):
     # The reference's own first run was fast (a lone 0.7x minute); the machine did not change after it.
     first_call = 1.7e9 + 20
