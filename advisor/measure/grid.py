@@ -231,14 +231,19 @@ def load_base_config(path: Path) -> dict[str, Any]:
     return raw
 
 
+def grad_accum_of(spec: TrialSpec, base: dict[str, Any]) -> int:
+    """The trial's gradient accumulation: its own, else the base JSON's."""
+    accum = spec.grad_accum if spec.grad_accum is not None else base.get("gradient_accumulation_steps", 1)
+    return int(accum)
+
+
 def trial_ds_config(base: dict[str, Any], spec: TrialSpec) -> dict[str, Any]:
     """The base JSON with this trial's knobs and DeepSpeed's own instruments switched on."""
     config = copy.deepcopy(base)
     # The global batch follows micro-batch x accumulation x world size; a fixed one would contradict it.
     config.pop("train_batch_size", None)
     config["train_micro_batch_size_per_gpu"] = spec.micro_batch
-    accum = spec.grad_accum if spec.grad_accum is not None else base.get("gradient_accumulation_steps", 1)
-    config["gradient_accumulation_steps"] = int(accum)
+    config["gradient_accumulation_steps"] = grad_accum_of(spec, base)
     _set_precision(config, spec.precision)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = spec.zero_stage

@@ -63,7 +63,7 @@ from advisor.measure.duel import (
     read_duels,
     write_duels,
 )
-from advisor.measure.grid import TrialSpec, finished_trials, write_trial_config
+from advisor.measure.grid import TrialSpec, finished_trials, grad_accum_of, write_trial_config
 from advisor.measure.trial_table import append_row, latest_rows, read_trials, trial_row, write_trials
 from advisor.measure.trials import TrialOutcome, TrialSettings, trial_step_times
 from sdzero.telemetry.step_interval import median_interval
@@ -224,21 +224,15 @@ class TrialRunner:
             self._add_pooled_row(
                 spec, outcome, trial_dir, pool([g for g in legs if g.trial_id == spec.trial_id])
             )
-        result = paired(a.trial_id, b.trial_id, legs, self._samples_per_step(a) / self._samples_per_step(b))
+        batch_ratio = (
+            a.micro_batch * grad_accum_of(a, self.base) / (b.micro_batch * grad_accum_of(b, self.base))
+        )
+        result = paired(a.trial_id, b.trial_id, legs, batch_ratio)  # same ranks: samples a step per rank
         self.duels.append(result)
         write_duels(self.duel_path, self.setup, self.duels)
         self.say(result.line())
         self._correct()
         return self.table()
-
-    def _samples_per_step(self, spec: TrialSpec) -> int:
-        """Samples one optimizer step of `spec` takes per rank (the ranks are the same in a duel)."""
-        accum = (
-            spec.grad_accum
-            if spec.grad_accum is not None
-            else self.base.get("gradient_accumulation_steps", 1)
-        )
-        return spec.micro_batch * int(accum)
 
     def _add_pooled_row(
         self, spec: TrialSpec, outcome: TrialOutcome, trial_dir: Path, pooled: Pooled

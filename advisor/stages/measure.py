@@ -21,7 +21,7 @@ from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import Network, build_network
 from advisor.model.predict import grad_accum_for
 from advisor.model.prediction_error import check_rows, fit_models, validation_table
-from advisor.model.search import CHECK_TRIALS, SearchResult, check_specs, run_search
+from advisor.model.search import CHECK_COST_TRIALS, SearchResult, check_specs, run_search
 from advisor.stages.inputs import AdviseInputs
 from advisor.target import device_memory_bytes
 from sdzero.atomic import write_csv_atomic
@@ -167,11 +167,9 @@ def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredT
         inputs.target,
         budget_s,
         log=inputs.say,
-        # the check trials (CHECK_TRIALS and the accumulation check) run after the search: their room is
-        # kept from the second micro-batches and the duel. The accumulation check counts twice: it runs 4
-        # micro-steps a step (40 s against a mean trial's 19 s with bf16 emulated), and a reserve of exactly
-        # the checks' mean cost was a few seconds short once the duel's legs had raised the mean.
-        reserve_trials=CHECK_TRIALS + 2,
+        # the check trials run after the search: their room is kept from the second micro-batches and the
+        # duel (a reserve of their bare mean cost was a few seconds short once a duel's legs raised the mean)
+        reserve_trials=CHECK_COST_TRIALS,
     )
     if search.trials[search.trials["status"] == "ok"].empty:
         raise UserError(f"no trial succeeded; see the logs under {inputs.out_dir / 'profile' / 'trials'}")
@@ -221,8 +219,7 @@ def check_model(
         validation = pd.concat([validation, check_rows(fitted, checked, net)], ignore_index=True)
         trials = everything
     elif checks:
-        # the accumulation check runs 4 micro-steps a step: counted twice
-        need_s = time.monotonic() - inputs.started + per_trial * (len(checks) + 1)
+        need_s = time.monotonic() - inputs.started + per_trial * CHECK_COST_TRIALS
         notes.append(
             "no budget left for check trials: no held-out error; leave-one-out is shown instead "
             f"(--budget-minutes {math.ceil(need_s / 60)} with the same --out runs them, reusing these trials)"
