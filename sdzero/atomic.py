@@ -64,11 +64,14 @@ def write_csv_atomic(table: pd.DataFrame, path: Path | str) -> Path:
 
 
 def publish_dir(tmp: Path, out: Path) -> None:
-    """Replace the folder `out` with the finished folder `tmp`; the old `out` is removed only after the move."""
+    """Replace the folder `out` with the finished folder `tmp`; the old `out` is removed only after the move.
+
+    The old folder is moved aside under a new unique name (an empty folder made for it, which a rename of a
+    folder may replace), never a fixed one: a user's folder that happens to bear the fixed name
+    (`.v1.old` beside `v1`) was once deleted first."""
     old = None
     if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
         os.replace(out, old)
     os.replace(tmp, out)
     if old is not None:

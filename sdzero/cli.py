@@ -319,7 +319,11 @@ def k8s(
         typer.echo(text, nl=False)
         return
     from sdzero.atomic import write_text_atomic
+    from sdzero.cluster.k8s import HEADER_SIGNATURE
+    from sdzero.config.output_folder import check_replaceable_file
 
+    # A folder, a special file, or a file of the user's is never replaced; an earlier manifest file is.
+    check_replaceable_file(out, "--out", HEADER_SIGNATURE, "a manifest file")
     write_text_atomic(out, text)
     typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
 

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import NoReturn
 
 # Run as a script, this file's folder (sdzero/) becomes sys.path[0], and its modules (config, data,
@@ -19,11 +20,32 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 from sdzero.checkpoint.output_lock import claim_output_dir, release_output_dir  # noqa: E402
 from sdzero.cluster.launch_command import decode_argv  # noqa: E402
-from sdzero.config.train_config import parse_train_args, rank_from_env  # noqa: E402
+from sdzero.config.output_folder import (  # noqa: E402
+    EXPORT_MARKER,
+    check_output_folder,
+    check_replaceable_folder,
+    refuse_inputs_among_outputs,
+)
+from sdzero.config.train_config import TrainConfig, parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, AgreedError, UserError  # noqa: E402
 from sdzero.process.exit import freeze_heap_for_exit  # noqa: E402
 from sdzero.process.preemption import Preempted, exit_now  # noqa: E402
 from sdzero.process.rendezvous import world_of_one  # noqa: E402
+
+RUN_RECORDS = ("ds_config.json", "run_config.json", "environment.json", "metrics.jsonl", "library.log")
+"""Files a run (re)writes at the top of its --output-dir (sdzero.training.run_output)."""
+
+
+def check_run_outputs(cfg: TrainConfig) -> None:
+    """Rank 0, before anything is created: the output folder rule (sdzero.config.output_folder), a user's
+    `final/` that --export-final would replace, and inputs that are files the run rewrites (the run's own
+    ds_config.json passed back as --deepspeed_config held the scaled LR, which then compounded per rerun)."""
+    out = cfg.output_dir
+    check_output_folder(out, "--output-dir")
+    if cfg.export_final:
+        check_replaceable_folder(out / "final", EXPORT_MARKER, "a pipeline sdzero exported (--export-final)")
+    inputs: dict[str, Path | None] = {"--deepspeed_config": cfg.deepspeed_config}
+    refuse_inputs_among_outputs([out / name for name in RUN_RECORDS], inputs)
 
 
 def crash_exit() -> NoReturn:
@@ -83,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     world_of_one()
     try:
         cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
+        if rank_from_env() == 0:
+            check_run_outputs(cfg)
         if rank_from_env() == 0 and cfg.output_dir.is_dir():
             # A live run in the folder stops this one before any process group or model exists. Rank 0
             # holds the lock for the run's life (find_resume takes it again: a no-op in the same process).

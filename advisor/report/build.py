@@ -65,6 +65,7 @@ import typer
 
 from advisor.report.page import Report, render_html
 from sdzero.atomic import write_text_atomic
+from sdzero.config.output_folder import check_replaceable_file
 from sdzero.errors import UserError
 
 REPORTS_DIR = Path("reports")
@@ -82,8 +83,19 @@ def default_output(source: Path, out: Path | None, reports_dir: Path = REPORTS_D
     return out
 
 
+REPORT_SIGNATURE = '<meta name="generator" content="sdzero report">'
+"""In the head of every page written here: the only files a report ever replaces hold it."""
+
+
+def check_report_target(out: Path) -> None:
+    """`out` is new or an earlier report: never an input (`--out RUN/metrics.jsonl` once replaced the
+    metrics with HTML), a file of the user's, a folder or a special file."""
+    check_replaceable_file(Path(out), "--out", REPORT_SIGNATURE, "a report")
+
+
 def write_report(report: Report, out: Path) -> Path:
     """Render in memory, then replace `out` atomically; a failure leaves any previous `out` as it was."""
+    check_report_target(out)
     return write_text_atomic(out, render_html(report))
 
 
@@ -91,14 +103,18 @@ def write_training_report(run_dir: Path, out: Path | None = None) -> Path:
     """The training report of a run's output folder; returns the file written."""
     from advisor.report.train_page import build_training_report
 
-    return write_report(build_training_report(Path(run_dir)), default_output(run_dir, out))
+    target = default_output(run_dir, out)
+    check_report_target(target)  # before the page is built: a refusal costs nothing
+    return write_report(build_training_report(Path(run_dir)), target)
 
 
 def write_advise_report(advise_dir: Path, out: Path | None = None) -> Path:
     """The advise report of an advise/profile/comm output folder (what `sdzero advise` calls at its end)."""
     from advisor.report.advise_page import build_advise_report
 
-    return write_report(build_advise_report(Path(advise_dir)), default_output(advise_dir, out))
+    target = default_output(advise_dir, out)
+    check_report_target(target)
+    return write_report(build_advise_report(Path(advise_dir)), target)
 
 
 def report_command(

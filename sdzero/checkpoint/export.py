@@ -26,6 +26,7 @@ import torch.distributed as dist
 from sdzero.atomic import publish_dir
 from sdzero.checkpoint.manifest import load_manifest
 from sdzero.checkpoint.safe_load import guarded_loads, inside, load_tensors
+from sdzero.config.output_folder import EXPORT_MARKER, check_replaceable_folder
 from sdzero.errors import UserError
 
 log = logging.getLogger("sdzero.checkpoint.export")
@@ -103,11 +104,13 @@ def write_pipeline(
     The folder holds EXPORT_MARKER (with `marker` in it): what `sdzero export --overwrite` requires of a
     folder before it replaces one.
     """
+    out = Path(out)
+    # Only an export is ever replaced (a user's `final/` in a run folder was once deleted by --export-final).
+    check_replaceable_folder(out, EXPORT_MARKER, "a pipeline sdzero exported")
     cls, config = type(comps.network), comps.network.config
     trained = network_from_state(config, network_state, dtype, cls)
     pipe = build_pipeline(frozen_parts_for_export(comps), trained)
     pipe.to(dtype=dtype)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -179,10 +182,6 @@ def consolidated_weights(path: Path, zero_stage: int) -> dict[str, torch.Tensor]
                 "another one (pass its folder, or the run folder for the newest complete one)"
             ) from None
     return {k: v.contiguous() for k, v in state.items()}
-
-
-EXPORT_MARKER = ".sdzero-export.json"
-"""Written into every pipeline folder sdzero exports: `--overwrite` replaces a folder only if it holds one."""
 
 
 def check_export_target(source: Path, checkpoint: Path | None, out: Path, overwrite: bool) -> None:

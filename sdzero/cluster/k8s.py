@@ -356,11 +356,15 @@ _Dumper.add_representer(
 )
 
 
+HEADER_SIGNATURE = "# Written by `sdzero k8s`"
+"""The first line of every manifest file: `sdzero k8s --out` replaces only a file that starts so."""
+
+
 def render(job: K8sJob) -> str:
     """The manifests as one multi-document YAML file for `kubectl apply -f`."""
     objects = manifests(job)  # checked first: the header below holds the user's values too
     header = (
-        "# Written by `sdzero k8s`: kubectl apply -f THIS_FILE\n"
+        f"{HEADER_SIGNATURE}: kubectl apply -f THIS_FILE\n"
         f"# {job.nodes} pods x {job.gpus_per_node} ranks; rank 0 at {master_address(job)}:{job.master_port}; "
         f"shared volume {job.pvc} at {mount_point(job)}\n"
     )

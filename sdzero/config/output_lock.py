@@ -5,7 +5,7 @@ lock is an advisory `flock` on the file, which the kernel drops when the holder 
 (SIGKILL, os._exit, a node's OOM killer): a stale lock of a dead run is taken over without a word. The file
 holds the owner's host and pid only so that the refusal can name them.
 
-The trainer, `sdzero cache --out` and `sdzero advise --out` take it. It lives in sdzero.config, the lowest
+The trainer, `sdzero cache --out`, `sdzero advise --out` and `sdzero profile --out` take it. It lives in sdzero.config, the lowest
 layer, so that sdzero.data (the cache build) can take it too: sdzero.checkpoint imports sdzero.data, and
 sdzero.checkpoint.output_lock re-exports it for its older importers.
 """
@@ -19,20 +19,22 @@ import socket
 from pathlib import Path
 from typing import IO
 
+from sdzero.config.output_folder import LOCK_NAME, check_output_folder
 from sdzero.errors import UserError
 
-LOCK_NAME = ".sdzero.lock"
 _held: dict[Path, IO[str]] = {}
 """Open lock files of this process; closing one (or exiting) releases its lock."""
 
 
 def claim_output_dir(output_dir: Path | str, flag: str = "--output-dir") -> Path:
     """Take `output_dir`'s lock for this process, or raise UserError naming the live run that holds it
-    (`flag`: the option the folder was given with, for the message)."""
+    (`flag`: the option the folder was given with, for the message). A folder of the user's files (no
+    mark of sdzero's, see sdzero.config.output_folder) is refused before the lock file is made in it."""
     output_dir = Path(output_dir).resolve()
     path = output_dir / LOCK_NAME
     if output_dir in _held:
         return path
+    check_output_folder(output_dir, flag)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+")  # noqa: SIM115 (kept open: the lock lives as long as the file is open)
