@@ -26,14 +26,13 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(BIN)/pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
 	@# DeepSpeed builds its ops just in time; build the ones the trainer uses once here, not inside a
 	@# timed (and possibly killed) job: Adam (fused and CPU) and, on CPUs, the shared-memory collectives.
+	@# FusedAdam only where a CUDA toolkit matching torch's CUDA exists (sdzero/training/adam_kernel.py):
+	@# elsewhere runs use torch's fused AdamW, and this says so in one line.
 	@# A build killed midway leaves its `lock` file, and torch then waits for it forever: no build takes
 	@# 30 minutes, so an older lock is a dead one.
 	@mkdir -p "$(TORCH_EXTENSIONS_DIR)"
 	@find "$(TORCH_EXTENSIONS_DIR)" -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed stale build lock: /' || true
-	$(BIN)/python -c "import sdzero, torch; from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam; \
-	  from deepspeed.accelerator import get_accelerator; \
-	  p = [torch.nn.Parameter(torch.zeros(1))]; FusedAdam(p); DeepSpeedCPUAdam(p); \
-	  b = get_accelerator().create_op_builder('ShareMemCommBuilder'); b is None or b.load()" >/dev/null
+	$(BIN)/python -m sdzero.training.adam_kernel 2>/dev/null | tail -n 1
 	touch $@
 
 demo: venv

@@ -109,9 +109,24 @@ def flow_timesteps(scheduler: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch
     scheduler holds before any `set_timesteps` (validation samples with a copy)."""
     n = int(scheduler.config.num_train_timesteps)
     index = (u.detach().float() * n).long().clamp(0, n - 1)  # u == 1.0 would index past the end
-    # The schedule (1000 values) goes to u's device, not u to the CPU: reading a GPU tensor back would
-    # wait for every kernel queued before it, once per micro-step.
-    return scheduler.timesteps.to(index.device)[index], scheduler.sigmas.to(index.device)[index]
+    timesteps, sigmas = schedule_on(scheduler, index.device)
+    return timesteps[index], sigmas[index]
+
+
+def schedule_on(scheduler: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scheduler's (timesteps, sigmas) on `device`, copied there once and kept on the scheduler.
+
+    Not u to the CPU: reading a GPU tensor back waits for every kernel queued before it. Nor the schedule
+    to the GPU at every call: a copy from pageable host memory is synchronous, one device sync per
+    micro-step. The copy is remade when the scheduler's schedule is replaced (`set_timesteps`)."""
+    source = (scheduler.timesteps, scheduler.sigmas)
+    kept = getattr(scheduler, "_sdzero_schedule_on", {}).get(device)
+    if kept is not None and kept[0] is source[0] and kept[1] is source[1]:
+        return kept[2], kept[3]
+    timesteps, sigmas = source[0].to(device), source[1].to(device)
+    copies = {**getattr(scheduler, "_sdzero_schedule_on", {}), device: (*source, timesteps, sigmas)}
+    scheduler._sdzero_schedule_on = copies
+    return timesteps, sigmas
 
 
 def flow_matching_loss(inputs: LossInputs, flow: FlowSettings) -> torch.Tensor:

@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
 
-from sdzero.config.train_config import DsSettings, TrainConfig
+from sdzero.config.train_config import DsSettings, TrainConfig, rank_from_env
 from sdzero.models.families import Components
+from sdzero.training.adam_kernel import choose_adam
 from sdzero.training.fast_paths import adamw_options, compile_engine, prepare_network
+
+log = logging.getLogger("sdzero.training.engine")
+
+QUIET_THROUGHPUT_TIMER = {"throughput": {"enabled": False, "synchronized": False}}
+"""DeepSpeed's throughput timer, off unless the JSON has a `timers` section. It is on and synchronized by
+default (deepspeed/utils/config.py), and with no training data given to `deepspeed.initialize` the engine
+starts it in every forward and stops it in every `step()` (runtime/engine.py), each a device-wide
+synchronize: two host-device syncs per micro-step. sdzero measures samples/s itself (metrics.jsonl)."""
 
 
 def effective_ds_config(cfg: TrainConfig, ds: DsSettings, universal: bool = False) -> dict[str, Any]:
-    """The JSON handed to DeepSpeed: the user's file with the resolved LR written into the optimizer, and
-    `checkpoint.load_universal` when resuming on another world size (sdzero.checkpoint.universal)."""
+    """The JSON handed to DeepSpeed: the user's file with the resolved LR written into the optimizer,
+    `checkpoint.load_universal` when resuming on another world size (sdzero.checkpoint.universal), and
+    DeepSpeed's throughput timer off unless the file configures its timers."""
     config = json.loads(json.dumps(ds.raw))
     if "optimizer" in config:
         config["optimizer"].setdefault("params", {})["lr"] = cfg.effective_lr(ds)
     if universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
+    config.setdefault("timers", json.loads(json.dumps(QUIET_THROUGHPUT_TIMER)))
     return config
 
 
@@ -38,10 +50,12 @@ def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components, universal: 
     if cfg.gradient_checkpointing:
         comps.network.enable_gradient_checkpointing()
     params = [p for p in comps.network.parameters() if p.requires_grad]
-    config = effective_ds_config(cfg, ds, universal)
+    device_type = get_accelerator_device_type()
+    config, adam_line = choose_adam(effective_ds_config(cfg, ds, universal), device_type)
+    if adam_line is not None and rank_from_env() == 0:
+        log.warning(adam_line)
     optimizer = None
     if "optimizer" not in config:
-        device_type = get_accelerator_device_type()
         optimizer = torch.optim.AdamW(params, lr=cfg.effective_lr(ds), **adamw_options(device_type))
     engine, _, _, _ = deepspeed.initialize(
         model=comps.network,

@@ -40,13 +40,42 @@ def check_speed_options(cfg: Any, ds: Any) -> None:
         )
 
 
+def _has_fp32_precision_api() -> bool:
+    """torch >= 2.9's per-backend `fp32_precision` settings. Once they are set, reading a legacy flag
+    (`allow_tf32`, `get_float32_matmul_precision`) raises, so a process uses one API throughout."""
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
+        getattr(torch.backends.cudnn, "conv", None), "fp32_precision"
+    )
+
+
 def apply_backend_flags(cfg: Any, device_type: str) -> None:
-    """Process-wide torch switches: TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN). Left alone
-    off CUDA: the matmul flag also sets torch's global float32_matmul_precision, which CPU backends read."""
+    """Process-wide torch switches: TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN), through the
+    `fp32_precision` API where torch has it, the legacy flags otherwise. Left alone off CUDA: the matmul
+    setting also sets torch's global float32_matmul_precision, which CPU backends read."""
     if device_type != "cuda":
+        return
+    if _has_fp32_precision_api():
+        precision = "tf32" if cfg.tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
         return
     torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
     torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
+
+
+def tf32_in_use() -> tuple[bool, bool]:
+    """(fp32 matmuls, fp32 convolutions) may run as TF32, read through the API the process sets them with:
+    the new one where torch has it (its "none" inherits the global setting), the legacy flags otherwise."""
+    if not _has_fp32_precision_api():
+        return bool(torch.backends.cuda.matmul.allow_tf32), bool(torch.backends.cudnn.allow_tf32)
+
+    def resolved(value: str) -> bool:
+        return (torch.backends.fp32_precision if value == "none" else value) == "tf32"
+
+    return (
+        resolved(torch.backends.cuda.matmul.fp32_precision),
+        resolved(torch.backends.cudnn.conv.fp32_precision),
+    )
 
 
 def _channels_last_input(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -59,6 +88,16 @@ def _channels_last_input(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple
     return args, kwargs
 
 
+def attention_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The network's diffusers Attention blocks: a head count and a `to_q` projection (any family)."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(getattr(m, "heads", None), int)
+        and isinstance(getattr(m, "to_q", None), torch.nn.Linear)
+    ]
+
+
 def prepare_network(cfg: Any, module: torch.nn.Module) -> list[Any]:
     """Hooks on the trained network for `--channels-last` and `--attention`; returns their handles.
 
@@ -66,6 +105,11 @@ def prepare_network(cfg: Any, module: torch.nn.Module) -> list[Any]:
     weights as views into flat buffers that it lays out contiguously (NCHW), and replacing a weight's storage
     after `deepspeed.initialize` would cut it off from the buffer the optimizer updates. cuDNN converts the
     (small) weights per call; the activations, the large tensors, stay NHWC.
+
+    The attention kernel is set around each Attention block's own forward, not the whole network's:
+    gradient checkpointing recomputes a block's forward during backward, outside the network's forward, and
+    the recomputation must run the same kernel (another kernel saves other tensors, and PyTorch's
+    checkpoint raises CheckpointError). A block's hooks run on every call, the recomputation's included.
     """
     handles = []
     if cfg.channels_last:
@@ -73,16 +117,21 @@ def prepare_network(cfg: Any, module: torch.nn.Module) -> list[Any]:
     if cfg.attention != "auto":
         from torch.nn.attention import sdpa_kernel
 
-        state: dict[str, Any] = {}
+        backend = _backend(cfg.attention)
+        for block in attention_modules(module):
+            entered: list[Any] = []  # a stack: a block's forward never re-enters itself, but be exact
 
-        def enter(_module: Any, _args: Any) -> None:
-            state["ctx"] = sdpa_kernel([_backend(cfg.attention)])
-            state["ctx"].__enter__()
+            def enter(_module: Any, _args: Any, entered: list[Any] = entered) -> None:
+                entered.append(sdpa_kernel([backend]))
+                entered[-1].__enter__()
 
-        def leave(_module: Any, _args: Any, _output: Any) -> None:
-            state.pop("ctx").__exit__(None, None, None)
+            def leave(_module: Any, _args: Any, _output: Any, entered: list[Any] = entered) -> None:
+                entered.pop().__exit__(None, None, None)
 
-        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+            handles += [
+                block.register_forward_pre_hook(enter),
+                block.register_forward_hook(leave, always_call=True),
+            ]
     return handles
 
 
@@ -117,12 +166,7 @@ def optimizer_implementation(optimizer: Any) -> str:
 
 def attention_head_dims(module: torch.nn.Module) -> list[int]:
     """Head sizes of the network's diffusers Attention blocks (what decides which SDPA kernels can run)."""
-    dims = set()
-    for m in module.modules():
-        heads, to_q = getattr(m, "heads", None), getattr(m, "to_q", None)
-        if isinstance(heads, int) and heads > 0 and isinstance(to_q, torch.nn.Linear):
-            dims.add(to_q.out_features // heads)
-    return sorted(dims)
+    return sorted({m.to_q.out_features // m.heads for m in attention_modules(module) if m.heads > 0})
 
 
 def sdpa_backend_for(head_dim: int, dtype: torch.dtype, device: torch.device, requested: str) -> str | None:
@@ -159,8 +203,8 @@ def speed_report(cfg: Any, engine: Any, timing: str, attention: dict) -> dict[st
     processors = sorted({type(p).__name__ for p in getattr(engine.module, "attn_processors", {}).values()})
     return {
         "timing": timing,
-        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "tf32_matmul": tf32_in_use()[0],
+        "tf32_cudnn": tf32_in_use()[1],
         "channels_last": bool(cfg.channels_last),
         "compiled": bool(getattr(engine, "is_compiled", False)),
         "attention_requested": cfg.attention,

@@ -215,7 +215,8 @@ def test_attention_option_restricts_the_kernel_during_the_networks_forward_only(
     unet = tiny_unet()
     speed.prepare_network(options(attention="math"), unet)
     attn = next(m for m in unet.modules() if type(m).__name__ == "Attention")
-    assert forward_seen(unet, attn)["flash_enabled"] is False  # sdpa_kernel([MATH]) inside the forward
+    # inside the attention block's forward (its output projection runs after SDPA, within the block)
+    assert forward_seen(unet, attn.to_out[0])["flash_enabled"] is False  # sdpa_kernel([MATH])
     assert torch.backends.cuda.flash_sdp_enabled()  # and restored after it
 
 
@@ -231,17 +232,25 @@ def test_attention_kernel_is_probed_and_an_impossible_one_refused():
 
 
 def test_tf32_flag_sets_both_torch_switches_on_cuda_and_leaves_the_cpu_alone():
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    # torch >= 2.9's fp32_precision API where present (see test_first_gpu_run.py), read back through it
+    new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+    if new_api:
+        before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    else:
+        before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     precision = torch.get_float32_matmul_precision()
     try:
         speed.apply_backend_flags(options(tf32=True), "cpu")
         assert torch.get_float32_matmul_precision() == precision  # a CPU run's matmuls are untouched
         speed.apply_backend_flags(options(tf32=True), "cuda")
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert speed.tf32_in_use() == (True, True)
         speed.apply_backend_flags(options(tf32=False), "cuda")
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert speed.tf32_in_use() == (False, False)
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        if new_api:
+            torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+        else:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
         torch.set_float32_matmul_precision(precision)
 
 
