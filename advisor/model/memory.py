@@ -50,6 +50,44 @@ DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_dista
 DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 
 
+# Device memory a CUDA rank holds outside what its model, buckets and activations allocate through
+# PyTorch's allocator (so outside torch.cuda.max_memory_allocated, the trials' device peak), added to the
+# predictions for CUDA devices (`device_overheads`). Each figure names where it comes from.
+CUDA_CONTEXT_BYTES = 287_047_680
+"""The CUDA context of a PyTorch process with lazy module loading (CUDA_MODULE_LOADING=LAZY, PyTorch's
+default since 1.13 and CUDA's on Linux since 12.2): the figure PyTorch measured when it made lazy loading
+its default (pytorch/pytorch#86509; eager loading measured 666,632,192 bytes there)."""
+NCCL_BUFFSIZE_BYTES = 4 * 2**20
+"""NCCL's default NCCL_BUFFSIZE, the buffer of one protocol per channel and peer (NCCL's environment-variable
+documentation, "NCCL_BUFFSIZE")."""
+NCCL_MAX_CHANNELS = 32
+"""The channels a communicator may open (MAXCHANNELS in NCCL's src/include/device.h, NCCL 2.x), each with a
+send and a receive buffer to its ring neighbours; an upper bound, as NVLink-connected H100/H200 nodes open
+that many."""
+NCCL_COMMUNICATORS = 1
+"""NCCL communicators a ZeRO data-parallel rank creates: DeepSpeed's data-parallel group is the world group
+when no model or sequence parallelism is configured (deepspeed/utils/groups.py)."""
+ALLOCATOR_FRAGMENTATION = 0.05
+"""PyTorch's caching allocator holds more than it hands out: blocks over 1 MiB are rounded up to 2 MiB and
+carved from segments of at least 20 MiB (c10/cuda/CUDACachingAllocator.cpp, kRoundLarge, kLargeBuffer), and a
+freed block can only be reused by a request that fits it. This fraction of the allocated peak is sdzero's
+assumption, not a published figure; bench/gpu_check.py records torch.cuda.max_memory_reserved beside
+max_memory_allocated, which measures it."""
+
+
+def device_overheads(device: str, world: int, allocated_bytes: float) -> dict[str, float]:
+    """Per-rank device bytes outside the allocator's peak: the CUDA context, NCCL's buffers (more than one
+    rank only) and the allocator's fragmentation. None of them exist for a CPU run's trials."""
+    if device != "cuda":
+        return {"cuda_context": 0.0, "nccl_buffers": 0.0, "allocator_fragmentation": 0.0}
+    nccl = NCCL_COMMUNICATORS * NCCL_MAX_CHANNELS * 2 * NCCL_BUFFSIZE_BYTES if world > 1 else 0
+    return {
+        "cuda_context": float(CUDA_CONTEXT_BYTES),
+        "nccl_buffers": float(nccl),
+        "allocator_fragmentation": ALLOCATOR_FRAGMENTATION * allocated_bytes,
+    }
+
+
 @dataclass(frozen=True)
 class ZeroSettings:
     """What of the DeepSpeed JSON changes memory besides stage, precision, micro-batch and offload."""
@@ -245,6 +283,9 @@ class MemoryModel:
     bucket_extra_bytes: dict[int, float] = field(default_factory=dict)
     """Per stage: measured bucket bytes beyond the config's (ZeRO-3's bucket also holds its last params)."""
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    """The device the predictions are for: "cuda" adds the device overheads (`device_overheads`) to what
+    must fit. `fit_memory_model` reads it from the trials (a CUDA allocator peak in `cuda_peak_bytes`)."""
 
     @property
     def psi(self) -> int:
@@ -339,9 +380,11 @@ class MemoryModel:
     def per_rank_bytes(
         self, stage: int, precision: str, micro_batch: int, offload: str, world: int
     ) -> dict[str, float]:
-        """Device bytes per rank by part; `total` is what must fit (offloaded states excluded): the larger
-        of the end of backward (`fwd_bwd`: model states, buckets, frozen, activations) and the optimizer
-        step (`step`, see `step_bytes`). `step_host_transient` is host memory, not in `total`."""
+        """Device bytes per rank by part; `allocated` is the allocator's peak (offloaded states excluded):
+        the larger of the end of backward (`fwd_bwd`: model states, buckets, frozen, activations) and the
+        optimizer step (`step`, see `step_bytes`). `total`, what must fit, adds on CUDA the CUDA context,
+        NCCL's buffers and the allocator's fragmentation (`device_overheads`). `step_host_transient` is host
+        memory, in neither."""
         states = self.state_bytes(stage, precision, world)
         offloaded = 0
         if offload != "none":  # CPU offload moves fp32 master weights and Adam's moments off the device
@@ -356,13 +399,17 @@ class MemoryModel:
         }
         fwd_bwd = sum(parts.values())
         step = self.step_bytes(stage, precision, offload, world)
+        allocated = max(fwd_bwd, step["total"])
+        overheads = device_overheads(self.device, world, allocated)
         return {
             **parts,
             "fwd_bwd": fwd_bwd,
             "step": step["total"],
             "step_transient": step["transient"],
             "step_host_transient": step["host_transient"],
-            "total": max(fwd_bwd, step["total"]),
+            "allocated": allocated,
+            **overheads,
+            "total": allocated + sum(overheads.values()),
             "offloaded": float(offloaded),
         }
 
@@ -372,11 +419,15 @@ def fit_memory_model(trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSe
     ok = trials[trials["status"] == "ok"]
     if ok.empty:
         raise ValueError("no successful trial to fit the memory model on")
+    on_cuda = "cuda_peak_bytes" in ok and bool(
+        pd.to_numeric(ok["cuda_peak_bytes"], errors="coerce").notna().any()
+    )
     model = MemoryModel(
         numels,
         zero,
         float(ok["frozen_bytes"].median()),
         ActivationFit.fit(ok["micro_batch"].to_numpy(), ok["activation_bytes"].to_numpy()),
+        device="cuda" if on_cuda else "cpu",
     )
     for (stage, precision), rows in ok.groupby(["zero_stage", "precision"]):
         row = rows.iloc[0]

@@ -45,7 +45,7 @@ def trial_predictions(models: Models, row: pd.Series, measured_net: Network) -> 
     mem = models.memory.per_rank_bytes(stage, precision, mb, str(row["offload"]), int(row["world_size"]))
     return {
         "step_time_s": step.step_time_s,
-        "mem_per_rank_bytes": mem["total"],
+        "mem_per_rank_bytes": mem["allocated"],  # the trials measure the allocator's peak
         "activation_bytes": mem["activations"],
         "model_state_bytes": float(
             sum(models.memory.state_bytes(stage, precision, int(row["world_size"])).values())
