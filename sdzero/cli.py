@@ -185,9 +185,12 @@ def train(
                 "drop --num-gpus (or set slots= per host)"
             )
         launch(ctx, hostfile, DEFAULTS.launcher, DEFAULTS.master_addr, master_port)
+    from sdzero.process.launch_signals import run_forwarding
+
     cmd = deepspeed_command(list(ctx.args), num_gpus=num_gpus, master_port=master_port)
     typer.echo("+ " + " ".join(cmd), err=True)
-    raise typer.Exit(subprocess.call(cmd))
+    sys.stderr.flush()
+    raise typer.Exit(run_forwarding(cmd))  # SIGTERM/SIGUSR1/SIGINT reach the ranks; their exit code is ours
 
 
 @command(
@@ -291,6 +294,12 @@ def k8s(
         str, typer.Option(help="job: Indexed Job + headless Service, no operator; pytorchjob: Kubeflow's")
     ] = "job",
     out: Annotated[Path | None, typer.Option(help="write the manifests here instead of stdout")] = None,
+    rdma: Annotated[
+        str | None,
+        typer.Option(
+            help="RDMA resource per pod, NAME[=COUNT] (e.g. rdma/ib), with IPC_LOCK for NCCL over IB"
+        ),
+    ] = None,
 ) -> None:
     """Print Kubernetes manifests (Indexed Job + headless Service, or a Kubeflow PyTorchJob) for N pods."""
     from sdzero.cluster.k8s import K8sJob, render
@@ -313,6 +322,7 @@ def k8s(
         cpu=cpu,
         memory=memory,
         flavour=flavour,
+        rdma=rdma,
     )
     text = render(job)
     if out is None:

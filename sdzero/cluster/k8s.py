@@ -53,6 +53,10 @@ DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$", re.ASCII)
 """registry/name:tag@sha256:digest; no blank or control character ever belongs in one."""
 SHM_PATH = "/dev/shm"
+RESOURCE_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+"""An extended resource name (a qualified name: optional DNS-subdomain prefix, a slash, a name)."""
 
 POD_ENTRYPOINT = r"""set -uo pipefail
 # The pod's node index: set by Kubernetes for an Indexed Job's pod (JOB_COMPLETION_INDEX), by the training
@@ -106,6 +110,18 @@ class K8sJob:
     python: str = "python"
     flavour: str = "job"
     """"job": Indexed Job + headless Service, no operator; "pytorchjob": Kubeflow's PyTorchJob."""
+    rdma: str | None = None
+    """The RDMA device resource each pod requests, NAME or NAME=COUNT (e.g. rdma/ib, or
+    nvidia.com/hostdev=8 for SR-IOV), with the IPC_LOCK capability NCCL's InfiniBand transport needs to pin
+    memory; without it NCCL falls back to TCP sockets. None: neither (no RDMA devices on the cluster)."""
+
+
+def rdma_request(job: K8sJob) -> tuple[str, str] | None:
+    """(resource name, count) of `--rdma`, or None."""
+    if job.rdma is None:
+        return None
+    name, _, count = job.rdma.partition("=")
+    return name, count or "1"
 
 
 def check_job(job: K8sJob) -> None:
@@ -149,6 +165,12 @@ def check_job(job: K8sJob) -> None:
         raise UserError(f"--image {job.image!r}: an image reference such as registry/sdzero:1.0 (no blanks)")
     if job.storage_class is not None and not DNS_SUBDOMAIN.match(job.storage_class):
         raise UserError(f"--storage-class {job.storage_class!r}: a storage class name (a DNS subdomain)")
+    rdma = rdma_request(job)
+    if rdma is not None and (not RESOURCE_NAME.match(rdma[0]) or not rdma[1].isdigit() or int(rdma[1]) < 1):
+        raise UserError(
+            f"--rdma {job.rdma!r}: an extended resource name, optionally =COUNT (e.g. rdma/ib or "
+            "nvidia.com/hostdev=8), as the cluster's RDMA device plugin names it"
+        )
     mount = mount_point(job)
     out = output_dir_of(job.train_args)
     # Compared as the pod's kernel would walk them: `/shared/../tmp/run` is /tmp/run, not under /shared.
@@ -225,6 +247,9 @@ def container(job: K8sJob) -> dict[str, Any]:
     for key, value in (("cpu", job.cpu), ("memory", job.memory)):
         if value is not None:
             limits[key] = requests[key] = value
+    rdma = rdma_request(job)
+    if rdma is not None:
+        limits[rdma[0]] = rdma[1]  # extended resources: the limit is the request
     env = {
         "SDZERO_NODES": str(job.nodes),
         "SDZERO_RANKS_PER_NODE": str(job.gpus_per_node),
@@ -242,7 +267,7 @@ def container(job: K8sJob) -> dict[str, Any]:
     resources: dict[str, Any] = {"limits": limits} if limits else {}
     if requests:
         resources["requests"] = requests
-    return {
+    spec = {
         "name": PYTORCHJOB_CONTAINER if pytorchjob else CONTAINER,
         "image": job.image,
         "command": ["bash", "-c", POD_ENTRYPOINT, "sdzero-pod", *train],
@@ -256,6 +281,9 @@ def container(job: K8sJob) -> dict[str, Any]:
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }
+    if rdma is not None:  # NCCL's IB transport registers (pins) memory: mlock beyond the default limit
+        spec["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    return spec
 
 
 def pod_template(job: K8sJob) -> dict[str, Any]:
