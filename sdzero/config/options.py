@@ -223,6 +223,11 @@ class ProfileOptions:
     profile_warmup_steps: int = option(
         1, "steps left out of the profile's figures (allocations, JIT builds, worker start-up)"
     )
+    profile_configs: str = option(
+        "",
+        "measure several configs in this one launch, in interleaved rounds: MICRO_BATCH:ACCUMULATION pairs "
+        "such as 1:1,4:1,4:4 (sdzero/training/config_sweep.py); --profile-out then holds each config's profile",
+    )
     profile_target_halfwidth: float = option(
         0.0,
         "stop once the 95% interval of the median measured step is within this fraction of it on each "

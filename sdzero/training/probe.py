@@ -380,13 +380,13 @@ class Probe(Callback):
         states = self.states or {}
         activation = self.activations.bytes if self.activations else 0
         frozen = module_bytes(*self.frozen)
-        cuda_peak = cuda_peak_bytes()
+        cuda_peak = self.cuda_peak()
         on_device = sum(states.get(k, 0) for k in (*STATE_KINDS, "buckets")) - states.get("offloaded", 0)
         # This rank's own time in collectives per step (logged plus waited; the profile's `comm` is rank
         # 0's alone). A collective ends for every rank when the last one arrives, so a rank's time is the
         # transfer plus its wait for the slowest: the rank that spent least is the one that waited least,
         # its time the closest measure of the transport itself, and the spread over ranks is waiting.
-        comm = self.comm.totals(len(self.records)) if self.records else None
+        comm = self.comm_totals()
         marks = [0.0, *self.comm_marks]
         return {
             "rank": dist.get_rank(),
@@ -414,6 +414,14 @@ class Probe(Callback):
             # circular. Only a device allocator's peak (cuda_peak) measures the step.
             "device_peak_bytes": cuda_peak if cuda_peak is not None else on_device + frozen + activation,
         }
+
+    def comm_totals(self) -> dict[str, Any] | None:
+        """The collectives over the measured window, per step (None without steps or the logger)."""
+        return self.comm.totals(len(self.records)) if self.records else None
+
+    def cuda_peak(self) -> int | None:
+        """The CUDA allocator's peak this probe reports (the whole run's)."""
+        return cuda_peak_bytes()
 
     def _summary(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         steps = len(self.records)
@@ -448,7 +456,7 @@ class Probe(Callback):
             if steps
             else None,
             "ds_breakdown_s": ds_breakdown,
-            "comm": self.comm.totals(steps) if steps else None,
+            "comm": self.comm_totals(),
             "ranks": ranks,
             "device_peak_bytes": max(r["device_peak_bytes"] for r in ranks),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
@@ -477,11 +485,16 @@ def stop_rule(cfg: Any) -> StopRule:
     return rule
 
 
-def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe | None:
-    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost)."""
+def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Callback | None:
+    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost). With
+    `--profile-configs`, the launch's sweep over several configs (sdzero.training.config_sweep)."""
     out = getattr(cfg, "profile_out", None)
     if not out:
         return None
+    if getattr(cfg, "profile_configs", None):
+        from sdzero.training.config_sweep import start_sweep  # it builds on this module
+
+        return start_sweep(cfg, ds, engine, comps, stop_rule(cfg))
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
     # Every frozen module the family loaded (VAE, one to three text encoders; none when training from a cache).
     return Probe(engine, ds, comps.frozen_modules(), Path(out), warmup, stop_rule(cfg))

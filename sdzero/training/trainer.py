@@ -51,6 +51,7 @@ from sdzero.training.callbacks import (
     model_reference,
     overrides,
 )
+from sdzero.training.config_sweep import ConfigSweep
 from sdzero.training.engine import init_engine, loss_scale_of
 from sdzero.training.fast_paths import apply_backend_flags, check_attention, check_speed_options, speed_report
 from sdzero.training.probe import start_probe
@@ -388,6 +389,8 @@ def run(cfg: TrainConfig) -> RunSummary:
     """A whole run from its options: what `sdzero/train.py` does."""
     trainer = Trainer.setup(cfg)
     try:
-        return trainer.train()
+        # --profile-configs: one launch measures several configs (sdzero.training.config_sweep)
+        sweep = next((c for c in trainer.callbacks if isinstance(c, ConfigSweep)), None)
+        return sweep.run(trainer) if sweep else trainer.train()
     finally:
         trainer.close()

@@ -9,7 +9,9 @@ The ranks load it through SDZERO_CALLBACKS=fault_callbacks:from_env with this fo
 - SDZERO_TEST_SAMPLE_LOG=DIR: each rank appends the (epoch, sample indices) of every micro-batch it trains
   on to DIR/rank_<r>.jsonl, so a test can check that resumes neither repeat nor skip a sample;
 - SDZERO_TEST_KILL_BEFORE_COMMIT=N: rank 0 SIGKILLs itself once every shard of step N's checkpoint is
-  written and hashed, before the commit.
+  written and hashed, before the commit;
+- SDZERO_TEST_OOM_FROM_MICRO_BATCH=N: every rank raises torch.OutOfMemoryError on a micro-batch of N samples
+  or more, as a device that cannot hold it would (the config sweep's tests).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CRASH_AT = "SDZERO_TEST_CRASH_AT_STEP"
 HANG_AT = "SDZERO_TEST_HANG_AT_STEP"
 SAMPLE_LOG = "SDZERO_TEST_SAMPLE_LOG"
 KILL_BEFORE_COMMIT = "SDZERO_TEST_KILL_BEFORE_COMMIT"
+OOM_FROM = "SDZERO_TEST_OOM_FROM_MICRO_BATCH"
 FACTORY = "fault_callbacks:from_env"
 
 
@@ -46,6 +49,7 @@ class Faults(Callback):
     def __init__(self) -> None:
         self.crash_at, self.hang_at = _step(CRASH_AT), _step(HANG_AT)
         self.kill_at = _step(KILL_BEFORE_COMMIT)
+        self.oom_from = _step(OOM_FROM)
         folder = os.environ.get(SAMPLE_LOG)
         self.sample_log = Path(folder) if folder else None
         self._log_path: Path | None = None
@@ -63,6 +67,12 @@ class Faults(Callback):
                 time.sleep(3600)
 
     def on_batch(self, trainer: Any, batch: StepInput) -> None:
+        if self.oom_from is not None and len(batch.index) >= self.oom_from:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"injected: out of memory at micro-batch {len(batch.index)} ({OOM_FROM})"
+            )
         if self._log_path is not None:
             with open(self._log_path, "a") as f:
                 f.write(json.dumps({"epoch": trainer.batches.epoch, "index": batch.index.tolist()}) + "\n")
@@ -74,7 +84,9 @@ class Faults(Callback):
 
 def from_env() -> Faults | None:
     """The SDZERO_CALLBACKS factory: a Faults callback when any fault variable is set."""
-    if not any(os.environ.get(name) for name in (CRASH_AT, HANG_AT, SAMPLE_LOG, KILL_BEFORE_COMMIT)):
+    if not any(
+        os.environ.get(name) for name in (CRASH_AT, HANG_AT, SAMPLE_LOG, KILL_BEFORE_COMMIT, OOM_FROM)
+    ):
         return None
     return Faults()
 

@@ -1,0 +1,466 @@
+"""Several configs measured in one launch: `--profile-configs MB:GA,MB:GA,...` with `--profile-out FILE`.
+
+One launch loads the model, the frozen encoders and the data once and builds one DeepSpeed engine (one ZeRO
+stage, precision and offload); then it measures each listed (micro-batch, accumulation) config with the
+trainer's own `train_step`, in interleaved rounds, A B C A B C ...: a few steps of each config per round,
+so that the machine's drift over the launch falls on every config alike instead of on whichever ran in a
+slow minute. ZeRO partitions and buckets never depend on the micro-batch (DeepSpeed's zero/ code does not
+read it): a config is the batch the same engine is fed and its accumulation
+(`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`).
+
+Each config's first visit runs `--profile-warmup-steps` uncounted steps and one *instrumented* step, the only
+one with DeepSpeed's comms_logger and wall-clock timers on (the logger synchronizes after every collective
+and the timers around every phase: in a timed step they would remove the overlap of communication and
+compute that a user's run has); it also reads the model states and the activation bytes. Every later step
+is *timed*: nothing on in it that a user's run does not have.
+
+A *tie* is timed at the end of every round: a fixed matrix product that depends on no engine, so that
+launches of different engines can be put on one machine speed (advisor.measure.launch).
+
+A config that runs out of memory is marked `oom`, its memory freed, and it leaves the rounds with every
+config of the same accumulation at its micro-batch or above; the launch goes on. (A rank that runs out
+while the others wait in a collective cannot be saved in-process: the advisor sees the launch stall, keeps
+the configs already written and launches the rest again without it.)
+
+The launch ends once `--profile-max-seconds` of steps are measured and every config has
+`--profile-min-steps` timed steps. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
+single-trial format (sdzero.training.probe); FILE.partial.json the same after every round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from sdzero.atomic import write_json_atomic
+from sdzero.data.feed import Batches
+from sdzero.data.images import EpochSampler
+from sdzero.errors import UserError
+from sdzero.telemetry.step_interval import median_interval
+from sdzero.telemetry.step_stats import StepLog
+from sdzero.training.callbacks import Callback
+from sdzero.training.probe import Probe, StopRule
+
+SWEEP_VERSION = 1
+TIE_SIZE = 256
+"""The tie's square matrices: a product of a few milliseconds on a CPU core, far less on a GPU."""
+TIE_REPEATS = 8
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One config of a launch: the micro-batch fed to the engine and the accumulation it is told."""
+
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def key(self) -> str:
+        return f"mb{self.micro_batch}-ga{self.grad_accum}"
+
+
+def parse_configs(text: str) -> list[SweepConfig]:
+    """`1:1,2:1,4:4` -> configs; one clear line for anything else."""
+    configs: list[SweepConfig] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        pieces = part.split(":")
+        try:
+            mb, ga = (int(pieces[0]), int(pieces[1]) if len(pieces) > 1 else 1)
+        except ValueError:
+            mb, ga = 0, 0
+        if len(pieces) > 2 or mb < 1 or ga < 1:
+            raise UserError(
+                f"--profile-configs {text!r}: write MICRO_BATCH:ACCUMULATION pairs, e.g. 1:1,4:1,4:4"
+            )
+        configs.append(SweepConfig(mb, ga))
+    if not configs or len(set(configs)) != len(configs):
+        raise UserError(f"--profile-configs {text!r}: at least one config, each once")
+    return configs
+
+
+class ConfigProbe(Probe):
+    """One config's measurements inside a sweep; the sweep tells it what kind of step comes next."""
+
+    def __init__(self, engine: Any, ds: Any, frozen: tuple[torch.nn.Module, ...], out: Path) -> None:
+        super().__init__(engine, ds, frozen, out, warmup_steps=0)
+        self.kinds: dict[int, str] = {}
+        """Each step's kind: "warmup" (uncounted), "instrumented" (comms logger, timers, memory meters) or
+        "timed" (nothing a user's run lacks). By step: on CUDA a step's record arrives a step late."""
+        self.comm_result: dict[str, Any] | None = None
+        self.peak_cuda: int | None = None
+        self.step_at: list[float] = []
+        """Epoch seconds at the end of each timed step (where the advisor puts the config in time)."""
+
+    def on_step_begin(self, trainer: Any, step: int) -> None:
+        if self.kinds.get(step) == "instrumented":
+            self._arm_instruments()
+            self.comm.reset()
+
+    def on_step_queued(self, trainer: Any, step: int) -> None:
+        if self.kinds.get(step) != "instrumented":
+            return
+        self._disarm_instruments()
+        mark = self.comm.elapsed_s()
+        self.comm_marks = [] if mark is None else [mark]
+        self.comm_result = self.comm.totals(1)
+        self.comm.close()
+        if self.engine.wall_clock_breakdown():
+            cache = self.engine.get_wall_clock_timers()
+            self.ds_timers = [
+                {
+                    k: cache[k] / 1e3
+                    for k in ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+                    if k in cache
+                }
+            ]
+
+    def on_metrics(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
+        if self.kinds.get(step) == "timed":
+            self.records.append(record)
+            self.step_at.append(time.time())
+
+    def wants_stop(self, trainer: Any) -> bool:
+        return False
+
+    def comm_totals(self) -> dict[str, Any] | None:
+        return self.comm_result
+
+    def cuda_peak(self) -> int | None:
+        return self.peak_cuda
+
+    def figures(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        profile = self._summary(ranks)
+        profile["stopped_by"] = "launch"
+        profile["measured_at"] = statistics.median(self.step_at) if self.step_at else None
+        return profile
+
+
+@dataclass
+class _Entry:
+    config: SweepConfig
+    probe: ConfigProbe
+    visits: int = 0
+    oom: str | None = None
+    round_medians: list[float] = field(default_factory=list)
+
+
+class ConfigSweep(Callback):
+    """Routes the Trainer's events to the config being measured; `run` is the launch's loop."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        ds: Any,
+        engine: Any,
+        comps: Any,
+        out: Path,
+        configs: list[SweepConfig],
+        warmup_steps: int,
+        stop_rule: StopRule,
+        round_steps: int = 2,
+    ) -> None:
+        self.cfg, self.ds, self.engine, self.out = cfg, ds, engine, out
+        self.warmup_steps, self.round_steps = warmup_steps, max(1, round_steps)
+        self.min_steps = stop_rule.min_steps
+        self.max_seconds = stop_rule.max_seconds
+        frozen = comps.frozen_modules()
+        self.entries = [_Entry(c, ConfigProbe(engine, self._ds_of(c), frozen, out)) for c in configs]
+        self.active: ConfigProbe | None = None
+        self.tie_s: list[float] = []
+        self.seconds = {"warmup": 0.0, "instrumented": 0.0, "timed": 0.0, "tie": 0.0}
+        self.rounds = 0
+        self._instruments = _Instruments(engine)
+        self._batches: dict[int, Batches] = {}
+
+    def _ds_of(self, c: SweepConfig) -> Any:
+        return replace(self.ds, micro_batch=c.micro_batch, grad_accum=c.grad_accum)
+
+    # ------------------------------------------------------------------ events, for the active config
+
+    def on_step_begin(self, trainer: Any, step: int) -> None:
+        if self.active is not None:
+            self.active.on_step_begin(trainer, step)
+
+    def on_step_queued(self, trainer: Any, step: int) -> None:
+        if self.active is not None:
+            self.active.on_step_queued(trainer, step)
+
+    def on_metrics(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
+        if self.active is not None:
+            self.active.on_metrics(trainer, step, record)
+
+    # ------------------------------------------------------------------ the launch
+
+    def run(self, trainer: Any) -> Any:
+        from sdzero.training.trainer import RunSummary
+
+        step = trainer.state.step
+        while True:
+            for entry in [e for e in self.entries if e.oom is None]:
+                step = self._visit(trainer, entry, step)
+            self._time_tie(trainer.device)
+            self.rounds += 1
+            done = self._agree(self._done())
+            self._write(self.out.with_name(self.out.stem + ".partial.json"))
+            if done:
+                break
+        self._write(self.out)
+        for batches in self._batches.values():
+            if batches is not trainer.batches:
+                batches.close()
+        if trainer.writer is not None:
+            trainer.writer.close()
+        rates = [r["samples_per_s"] for e in self.entries for r in e.probe.records if r.get("samples_per_s")]
+        losses = [r["loss"] for e in self.entries for r in e.probe.records if r.get("loss") is not None]
+        return RunSummary(
+            steps=step,
+            first_loss=losses[0] if losses else float("nan"),
+            last_loss=losses[-1] if losses else float("nan"),
+            mean_samples_per_s=statistics.fmean(rates) if rates else 0.0,
+            metrics_path=str(self.cfg.output_dir / "metrics.jsonl"),
+            skipped_images=trainer.skipped_images,
+        )
+
+    def _done(self) -> bool:
+        live = [e for e in self.entries if e.oom is None]
+        if not live:
+            return True
+        enough = all(len(e.probe.records) >= self.min_steps for e in live)
+        return enough and self.seconds["timed"] >= self.max_seconds
+
+    def _agree(self, mine: bool) -> bool:
+        """Rank 0's verdict for every rank (their step times differ a little)."""
+        box = [mine]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
+    def _visit(self, trainer: Any, entry: _Entry, step: int) -> int:
+        """One config's chunk of a round: warm-up and the instrumented step on the first visit, then timed
+        steps. Returns the last step number taken."""
+        self._switch(trainer, entry)
+        plan = ["timed"] * self.round_steps
+        if entry.visits == 0:
+            plan = ["warmup"] * self.warmup_steps + ["instrumented"] + plan
+        entry.visits += 1
+        before = len(entry.probe.records)
+        oom = None
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        # A step's statistics are read a step late on CUDA (as in Trainer.train): no sync per step; the
+        # chunk's last line is read at its end.
+        lag = 1 if trainer.timer.mode == "events" else 0
+        trainer.step_log = StepLog(
+            lag, trainer.ds.global_batch, trainer.writer, self.engine.monitor, trainer._on_record, _NoBar()
+        )
+        try:
+            for kind in plan:
+                step += 1
+                entry.probe.kinds[step] = kind
+                self._instruments.set(kind == "instrumented")
+                start = time.perf_counter()
+                trainer.train_step(step)
+                self.seconds[kind] += time.perf_counter() - start
+            start = time.perf_counter()
+            trainer.step_log.flush()
+            self.seconds[plan[-1]] += time.perf_counter() - start
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not _is_oom(exc):
+                raise
+            oom = f"out of memory: {str(exc).splitlines()[0][:200]}"
+            _free(self.engine)
+        finally:
+            self._instruments.set(False)
+            self.active = None
+        if cuda:
+            peak = int(torch.cuda.max_memory_allocated())
+            entry.probe.peak_cuda = max(entry.probe.peak_cuda or 0, peak)
+        if self._agree_oom(oom is not None):
+            self._drop(entry, oom or "out of memory on another rank")
+        else:
+            times = [r["step_time_s"] for r in entry.probe.records[before:]]
+            if times:
+                entry.round_medians.append(statistics.median(times))
+        return step
+
+    def _agree_oom(self, mine: bool) -> bool:
+        flag = torch.tensor([float(mine)], device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _drop(self, entry: _Entry, reason: str) -> None:
+        """The config ran out of memory: it and every larger micro-batch of its accumulation leave."""
+        for other in self.entries:
+            same = other.config.grad_accum == entry.config.grad_accum
+            if other.oom is None and same and other.config.micro_batch >= entry.config.micro_batch:
+                other.oom = reason if other is entry else f"above {entry.config.key}, which {reason}"
+
+    def _switch(self, trainer: Any, entry: _Entry) -> None:
+        c = entry.config
+        engine = self.engine
+        engine.set_train_micro_batch_size(c.micro_batch)
+        engine.set_train_batch_size(c.micro_batch * c.grad_accum * engine.dp_world_size)
+        # The accumulation boundary is (micro_steps + 1) % accumulation: at a step's end under the old
+        # accumulation, zero is the same point under the new one.
+        engine.micro_steps = 0
+        trainer.ds = entry.probe.ds
+        trainer.shape.update(micro_batch=c.micro_batch, grad_accum=c.grad_accum)
+        trainer.batches = self._batches_for(trainer, c.micro_batch)
+        self.active = entry.probe
+
+    def _batches_for(self, trainer: Any, micro_batch: int) -> Batches:
+        """One feed per micro-batch over the launch's dataset (each with its own sampler: two feeds must
+        not move one sampler's epoch under each other)."""
+        if micro_batch not in self._batches:
+            if not self._batches and trainer.batches.loader.batch_size == micro_batch:
+                self._batches[micro_batch] = trainer.batches
+            else:
+                self._batches[micro_batch] = _feed(trainer.batches, micro_batch, self.cfg.seed)
+        return self._batches[micro_batch]
+
+    def _time_tie(self, device: torch.device) -> None:
+        """The engine-independent tie: the same matrix products every round, timed (synchronized: outside
+        every timed step)."""
+        a = torch.ones(TIE_SIZE, TIE_SIZE, device=device)
+        start = time.perf_counter()
+        for _ in range(TIE_REPEATS):
+            a = (a @ a) * (1.0 / TIE_SIZE)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        self.tie_s.append(elapsed)
+        self.seconds["tie"] += elapsed
+
+    # ------------------------------------------------------------------ the result
+
+    def _write(self, path: Path) -> None:
+        """Every config's profile, gathered from every rank (a collective), written by rank 0."""
+        mine = {e.config.key: e.probe._rank_figures() for e in self.entries if e.probe.records}
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if dist.get_rank() != 0:
+            return
+        configs = {}
+        for e in self.entries:
+            if e.config.key in ranks[0]:
+                configs[e.config.key] = e.probe.figures([r[e.config.key] for r in ranks])
+        write_json_atomic(
+            path,
+            {
+                "version": SWEEP_VERSION,
+                "launch": {
+                    "rounds": self.rounds,
+                    "round_steps": self.round_steps,
+                    "warmup_steps": self.warmup_steps,
+                    "seconds": self.seconds,
+                    "tie_s": self.tie_s,
+                    "oom": {e.config.key: e.oom for e in self.entries if e.oom},
+                    "round_medians_s": {e.config.key: e.round_medians for e in self.entries},
+                    "intervals": {
+                        e.config.key: median_interval(
+                            [r["step_time_s"] for r in e.probe.records]
+                        ).rel_halfwidth
+                        for e in self.entries
+                        if len(e.probe.records) > 1
+                    },
+                },
+                "configs": configs,
+            },
+        )
+
+
+class _Instruments:
+    """DeepSpeed's comms_logger and wall-clock timers: on for instrumented steps only, as the JSON set them."""
+
+    def __init__(self, engine: Any) -> None:
+        import deepspeed.comm as ds_comm
+        from deepspeed.runtime.engine import EngineTimers
+
+        self.engine, self.logger = engine, ds_comm.comms_logger
+        self.logger_on = bool(self.logger.enabled)
+        self.breakdown_on = bool(engine._config.wall_clock_breakdown)
+        self.timers_on = engine.engine_timers
+        self.timers_off = EngineTimers(enable_micro_timers=False, enable_global_timers=False)
+        # ZeRO's optimizer got the engine's timers at init when the JSON asked for the breakdown: it times
+        # (and on CUDA reads back) its gradient and all-gather phases every step unless they are swapped too.
+        self.optimizer = getattr(engine, "optimizer", None)
+        self.optimizer_timers = getattr(self.optimizer, "timers", None)
+
+    def set(self, on: bool) -> None:
+        from deepspeed.utils.timer import NoopTimer
+
+        self.logger.enabled = self.logger_on and on
+        self.engine._config.wall_clock_breakdown = self.breakdown_on and on
+        self.engine.engine_timers = self.timers_on if on else self.timers_off
+        if self.optimizer_timers is not None:
+            self.optimizer.timers = self.optimizer_timers if on else NoopTimer()
+
+
+class _NoBar:
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _feed(batches: Batches, micro_batch: int, seed: int) -> Batches:
+    loader = batches.loader
+    sampler = EpochSampler(len(loader.dataset), batches.sampler.rank, batches.sampler.world_size, seed=seed)
+    workers = loader.num_workers
+    new = DataLoader(
+        loader.dataset,
+        batch_size=micro_batch,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=loader.collate_fn,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
+    )
+    return Batches(new, sampler)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _free(engine: Any) -> None:
+    """What a step that ran out of memory left behind: its gradients and the allocator's cache."""
+    with contextlib.suppress(Exception):  # best effort: the step's state is broken already
+        engine.optimizer.zero_grad()
+    engine.micro_steps = 0
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _collective_device() -> torch.device:
+    """gloo takes CPU tensors, NCCL CUDA ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def start_sweep(cfg: Any, ds: Any, engine: Any, comps: Any, stop_rule: StopRule) -> ConfigSweep | None:
+    """The launch's sweep for `--profile-configs` (with `--profile-out`); None without it."""
+    text = getattr(cfg, "profile_configs", None)
+    out = getattr(cfg, "profile_out", None)
+    if not text:
+        return None
+    if not out:
+        raise UserError("--profile-configs needs --profile-out FILE (where the configs' profiles go)")
+    if getattr(cfg, "buckets", False):
+        raise UserError("--profile-configs with --buckets: measure bucketed data one config per launch")
+    warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
+    return ConfigSweep(cfg, ds, engine, comps, Path(out), parse_configs(text), warmup, stop_rule)

@@ -1,0 +1,61 @@
+"""The config sweep's parts that need no launch: its option, and which instruments a timed step carries
+(stand-ins for DeepSpeed's engine, its ZeRO optimizer and comms logger: the CUDA paths run the same code)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import deepspeed.comm as ds_comm
+import pytest
+from deepspeed.runtime.engine import EngineTimers
+from deepspeed.utils.timer import NoopTimer
+
+from sdzero.errors import UserError
+from sdzero.training.config_sweep import SweepConfig, _Instruments, parse_configs
+
+
+def test_configs_parse_and_bad_ones_say_how_to_write_them() -> None:
+    assert parse_configs("1:1, 4:1,4:4,8") == [
+        SweepConfig(1, 1),
+        SweepConfig(4, 1),
+        SweepConfig(4, 4),
+        SweepConfig(8, 1),
+    ]
+    assert SweepConfig(4, 2).key == "mb4-ga2"
+    for bad in ("", "0:1", "2:x", "1:1:1", "2:1,2:1"):
+        with pytest.raises(UserError, match="--profile-configs"):
+            parse_configs(bad)
+
+
+def _engine(breakdown: bool) -> SimpleNamespace:
+    timers = EngineTimers(enable_micro_timers=breakdown, enable_global_timers=breakdown)
+    return SimpleNamespace(
+        _config=SimpleNamespace(wall_clock_breakdown=breakdown),
+        engine_timers=timers,
+        optimizer=SimpleNamespace(timers="the engine's timers"),
+    )
+
+
+def test_timed_steps_run_without_the_comms_logger_and_timers_and_instrumented_ones_with_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ds_comm.comms_logger, "enabled", True)
+    engine = _engine(breakdown=True)
+    on_timers = engine.engine_timers
+    instruments = _Instruments(engine)
+    instruments.set(False)
+    # comms_logger synchronizes after every collective; the timers around every phase
+    assert ds_comm.comms_logger.enabled is False
+    assert engine._config.wall_clock_breakdown is False
+    assert engine.engine_timers.forward_timers == [] and engine.engine_timers.step_timers == []
+    assert isinstance(engine.optimizer.timers, NoopTimer)
+    instruments.set(True)
+    assert ds_comm.comms_logger.enabled is True and engine._config.wall_clock_breakdown is True
+    assert engine.engine_timers is on_timers and engine.optimizer.timers == "the engine's timers"
+
+
+def test_instrumented_steps_turn_on_only_what_the_json_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ds_comm.comms_logger, "enabled", False)
+    engine = _engine(breakdown=False)
+    _Instruments(engine).set(True)
+    assert ds_comm.comms_logger.enabled is False and engine._config.wall_clock_breakdown is False
