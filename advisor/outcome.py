@@ -31,6 +31,8 @@ from advisor.model.scaling_table import (
     table_records,
 )
 from advisor.model.search import CHECK_TRIALS, SearchResult
+from advisor.model.target_compute import ComputeBasis
+from advisor.report.withheld import larger_batch_note, withhold_timing
 from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
 from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
@@ -78,12 +80,16 @@ class Outcome:
     lr_reference: int
     lr_scaling: str
     embedded: bool = False
+    samples_rule: str = "same"
+    """How the samples grow with a larger global batch (advisor.model.batch_growth)."""
     noise_floor: float | None = None
     """The reference config's repeat spread (drift.json's noise_floor, a fraction); None: not measured."""
     intervals: str = ""
     """Where the predicted figures' 95% intervals come from (advisor.model.uncertainty.Spread.describe)."""
     interval_notes: tuple[str, ...] = ()
     """What the intervals leave out (no noise floor, an assumed link, no held-out errors)."""
+    compute: ComputeBasis | None = None
+    """Where the target's compute comes from (advisor.model.target_compute); None: this machine's."""
 
     @property
     def min_efficiency(self) -> float:
@@ -111,8 +117,9 @@ def provenance(o: Outcome) -> dict[str, Any]:
     )
     target = o.differs or f"nodes like this one ({o.target_net.gpus_per_node} ranks each)"
     inter = link_provenance(o.target_net.inter.source)
+    compute = o.compute.line if o.compute is not None else f"compute measured on {here}"
     headline = f"Trials ran on {here}; target: {target}. " + (
-        f"The target differs from this machine: compute is scaled from {here}, memory checked against "
+        f"The target differs from this machine: {compute}; memory checked against "
         f"{o.memory_bytes / GIB:.3g} GiB, {o.memory_source}. "
         if o.differs
         else ""
@@ -123,7 +130,7 @@ def provenance(o: Outcome) -> dict[str, Any]:
         "trials_ran_on": here,
         "target": target,
         "target_differs": o.differs is not None,
-        "compute": f"{MEASURED} on {here} (trials); {MODELLED} for other configs and node counts",
+        "compute": compute if o.differs else f"{MEASURED} on {here} (trials); {MODELLED} for other configs and node counts",
         "memory_per_rank": f"{MODELLED} (fitted to the trials' measured peaks)",
         "device_memory": f"{o.memory_bytes / GIB:.3g} GiB, {o.memory_source}",
         "intra_node_link": f"{link_provenance(o.target_net.intra.source)}: {o.target_net.intra.source}",
@@ -235,6 +242,11 @@ def unreachable_notes(o: Outcome, table: pd.DataFrame) -> None:
             f"needs a global batch of {int(batch)} or more: --global-batch {int(batch)} reaches it, "
             f"at {lr.describe()}"
         )
+    grown = table["larger_batch"].astype("boolean").fillna(False) if "larger_batch" in table else []
+    for i in table.index[grown]:
+        batch = int(table.at[i, "global_batch"])
+        lr = choose_lr(o.base_lr, batch, o.lr_reference, o.lr_scaling)
+        table.at[i, "reach_note"] = larger_batch_note(batch, o.target.describe(), lr.describe(), table.at[i, "samples_factor"], o.samples_rule)
 
 
 def time_to_train(o: Outcome) -> dict[str, Any]:
@@ -352,4 +364,11 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "unmeasured_stages": stages_without_trials(o),
     }
     rec["verdict"] = verdict(o, rec)
+    rec["compute_basis"] = {"kind": o.compute.kind if o.compute else MEASURED, "line": compute_line(o)}
+    if o.compute is not None and not o.compute.timed:
+        withhold_timing(rec, o.compute.line)
     return rec
+
+
+def compute_line(o: Outcome) -> str:
+    return o.compute.line if o.compute is not None else "compute measured here"

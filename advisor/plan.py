@@ -29,14 +29,22 @@ import pandas as pd
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config, plan_grid
 from advisor.measure.trials import TrialSettings
 from advisor.model.memory import ZeroSettings
+from advisor.model.model_cost import ModelCost
 from advisor.model.network import build_network
 from advisor.model.predict import BatchTarget
 from advisor.model.search import SearchResult
 from advisor.model.time_to_train import train_amount
 from advisor.request import CPU_GRID, AdviseRequest
-from advisor.stages.inputs import AdviseInputs, _checked_options, _refuse_unreachable, claim_out, dataset_size
+from advisor.stages.inputs import (
+    AdviseInputs,
+    _checked_options,
+    _refuse_unreachable,
+    claim_out,
+    counted_cost,
+    dataset_size,
+)
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
-from advisor.target import target_differs, target_memory
+from advisor.target import machine_target, target_differs, target_memory
 from sdzero.atomic import write_json_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.constants import GIB
@@ -71,6 +79,7 @@ def write_plan_inputs(inputs: AdviseInputs, hardware: HardwareFigures, measured:
         "ranks": inputs.ranks,
         "grid": asdict(grid),
         "numels": list(measured.numels),
+        "model_cost": inputs.model_cost.record() if inputs.model_cost else None,
         "memory_here_bytes": None if inputs.memory_given else hardware.memory_bytes,
         "memory_here_source": None if inputs.memory_given else hardware.memory_source,
         # The dataset's own size, not --samples: a replan without --samples trains one epoch of the data.
@@ -167,9 +176,10 @@ def replan_inputs(request: AdviseRequest, record: dict[str, Any], folder: Path) 
     node_list, _, asked, rule = _checked_options(r)
     refuse_unmatched(r, record, folder)
     device, ranks, base = record["device"], int(record["ranks"]), record["base"]
-    differs = target_differs(device, ranks, r.gpus_per_node, r.target_gpu)
-    memory_given = target_memory(differs, r.device_memory_gib, r.target_gpu)
-    target_gpus = ranks if r.gpus_per_node is None else r.gpus_per_node
+    gpus_per_node, target_gpu = machine_target(r.preset, r.gpus_per_node, r.target_gpu)
+    differs = target_differs(device, ranks, gpus_per_node, target_gpu)
+    memory_given = target_memory(differs, r.device_memory_gib, target_gpu)
+    target_gpus = ranks if gpus_per_node is None else gpus_per_node
     base_batch = lr_reference_batch_of(base, target_gpus)
     target = asked or BatchTarget(base_batch, base_batch)
     out_dir = Path(r.out_dir).resolve()
@@ -215,7 +225,16 @@ def replan_inputs(request: AdviseRequest, record: dict[str, Any], folder: Path) 
         amount=amount,
         rule=rule,
         embedded=bool(record["embedded"]),
+        model_cost=recorded_cost(record),
     )
+
+
+def recorded_cost(record: dict[str, Any]) -> ModelCost | None:
+    """The FLOPs the run counted; a record from before they were counted has them counted now (the
+    network is built on the meta device: no weights are loaded)."""
+    if "model_cost" in record:
+        return ModelCost.from_record(record["model_cost"])
+    return counted_cost(str(record["model"]), tuple(record["train_args"]))[0]
 
 
 def replan_grid(grid: GridRequest, device: dict[str, Any], ranks: int) -> GridPlan:

@@ -89,6 +89,13 @@ class AdviseRequest:
     """Choose the node count with the fewest GPU-hours that finishes within this many hours."""
     max_gpu_hours: float | None = None
     """Choose the node count that finishes soonest within this many GPU-hours."""
+    target_tflops: float | None = None
+    """Sustained TFLOP/s per GPU of the target on this kind of network (assumed): with the model's FLOPs
+    per sample it gives the target's compute when the trials ran on another device."""
+    samples_rule: str = "same"
+    """How the samples to reach the same quality grow with the global batch (advisor.model.batch_growth):
+    `same`, or a rule from published results (`flux`, `sd2`)."""
     replan: Path | None = None
     """Answer again from this earlier run's trials, link probes and fits, measuring nothing
-    (advisor.plan); its answer is written into `out_dir`."""
+    (advisor.plan); or from a training run's folder (metrics.jsonl and ds_config.json) or a profile file
+    (advisor.stages.profile_source); its answer is written into `out_dir`."""

@@ -28,6 +28,8 @@ TARGET_GPUS = {
     "l4": 24.0,
     "v100-32gb": 32.0,
     "rtx4090": 24.0,
+    "b200": 180.0,
+    "gb200": 186.0,
 }
 """--target-gpu names and their memory in GiB (the vendors' nominal figure; the usable part is smaller,
 which --headroom accounts for)."""
@@ -104,3 +106,21 @@ def device_memory_bytes(device: dict[str, Any], ranks_per_node: int) -> tuple[fl
             return float(out.stdout.strip()), f"{device['device']} device 0 total memory"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return float(total) / ranks_per_node, f"host memory / {ranks_per_node} ranks (no accelerator)"
+
+
+def machine_target(
+    preset: str | None, gpus_per_node: int | None, target_gpu: str | None
+) -> tuple[int | None, str | None]:
+    """(GPUs per node, GPU name) of the target: as given, else the machine preset's (a GB200 NVL72's node is
+    its 72-GPU NVLink domain), else None."""
+    from advisor.model.network import MACHINES
+
+    machine = MACHINES.get(preset or "")
+    if machine is None:
+        return gpus_per_node, target_gpu
+    return gpus_per_node or machine.gpus_per_node, target_gpu or machine.gpu
+
+
+def check_target_rate(target_tflops: float | None) -> None:
+    if target_tflops is not None and not target_tflops > 0:
+        raise UserError(f"--target-tflops {target_tflops}: must be a positive sustained TFLOP/s per GPU")

@@ -60,6 +60,103 @@ PRESETS: dict[str, Preset] = {
 }
 """Sources in the comment above (keys in brackets); advisor.model.network's module doc says how NICs count."""
 DEFAULT_PRESET = "ib-200"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A real GPU system: its node (or NVLink domain) and its NICs, each figure from the vendor's spec."""
+
+    gpu: str
+    """advisor.target.TARGET_GPUS name of its GPU (memory, and the compute-rate table)."""
+    gpus_per_node: int
+    """GPUs in one NVLink domain: the unit the hierarchical collectives treat as a node. A GB200 NVL72 rack
+    is one 72-GPU domain; its 4-GPU compute trays are not nodes on the InfiniBand fabric."""
+    nvlink_gbyte_s: float
+    """NVLink bandwidth per GPU, one direction (the vendor's bidirectional figure halved)."""
+    nic_gbit_s: float
+    nic_kind: str
+    nics_per_node: int
+    nic_busbw_gbyte_s: float
+    """Bus bandwidth one NIC of this kind reaches in nccl-tests (see PRESETS' sources)."""
+    source: str
+
+    @property
+    def intra_busbw_gbyte_s(self) -> float:
+        """The bus bandwidth collectives reach inside the domain: NVLINK_EFFICIENCY of one direction's rate."""
+        return self.nvlink_gbyte_s * NVLINK_EFFICIENCY
+
+    @property
+    def fabric(self) -> Preset:
+        what = f"{self.source}: {self.nics_per_node} x {self.nic_kind} {self.nic_gbit_s:g}G, {self.nic_busbw_gbyte_s:g} GB/s each"
+        return Preset(self.nic_gbit_s, self.nic_busbw_gbyte_s, 14.0, what, self.nics_per_node)
+
+
+NVLINK_EFFICIENCY = 230.0 / 300.0
+"""nccl-tests reach about 230 GB/s busbw on 8 x A100 (docs/advisor.md, pitfalls notes) of NVLink 3's 300 GB/s
+per direction; the same share is assumed for the later NVLink generations, whose switches work alike."""
+# Sources (vendor pages, checked 2026-12):
+# [dgx-a100] NVIDIA DGX A100 user guide: 8 x A100 SXM4, NVLink 3 600 GB/s per GPU through 6 NVSwitches,
+#   8 single-port ConnectX-6 HDR 200 Gb/s compute NICs.
+# [dgx-h100] NVIDIA DGX H100/H200 user guide and DGX BasePOD reference architecture (docs.nvidia.com,
+#   "Core Components"): 8 Hopper GPUs, 4 NVSwitch chips (NVLink 4, 900 GB/s per GPU), four OSFP ports serving
+#   eight single-port ConnectX-7 VPI at up to 400 Gb/s InfiniBand (NDR).
+# [dgx-b200] NVIDIA DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide): 8 x B200, 2 NVLink 5
+#   switches (14.4 TB/s aggregate = 1.8 TB/s per GPU), 4 OSFP ports for 8 single-port ConnectX-7 at up to
+#   400 Gb/s InfiniBand.
+# [nvl72] NVIDIA GB200 NVL72 product page: 72 Blackwell GPUs in one NVLink domain (130 TB/s = 72 x 1.8 TB/s)
+#   over 18 compute trays of 4 GPUs; scale-out with one 400 Gb/s ConnectX-7 per GPU (DGX GB200 reference
+#   architecture).
+# [roce] Meta, "Building Meta's GenAI Infrastructure" (2024-03-12): two 24,576-GPU H100 clusters with
+#   400 Gbps endpoints per GPU, one on RDMA over Converged Ethernet (RoCE), one on InfiniBand; RoCE assumed at
+#   IB's per-NIC busbw [nic-400], which Meta reports tuning both fabrics to match.
+MACHINES: dict[str, Machine] = {
+    "dgx-a100": Machine("a100-80gb", 8, 300.0, 200, "InfiniBand HDR", 8, 24.0, "DGX A100 [dgx-a100]"),
+    "dgx-h100": Machine("h100-80gb", 8, 450.0, 400, "InfiniBand NDR", 8, 48.0, "DGX H100 [dgx-h100]"),
+    "hgx-h200": Machine("h200", 8, 450.0, 400, "InfiniBand NDR", 8, 48.0, "DGX/HGX H200 [dgx-h100]"),
+    "dgx-b200": Machine("b200", 8, 900.0, 400, "InfiniBand NDR", 8, 48.0, "DGX B200 [dgx-b200]"),
+    "gb200-nvl72": Machine(
+        "gb200",
+        72,
+        900.0,
+        400,
+        "InfiniBand NDR",
+        72,
+        48.0,
+        "GB200 NVL72 rack = one 72-GPU NVLink domain [nvl72]",
+    ),
+    "h100-roce": Machine(
+        "h100-80gb", 8, 450.0, 400, "RoCE Ethernet", 8, 48.0, "8 x H100 SXM, 8 x 400G RoCE [roce]"
+    ),
+}
+"""`--preset` names of whole machines: the NVLink domain, its intra-node link and its NICs (sources above)."""
+GPU_MACHINE = {
+    "a100-40gb": "dgx-a100",
+    "a100-80gb": "dgx-a100",
+    "h100-80gb": "dgx-h100",
+    "h100-94gb": "dgx-h100",
+    "h200": "hgx-h200",
+    "b200": "dgx-b200",
+    "gb200": "gb200-nvl72",
+}
+"""A --target-gpu's usual node, whose NVLink is the intra-node link when no machine preset names it."""
+
+
+def machine_intra(preset: str | None, target_gpu: str | None) -> tuple[Link, str]:
+    """A GPU target's intra-node link from its machine (the preset's, else the GPU's usual node): never a
+    measurement of this machine, whose CPU ranks talk through shared memory."""
+    name = preset if preset in MACHINES else GPU_MACHINE.get((target_gpu or "").lower())
+    if name is None:
+        link = Link(ASSUMED_INTRA_GBYTE_S * GB, 3.4e-6, "assumed NVLink-class, no machine named")
+        return (
+            link,
+            "intra-node link of the target assumed: 188 GB/s busbw, 3.4 us per hop (--preset names a machine)",
+        )
+    m = MACHINES[name]
+    source = f"assumed {name} NVLink: {m.nvlink_gbyte_s:g} GB/s per direction x {NVLINK_EFFICIENCY:.0%} ({m.source})"
+    note = f"intra-node link of the target: {source}, not this machine's measurement"
+    return Link(m.intra_busbw_gbyte_s * GB, 3.4e-6, source), note
+
+
 ASSUMED_INTRA_GBYTE_S = 188.0
 """An unmeasured node's inside link: conservative for NVLink (nccl-tests threads show ~230 GB/s busbw on
 8 x A100 in one node), with NCCL's NVLink ring hop of 3.4 us (tuning.cc hwLat[NVLINK][Ring])."""
@@ -233,6 +330,7 @@ def build_network(
     inter_node_gbps: float | None = None,
     inter_node_latency_us: float | None = None,
     nics_per_node: int | None = None,
+    gpu_target: str | None = None,
 ) -> tuple[Network, list[str]]:
     """The network to predict with, and notes saying where each figure came from. Preset, described and
     measured inter-node figures are one NIC's (`sdzero comm --hostfile` runs one rank per host); the node's
@@ -241,20 +339,28 @@ def build_network(
         raise UserError(f"--nics-per-node {nics_per_node}: must be at least 1 (rail-optimised: one per GPU)")
     if gpus_per_node < 1:
         raise UserError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
-    if preset is not None and preset not in PRESETS:
-        raise UserError(f"--preset {preset!r}: unknown; choose from {', '.join(PRESETS)}")
+    if preset is not None and preset not in PRESETS and preset not in MACHINES:
+        names = ", ".join(dict.fromkeys([*PRESETS, *MACHINES]))
+        raise UserError(f"--preset {preset!r}: unknown; choose from {names}")
     if inter_node_gbps is not None and not inter_node_gbps > 0:
         raise UserError(f"--inter-node-gbps {inter_node_gbps}: must be a positive number of Gbit/s")
     if inter_node_latency_us is not None and not inter_node_latency_us >= 0:
         raise UserError(f"--inter-node-latency-us {inter_node_latency_us}: must be >= 0")
     fits = load_fits(comm_fit) if comm_fit and comm_fit.is_file() else []
     notes: list[str] = []
-    intra = link_from_fits(fits, "intra")
-    if intra is None:
+    intra = None if gpu_target else link_from_fits(fits, "intra")
+    if gpu_target:  # trials on another device: its measured link says nothing of the target's NVLink
+        intra, note = machine_intra(preset, gpu_target)
+        notes.append(note)
+    elif intra is None:
         intra = Link(ASSUMED_INTRA_GBYTE_S * GB, 3.4e-6, "assumed NVLink-class, no measurement")
         notes.append("intra-node link not measured: assumed 188 GB/s busbw, 3.4 us per hop")
     measured_inter = link_from_fits(fits, "inter")
-    named = PRESETS[preset or DEFAULT_PRESET]
+    named = (
+        PRESETS[preset]
+        if preset in PRESETS
+        else (MACHINES[preset].fabric if preset else PRESETS[DEFAULT_PRESET])
+    )
     algorithm = NCCL
     if measured_inter is not None and preset is None and inter_node_gbps is None:
         inter = measured_inter

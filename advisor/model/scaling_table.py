@@ -62,6 +62,9 @@ COLUMNS = (
     "knee",
     "smallest_batch",
     "reach_note",
+    "larger_batch",
+    "samples_factor",
+    "comm_s",
 )
 
 
@@ -153,7 +156,19 @@ _BEST_COLUMNS = (
     "compare_halfwidth",
     "link_halfwidth",
     "interval_source",
+    "larger_batch",
+    "samples_factor",
+    "comm_s",
 )
+
+
+def at_asked_batch(table: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows at the global batch asked for: a node count answered at a larger batch is shown, never
+    chosen by a rule (it trains more samples, advisor.model.batch_growth), unless --nodes names it."""
+    ok = table[table["status"] == "ok"]
+    if "larger_batch" not in ok:
+        return ok
+    return ok[~ok["larger_batch"].astype("boolean").fillna(False).astype(bool)]
 
 
 def efficiency_halfwidth(table: pd.DataFrame, first: pd.Series) -> pd.Series:
@@ -189,7 +204,8 @@ class BatchReach:
 
 def choose_node_count(table: pd.DataFrame, min_efficiency: float) -> int | None:
     """The largest node count that fits, reaches the batch and keeps `min_efficiency` (the knee)."""
-    ok = table[(table["status"] == "ok") & (table["efficiency"] >= min_efficiency - 1e-9)]
+    ok = at_asked_batch(table)
+    ok = ok[ok["efficiency"] >= min_efficiency - 1e-9]
     return int(ok["node_count"].max()) if not ok.empty else None
 
 
@@ -240,7 +256,7 @@ class NodeRule:
 
     def choose(self, table: pd.DataFrame) -> tuple[int | None, str | None]:
         """(node count, why the rule could not be kept as asked, or None)."""
-        ok = table[table["status"] == "ok"]
+        ok = at_asked_batch(table)
         if self.nodes is not None:
             return self.nodes, None
         if self.name == "efficiency" or ok.empty or "time_to_train_s" not in ok:

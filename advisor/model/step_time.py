@@ -40,7 +40,7 @@ compute (CUDA trials, `side_stream`); on a CPU, where DeepSpeed has no side stre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -65,6 +65,7 @@ from advisor.model.memory import ZeroSettings
 from advisor.model.network import Network
 from advisor.model.overlap import OpCost, Windows, exposed_s
 from advisor.model.sync_wait import predicted_wait_s, sigma_s, wait_s
+from advisor.model.target_compute import TargetCompute
 
 
 @dataclass
@@ -134,6 +135,14 @@ class TimeModel:
     group_slopes: dict[Group, float] = field(default_factory=dict)
     """Seconds per sample of a group measured at 2+ micro-batches, fitted on its own trials (its intercept
     in `intercepts` is then its own line's); the other groups of its precision use `slopes`."""
+    target: TargetCompute | None = None
+    """The target's own compute (advisor.model.target_compute) when the trials' device is not the target's:
+    it replaces the fitted compute of every config, the overlap windows (a GPU's side stream, the FLOP
+    split of forward and backward), the trials' transport ratio and their ranks' wait."""
+
+    def for_target(self, target: TargetCompute | None) -> TimeModel:
+        """This model with the target's compute (unchanged for None)."""
+        return self if target is None else replace(self, target=target)
 
     def syncs(self, stage: int, grad_accum: int) -> int:
         """Synchronisations a step: per micro-step where the stage's large collectives repeat per
@@ -144,6 +153,8 @@ class TimeModel:
     def compute_per_micro_s(
         self, stage: int, precision: str, micro_batch: int, offload: str = "none"
     ) -> float:
+        if self.target is not None:
+            return self.target.seconds_per_sample * micro_batch
         if precision not in self.slopes and not any(g[1] == precision for g in self.proportional):
             # A precision never measured borrows a measured one's figures (the same network and data).
             precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]
@@ -162,6 +173,8 @@ class TimeModel:
     def once_s(self, stage: int, precision: str, offload: str, per_micro_s: float) -> float:
         """The once-per-step compute of this group (its own, else the closest group's), never above one
         micro-step's compute."""
+        if self.target is not None:
+            return min(self.target.once_per_step_s, per_micro_s)
         if not self.once_per_step_s:
             return 0.0
         return min(_closest(self.once_per_step_s, (stage, precision, offload)), per_micro_s)
@@ -169,6 +182,9 @@ class TimeModel:
     def windows(self, group: Group, per_micro_compute_s: float) -> Windows | None:
         """The compute windows of one micro-step (advisor.model.overlap); None where nothing can hide (no
         side stream) or the phase split was never measured."""
+        if self.target is not None:  # a GPU target: DeepSpeed's side stream, the FLOP split of the passes
+            share = self.target.forward_share
+            return Windows(share * per_micro_compute_s, (1 - share) * per_micro_compute_s)
         if not self.side_stream or not self.phase_shares:
             return None
         forward, backward = _closest_pair(self.phase_shares, group)
@@ -185,7 +201,7 @@ class TimeModel:
     ) -> tuple[float, float]:
         """Communication per step that compute does not hide, (within nodes, across nodes): each op's cost
         (the within-node part at the measured transport) through the overlap account."""
-        factor = self.comm_factor.get(stage, 1.0)
+        factor = 1.0 if self.target is not None else self.comm_factor.get(stage, 1.0)
         costs = []
         for op in self.ops.get(stage, []):
             intra, inter = op_seconds(op, ranks_per_node, nodes, net)
@@ -222,7 +238,9 @@ class TimeModel:
             stage, grad_accum, net.gpus_per_node, nodes, net, windows
         )
         world = nodes * net.gpus_per_node
-        wait = predicted_wait_s(self.wait_sigma_s.get(stage, 0.0), world, self.syncs(stage, grad_accum))
+        # the trials' ranks' spread is their device's, not the target's
+        sigma = 0.0 if self.target is not None else self.wait_sigma_s.get(stage, 0.0)
+        wait = predicted_wait_s(sigma, world, self.syncs(stage, grad_accum))
         exposed = exposed_intra + exposed_inter + wait
         step = compute + exposed
         return StepPrediction(

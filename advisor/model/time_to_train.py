@@ -102,7 +102,9 @@ def add_time_to_train(predictions: pd.DataFrame, amount: TrainAmount, startup: S
     """predictions.csv's time columns: optimizer_steps, time_to_train_s, gpu_hours (rank-hours)."""
     if predictions.empty:
         return predictions
-    steps = np.ceil(amount.samples / predictions["global_batch"].astype(float))
+    # a row at a larger batch than asked trains its rule's multiple of the samples (advisor.model.batch_growth)
+    factor = predictions.get("samples_factor", 1.0)
+    steps = np.ceil(np.ceil(amount.samples * factor) / predictions["global_batch"].astype(float))
     seconds = startup.seconds + steps * predictions["step_time_s"]
     return predictions.assign(
         optimizer_steps=steps.astype(int),
@@ -132,6 +134,9 @@ def row_summary(row: dict, unit: str, price: float | None) -> str:
     """'8 nodes: 5.1 h, 41 GPU-h' (and the cost when priced)."""
     text = f"{int(row['node_count'])} node{'s' if int(row['node_count']) != 1 else ''}: "
     text += f"{hours(float(row['time_to_train_s']))}, {float(row['gpu_hours']):.3g} {unit}"
+    if row.get("larger_batch") is True:
+        factor = float(row.get("samples_factor") or 1.0)
+        text += f" (global batch {int(row['global_batch'])}, larger than asked: {factor:.3g}x the samples)"
     cost = cost_of(float(row["gpu_hours"]), price)
     return text + (f", {money(cost)} at {price:g} per {unit}" if cost is not None else "")
 

@@ -10,6 +10,7 @@ import pandas as pd
 from advisor.model.memory import MemoryModel
 from advisor.model.prediction_error import fit_models
 from advisor.model.step_time import TimeModel
+from advisor.model.target_compute import ComputeBasis
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 
 
@@ -23,6 +24,9 @@ class FittedModels:
     """Step time of any config at any node count, compute and exposed communication apart."""
     notes: list[str] = field(default_factory=list)
     """What each fit had to assume (the memory model's first, then the timing model's)."""
+    basis: ComputeBasis | None = None
+    """Where the target's compute comes from when the fit itself settles it (a profile measured on the
+    target's node); None: the predict stage settles it from the request."""
 
 
 def fit(measured: MeasuredTrials, hardware: HardwareFigures) -> FittedModels:

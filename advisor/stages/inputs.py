@@ -20,12 +20,14 @@ from advisor.fine_tune import (
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config
 from advisor.measure.scaleout_check import prepare_hostfile
 from advisor.measure.trials import TrialSettings
+from advisor.model.batch_growth import samples_rule
+from advisor.model.model_cost import ModelCost, count_model_cost
 from advisor.model.network import build_network
 from advisor.model.predict import BatchTarget, check_reachable
 from advisor.model.scaling_table import NodeRule
 from advisor.model.time_to_train import TrainAmount, train_amount
 from advisor.request import CPU_GRID, AdviseRequest
-from advisor.target import check_options, target_differs, target_memory
+from advisor.target import check_options, check_target_rate, machine_target, target_differs, target_memory
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.errors import UserError
 
@@ -82,6 +84,8 @@ class AdviseInputs:
     embedded: bool = False
     """The embedded default's fine-tune (advisor.fine_tune.EMBEDDED_FINE_TUNE) sets the batch: no --model and
     no --deepspeed-config."""
+    model_cost: ModelCost | None = None
+    """The trained network's FLOPs per sample, counted here (advisor.model.model_cost); None: not counted."""
 
     @property
     def lr_reference(self) -> int:
@@ -121,9 +125,10 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     device = device_support()
     on_cpu = device["device"] == "cpu"
     ranks = default_ranks(device)
-    differs = target_differs(device, ranks, r.gpus_per_node, r.target_gpu)
-    memory_given = target_memory(differs, r.device_memory_gib, r.target_gpu)  # refuses before any trial
-    target_gpus = ranks if r.gpus_per_node is None else r.gpus_per_node
+    gpus_per_node, target_gpu = machine_target(r.preset, r.gpus_per_node, r.target_gpu)
+    differs = target_differs(device, ranks, gpus_per_node, target_gpu)
+    memory_given = target_memory(differs, r.device_memory_gib, target_gpu)  # refuses before any trial
+    target_gpus = ranks if gpus_per_node is None else gpus_per_node
     # Strong scaling unless asked: the base JSON's batch on one target node, the LR's reference too.
     base_batch = lr_reference_batch_of(base, target_gpus)
     target = asked or BatchTarget(base_batch, base_batch)
@@ -137,6 +142,7 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     settings = _trial_settings(model, data, on_cpu, user_args)
     plan = plan_for_device(r.grid or (CPU_GRID if on_cpu else GridRequest()), device)
     _refuse_unreachable(plan, target_gpus, node_list, target, asked is not None, base_batch)
+    cost, cost_note = counted_cost(model, user_args)
     return AdviseInputs(
         request=r,
         say=say,
@@ -158,12 +164,22 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
         setup=trial_setup_id(base, settings),
         hosts=hosts,
         plan=plan,
-        notes=list(plan.notes),
+        notes=[*plan.notes, *cost_note],
         started=time.monotonic(),
         amount=amount,
         rule=rule,
         embedded=embedded,
+        model_cost=cost,
     )
+
+
+def counted_cost(model: str, user_args: tuple[str, ...]) -> tuple[ModelCost | None, list[str]]:
+    """The model's FLOPs per sample, or None and a note saying why they could not be counted (a network
+    the meta device cannot build): the answer then has no target compute from a rate."""
+    try:
+        return count_model_cost(model, user_args), []
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, NotImplementedError, UserError) as exc:
+        return None, [f"the model's FLOPs per sample could not be counted ({type(exc).__name__}: {exc})"]
 
 
 def claim_out(out_dir: Path) -> None:
@@ -211,13 +227,15 @@ def _checked_options(
     # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
     build_network(
         None,
-        1 if r.gpus_per_node is None else r.gpus_per_node,
+        machine_target(r.preset, r.gpus_per_node, None)[0] or 1,
         r.preset,
         r.inter_node_gbps,
         r.inter_node_latency_us,
         r.nics_per_node,
     )
     rule = NodeRule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
+    check_target_rate(r.target_tflops)
+    samples_rule(r.samples_rule)
     if r.gpu_hour_price is not None and not r.gpu_hour_price > 0:
         raise UserError(f"--gpu-hour-price {r.gpu_hour_price}: must be a positive price per GPU-hour")
     train_amount(r.samples, r.epochs, 1, "")  # their bounds, before anything runs

@@ -9,14 +9,19 @@ from typing import Any
 import pandas as pd
 
 from advisor.measure.grid import GridPlan
-from advisor.model.network import Network
-from advisor.model.predict import Candidate, predict_table
+from advisor.model.batch_growth import SamplesRule, samples_rule
+from advisor.model.network import Network, build_network
+from advisor.model.predict import BatchTarget, Candidate, predict_table
 from advisor.model.recommend import what_would_fit
+from advisor.model.scaling_table import BatchReach
+from advisor.model.step_time import TimeModel
+from advisor.model.target_compute import PROFILE, ComputeBasis, compute_basis
 from advisor.model.time_to_train import StartUp, add_time_to_train, startup_rests, startup_s
 from advisor.model.uncertainty import Spread, add_intervals, estimate_spread, link_spread
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
+from advisor.target import machine_target
 from sdzero.atomic import write_csv_atomic, write_json_atomic
 from sdzero.errors import UserError
 
@@ -32,6 +37,12 @@ class Predictions:
     """The start-up every run pays once, measured from the trials."""
     spread: Spread
     """Where the table's intervals come from (advisor.model.uncertainty)."""
+    basis: ComputeBasis
+    """Where the target's compute comes from (advisor.model.target_compute)."""
+    target_net: Network
+    """The network predicted for: the measure stage's, with a GPU target's intra-node link its machine's."""
+    timing: TimeModel
+    """The fitted step-time model with the target's compute (the one the table was predicted with)."""
 
 
 def predict(
@@ -44,12 +55,15 @@ def predict(
     """Predict, write the report's files, then refuse when nothing fits (the files stay to show why).
     `notes` are the run's notes so far, recorded in environment.json."""
     candidates = candidates_from(inputs.plan, measured.trials)
+    basis = fitted.basis or compute_basis_of(inputs)
+    timing = fitted.timing.for_target(basis.target)
+    target_net = settled_network(inputs, hardware, basis, notes)
     table = predict_table(
         candidates,
         inputs.node_list,
         fitted.memory,
-        fitted.timing,
-        hardware.target_net,
+        timing,
+        target_net,
         hardware.usable_bytes,
         inputs.target,
     )
@@ -57,6 +71,10 @@ def predict(
         raise UserError(
             f"--global-batch {inputs.target.describe()}: only micro-batches that ran out of memory reach it"
         )
+    rule = samples_rule(inputs.request.samples_rule)
+    table = with_larger_batches(
+        table, candidates, inputs, fitted, timing, target_net, hardware.usable_bytes, rule
+    )
     startup = startup_s(measured.trials)
     table = add_time_to_train(table, inputs.amount, startup)
     spread = run_spread(inputs, hardware, measured)
@@ -70,7 +88,7 @@ def predict(
         hardware.memory_bytes,
         hardware.memory_source,
         inputs.request.headroom,
-        hardware.target_net,
+        target_net,
         hardware.measured_net,
         notes + hardware.measured_notes,
     )
@@ -81,7 +99,78 @@ def predict(
             "nothing fits: "
             + what_would_fit(fitted.memory, candidates, inputs.node_list, inputs.target_gpus, usable)
         )
-    return Predictions(candidates, table, startup, spread)
+    return Predictions(candidates, table, startup, spread, basis, target_net, timing)
+
+
+def compute_basis_of(inputs: AdviseInputs) -> ComputeBasis:
+    """The target's compute for trials measured here: this device's when it is the target's kind, else the
+    model's FLOPs over a declared or published rate, else none (advisor.model.target_compute)."""
+    r = inputs.request
+    _, target_gpu = machine_target(r.preset, r.gpus_per_node, r.target_gpu)
+    other = None
+    if inputs.on_cpu and inputs.differs:
+        other = "the trials ran on a CPU and the target is GPUs"
+    return compute_basis(other, target_gpu, r.target_tflops, inputs.model_cost)
+
+
+def settled_network(
+    inputs: AdviseInputs, hardware: HardwareFigures, basis: ComputeBasis, notes: list[str]
+) -> Network:
+    """The target's network: the measure stage's, except that a GPU target planned from CPU trials takes
+    its intra-node link from its machine, never from the CPU ranks' shared memory; the note goes into
+    `notes` (the run's)."""
+    if not (inputs.on_cpu and inputs.differs) or basis.kind == PROFILE:
+        return hardware.target_net
+    r = inputs.request
+    _, target_gpu = machine_target(r.preset, r.gpus_per_node, r.target_gpu)
+    net, built = build_network(
+        hardware.fit_path,
+        inputs.target_gpus,
+        r.preset,
+        r.inter_node_gbps,
+        r.inter_node_latency_us,
+        r.nics_per_node,
+        gpu_target=target_gpu or "gpu",
+    )
+    notes += [n for n in built if n not in notes]
+    return net
+
+
+def with_larger_batches(
+    table: pd.DataFrame,
+    candidates: list[Candidate],
+    inputs: AdviseInputs,
+    fitted: FittedModels,
+    timing: TimeModel,
+    net: Network,
+    usable_bytes: float,
+    rule: SamplesRule,
+) -> pd.DataFrame:
+    """Node counts the asked global batch cannot spread over, predicted at the smallest batch that reaches
+    each (weak scaling), marked `larger_batch`, with the samples they need by `rule` (`samples_factor`)."""
+    table = table.assign(larger_batch=False, samples_factor=1.0)
+    reached = set(table["node_count"])
+    reach = BatchReach(
+        tuple(sorted({c.micro_batch for c in candidates})), net.gpus_per_node, inputs.target.lo
+    )
+    grown = []
+    for n in (n for n in inputs.node_list if n not in reached):
+        batch = max(reach.smallest_batch(n), inputs.target.hi)
+        rows = predict_table(
+            candidates, [n], fitted.memory, timing, net, usable_bytes, BatchTarget(batch, batch)
+        )
+        if not rows.empty:
+            grown.append(rows.assign(larger_batch=True, samples_factor=rule.factor(batch, inputs.target.hi)))
+    if not grown:
+        return table
+    whole = pd.concat([table, *grown], ignore_index=True)
+    # efficiency against the smallest node count's own row, as predict_table computes it
+    first = whole.loc[
+        whole.groupby("config_id")["node_count"].idxmin(), ["config_id", "node_count", "samples_per_s"]
+    ]
+    base = first.set_index("config_id")
+    per_node = whole["config_id"].map(base["samples_per_s"] / base["node_count"])
+    return whole.assign(efficiency=whole["samples_per_s"] / (per_node * whole["node_count"]))
 
 
 def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Spread:

@@ -68,7 +68,7 @@ def recommend_config(
     )
     notes = [rule_note] if rule_note else []
     if r.tune_buckets:
-        notes += tuned_buckets(inputs, hardware, measured, fitted, best)
+        notes += tuned_buckets(inputs, hardware, measured, fitted, predictions, best)
     config_path = inputs.out_dir / "recommended_ds_config.json"
     write_json_atomic(config_path, config)
     return Choice(best, config, config_path, runners, lr, notes)
@@ -79,13 +79,14 @@ def tuned_buckets(
     hardware: HardwareFigures,
     measured: MeasuredTrials,
     fitted: FittedModels,
+    predictions: Predictions,
     best: pd.Series,
 ) -> list[str]:
     """overlap_comm and bucket sizes, measured only where the model says they matter; one note each."""
     from advisor.model.knobs import knob_choices, tune_buckets
 
     choices = knob_choices(
-        fitted.timing,
+        predictions.timing,
         measured.numels,
         measured.zero,
         int(best["zero_stage"]),
@@ -93,7 +94,7 @@ def tuned_buckets(
         int(best["micro_batch"]),
         int(best["grad_accum"]),
         int(best["node_count"]),
-        hardware.target_net,
+        predictions.target_net,
         str(best["offload"]),
         fitted.memory,
         hardware.usable_bytes,
@@ -159,7 +160,7 @@ def _outcome(
         target=inputs.target,
         target_asked=inputs.target_asked,
         base_batch=inputs.base_batch,
-        target_net=hardware.target_net,
+        target_net=predictions.target_net,
         measured_net=hardware.measured_net,
         trial_device=inputs.device,
         trial_ranks=inputs.ranks,
@@ -185,6 +186,8 @@ def _outcome(
         noise_floor=noise_floor(inputs.out_dir),
         intervals=predictions.spread.describe(),
         interval_notes=predictions.spread.notes,
+        compute=predictions.basis,
+        samples_rule=r.samples_rule,
     )
 
 

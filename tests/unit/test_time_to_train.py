@@ -148,30 +148,43 @@ def test_an_unreachable_row_says_the_smallest_batch_that_reaches_it():
 # --------------------------------------------------------------------------------------- the pipeline
 
 
-def test_every_row_filled_or_saying_what_fills_it(monkeypatch, tmp_path, tiny_model, synth_data):
-    """The base config's batch of 8 reaches 4 nodes at most: the other rows name the batch that would and
-    the LR the one rule gives there; every reachable row has its time and GPU-hours."""
+def test_every_row_answered_at_the_smallest_batch_that_reaches_it(
+    monkeypatch, tmp_path, tiny_model, synth_data
+):
+    """The base config's batch of 8 reaches 4 nodes at most: 8, 16 and 32 nodes are answered at the smallest
+    global batch that reaches them (weak scaling), in the same columns, marked as a larger batch with the
+    LR the one rule gives there and the samples the batch costs; no rule chooses them."""
     result = advise_on_synthetic_trials(
-        monkeypatch, tmp_path, tiny_model, synth_data, samples=64_000, epochs=2
+        monkeypatch, tmp_path, tiny_model, synth_data, samples=64_000, epochs=2, samples_rule="flux"
     )
     rec = result.recommendation
     table = pd.DataFrame(rec["scaling_table"])
-    ok = table[table["status"] == "ok"]
-    assert (ok["time_to_train_s"] > 0).all() and (ok["gpu_hours"] > 0).all()
-    assert (ok["optimizer_steps"] == 128_000 // 8).all()
-    unreachable = table[table["status"] == "unreachable"]
-    assert unreachable["node_count"].tolist() == [8, 16, 32]
-    assert unreachable["smallest_batch"].tolist() == [16, 32, 64]  # micro-batch 1 x the ranks
-    note = unreachable.iloc[0]["reach_note"]
-    assert "--global-batch 16" in note and "sqrt rule" in note and "x 1.41" in note
+    assert (table["status"] == "ok").all()
+    assert (table["time_to_train_s"] > 0).all() and (table["gpu_hours"] > 0).all()
+    asked = table[~table["larger_batch"].astype(bool)]
+    grown = table[table["larger_batch"].astype(bool)]
+    assert (asked["optimizer_steps"] == 128_000 // 8).all()
+    assert grown["node_count"].tolist() == [8, 16, 32]
+    assert grown["global_batch"].tolist() == [16, 32, 64]  # micro-batch 1 x the ranks
+    flux = [(b / 8) ** (math.log(2.1) / math.log(8)) for b in (16, 32, 64)]
+    assert grown["samples_factor"].tolist() == pytest.approx(flux)
+    assert grown["optimizer_steps"].tolist() == [
+        math.ceil(math.ceil(128_000 * f) / b) for f, b in zip(flux, (16, 32, 64), strict=True)
+    ]
+    note = grown.iloc[0]["reach_note"]
+    assert "larger batch: global batch 16" in note and "sqrt rule" in note and "x 1.41" in note
+    assert "flux rule" in note and f"{flux[0]:.3g}x the samples" in note
+    assert rec["node_count"] <= 4  # a larger-batch row is shown, not chosen
     t = rec["time_to_train"]
-    chosen = ok[ok["node_count"] == rec["node_count"]].iloc[0]
+    chosen = asked[asked["node_count"] == rec["node_count"]].iloc[0]
     assert t["samples"] == 128_000 and t["seconds"] == pytest.approx(chosen["time_to_train_s"])
     assert (
         rec["verdict"].startswith(f"{rec['node_count']} node")
         and "to train 128,000 samples" in rec["verdict"]
     )
     assert rec["node_choice"]["rule_name"] == "efficiency" and rec["node_choice"]["trade"]
+    if rec["node_choice"]["fastest"] > 4:  # the trade names what the larger batch costs in samples
+        assert "larger than asked" in rec["node_choice"]["trade"]
 
 
 def test_the_embedded_default_plans_a_fine_tune_every_node_count_reaches(

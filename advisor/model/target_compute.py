@@ -1,0 +1,183 @@
+"""The target's compute when the trials ran on another device: FLOPs per sample over the target's rate.
+
+A CPU is 100-1000x slower than a datacenter GPU, and not uniformly so, so its step times say how configs rank
+and nothing about the target's absolute speed. The target's compute per sample is instead the model's FLOPs
+per sample (advisor.model.model_cost, counted here) over a sustained rate per GPU, which is either:
+
+- declared by the user (--target-tflops: sustained TFLOP/s per GPU on this kind of network), or
+- anchored on a published per-GPU training throughput for a named model shape (GPU_ANCHORS): the rate is
+  that throughput times the shape's FLOPs per sample, counted here the same way as the user's model's.
+
+Both are labelled assumed: an anchor carries its utilisation over to another network shape, which holds only
+as far as the two keep the GPU as busy. Without either, an answer for another device has no time, GPU-hours
+or node count (ComputeBasis.kind == "none"). The same compute per sample is charged to every ZeRO stage:
+they differ in communication and memory, which are costed on the target's links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from advisor.model.model_cost import ModelCost, count_network
+
+MEASURED, ASSUMED, PROFILE, NONE = "measured", "assumed", "profile", "none"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A published network's shape, to count its FLOPs with the same counter as the user's model."""
+
+    class_name: str
+    config: dict[str, Any]
+    latent: int
+    text_tokens: int
+    source: str
+
+
+SD2_BASE_UNET = ModelShape(
+    "UNet2DConditionModel",
+    {
+        "sample_size": 64,
+        "in_channels": 4,
+        "out_channels": 4,
+        "layers_per_block": 2,
+        "block_out_channels": [320, 640, 1280, 1280],
+        "attention_head_dim": [5, 10, 20, 20],
+        "cross_attention_dim": 1024,
+        "use_linear_projection": True,
+        "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+        "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+    },
+    64,
+    77,
+    "stabilityai/stable-diffusion-2-base unet/config.json (865.9M parameters), 512 px = 64 x 64 latent",
+)
+MODEL_SHAPES = {"sd2-base-unet": SD2_BASE_UNET}
+"""Named shapes a profile file or the anchor table may use instead of a diffusers folder."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A published per-GPU training throughput of a named shape."""
+
+    samples_per_s_per_gpu: float
+    shape: str
+    micro_batch: int
+    source: str
+
+
+GPU_ANCHORS: dict[str, Anchor] = {
+    "a100-80gb": Anchor(
+        290 / 8,
+        "sd2-base-unet",
+        16,
+        "mosaicml/diffusion README, 'How many GPUs do I need?': 8 x A100-80GB, SD2 base UNet at 512x512 with "
+        "precomputed latents, 290 images/s (micro-batch 16, yamls/hydra-yamls/SD-2-base-512.yaml)",
+    ),
+    "h100-80gb": Anchor(
+        119.1,
+        "sd2-base-unet",
+        32,
+        "MLPerf Training v4.1, Lambda 1-Click Cluster, 2 x 8 H100 SXM (results/lambda_1cc_n2_H100-SXM-80GB_"
+        "ngc24.04_nemo/stable_diffusion, config_1cc_02x08x32): 119.1 samples/s per GPU (a 2-node figure)",
+    ),
+    "h200": Anchor(
+        143.5,
+        "sd2-base-unet",
+        32,
+        "MLPerf Training v5.0, Dell XE9680L 8 x H200-SXM-141GB (config_XE9680lx8H200-SXM-141GB_01x08x32): "
+        "143.5 samples/s per GPU",
+    ),
+}
+"""--target-gpu names with a published rate (sources beside each); others need --target-tflops."""
+
+
+@lru_cache(maxsize=4)
+def shape_cost(name: str) -> ModelCost:
+    """A named shape's FLOPs per sample, counted here (advisor.model.model_cost)."""
+    import diffusers
+
+    shape = MODEL_SHAPES[name]
+    forward, backward = count_network(
+        getattr(diffusers, shape.class_name), shape.config, shape.latent, shape.text_tokens
+    )
+    return ModelCost(forward, backward, shape.latent * 8)
+
+
+@dataclass(frozen=True)
+class TargetCompute:
+    """Compute per sample on the target, the same for every config, and where it comes from."""
+
+    seconds_per_sample: float
+    forward_share: float
+    """The forward pass's share of a micro-step (overlap windows), from the FLOP counts."""
+    label: str
+    once_per_step_s: float = 0.0
+    """Per-step compute outside the micro-steps (not in a FLOP count: 0 unless a profile measured it)."""
+
+
+@dataclass(frozen=True)
+class ComputeBasis:
+    """Where the target's compute figures come from, in one line the answer prints."""
+
+    kind: str
+    """MEASURED (the trials' device is the target's), ASSUMED (a rate), PROFILE (measured on the target's
+    own node) or NONE (no rate: ranking and communication only)."""
+    line: str
+    target: TargetCompute | None = None
+
+    @property
+    def timed(self) -> bool:
+        """Whether time, GPU-hours and node counts can be given."""
+        return self.kind != NONE
+
+
+def target_rate(target_gpu: str | None, target_tflops: float | None) -> tuple[float, str] | None:
+    """(FLOP/s per GPU, its label) declared or from GPU_ANCHORS; None when neither gives one."""
+    if target_tflops:
+        return (
+            target_tflops * 1e12,
+            f"{ASSUMED} (--target-tflops {target_tflops:g}: the user's sustained rate)",
+        )
+    anchor = GPU_ANCHORS.get((target_gpu or "").lower())
+    if anchor is None:
+        return None
+    cost = shape_cost(anchor.shape)
+    rate = anchor.samples_per_s_per_gpu * cost.flops_per_sample
+    return rate, (
+        f"{ASSUMED} ({target_gpu}: {anchor.samples_per_s_per_gpu:.4g} samples/s per GPU on {anchor.shape} x "
+        f"{cost.flops_per_sample / 1e12:.3g} TFLOP per sample counted here = {rate / 1e12:.0f} TFLOP/s sustained; "
+        f"source: {anchor.source})"
+    )
+
+
+def compute_basis(
+    other_device: str | None,
+    target_gpu: str | None,
+    target_tflops: float | None,
+    cost: ModelCost | None,
+) -> ComputeBasis:
+    """The target's compute: the trials' own when they ran on the target's kind of device and no rate was
+    declared; else FLOPs per sample over the target's rate; else none (`other_device` says why the trials'
+    device is not the target's)."""
+    rate = target_rate(target_gpu, target_tflops)
+    if rate is None or cost is None:
+        if other_device is None:
+            return ComputeBasis(MEASURED, "compute measured here, on the target's kind of device")
+        missing = (
+            "the model's FLOPs were not counted"
+            if rate is not None
+            else "the target's compute rate is unknown"
+        )
+        known = ", ".join(GPU_ANCHORS)
+        return ComputeBasis(
+            NONE,
+            f"no time, GPU-hours or node count: {other_device}, and {missing}; give --target-tflops (sustained "
+            f"TFLOP/s per GPU) or a --target-gpu with a published rate ({known})",
+        )
+    flops_per_s, label = rate
+    seconds = cost.flops_per_sample / flops_per_s
+    line = f"target compute {ASSUMED}: {cost.describe()} over {label}"
+    return ComputeBasis(ASSUMED, line, TargetCompute(seconds, cost.forward_share, label))
