@@ -32,8 +32,8 @@ from advisor.model.scaling_table import (
 )
 from advisor.model.search import CHECK_TRIALS, SearchResult
 from advisor.model.target_compute import ComputeBasis
-from advisor.report.withheld import larger_batch_note, withhold_timing
 from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
+from advisor.report.withheld import larger_batch_note, withhold_timing
 from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
 from sdzero.telemetry.environment import bf16_emulated
