@@ -173,25 +173,29 @@ def converted(path: Path, manifest: Manifest) -> Path:
 
 def universal_for(path: Path, manifest: Manifest, world_size: int, ds_raw: dict[str, Any]) -> Path:
     """The universal folder to load `path` from on `world_size` ranks under the DeepSpeed JSON `ds_raw`;
-    rank 0 converts, every rank gets its answer (a collective; the others wait within --dist-timeout-s)."""
+    rank 0 converts, every rank gets its answer (a collective). The others wait under a timeout sized for
+    reading the checkpoint and writing its conversion (sdzero.process.rank0_wait), not --dist-timeout-s: an
+    SDXL-size conversion on a shared filesystem can take longer than a step's collectives may."""
     import torch.distributed as dist
+
+    from sdzero.process.rank0_wait import waiting_for_rank0
 
     optimizer = ds_raw.get("optimizer", {}).get("type")
     offload = ds_raw.get("zero_optimization", {}).get("offload_optimizer") or {}
-    answer: list[Any] = [None]
-    if dist.get_rank() == 0:
-        why = unsupported(manifest, optimizer, nvme_offload=offload.get("device") == "nvme")
-        try:
-            if why is not None:
-                raise UserError(
-                    f"--resume-elastic {path}: written by {manifest.world_size} ranks, resumed on {world_size}, "
-                    f"but {why}; resume on {manifest.world_size} ranks"
-                )
-            answer[0] = ("ok", str(converted(path, manifest)))
-        except UserError as exc:
-            answer[0] = ("error", str(exc))
-    dist.broadcast_object_list(answer, src=0)
-    status, value = answer[0]
+    answer: Any = None
+    with waiting_for_rank0(2 * manifest.total_bytes) as share:  # read it all, write about as much
+        if dist.get_rank() == 0:
+            why = unsupported(manifest, optimizer, nvme_offload=offload.get("device") == "nvme")
+            try:
+                if why is not None:
+                    raise UserError(
+                        f"--resume-elastic {path}: written by {manifest.world_size} ranks, resumed on "
+                        f"{world_size}, but {why}; resume on {manifest.world_size} ranks"
+                    )
+                answer = ("ok", str(converted(path, manifest)))
+            except UserError as exc:
+                answer = ("error", str(exc))
+        status, value = share(answer)
     if status == "error":
         raise UserError(value)
     return Path(value)

@@ -10,8 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from sdzero.config.train_config import DsSettings, TrainConfig
 from sdzero.models.families import Components
 from sdzero.models.loading import DTYPES
@@ -78,14 +76,45 @@ def prepare_output(
     return MetricsWriter(cfg.output_dir / "metrics.jsonl")
 
 
+FROZEN_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+"""Components attributes that may hold frozen models the export writes beside the trained network."""
+
+
+def export_bytes(engine: Any, comps: Any, dtype: Any, copies: int) -> float:
+    """Bytes rank 0 reads and writes exporting the pipeline: `copies` of the trained network (its EMA is
+    another) and the frozen parts, each written once in `dtype` and the frozen parts read once. Every rank
+    computes the same figure (ZeRO-3 parameters count their full `ds_numel`)."""
+
+    def numel(module: Any) -> int:
+        return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+
+    frozen = sum(
+        numel(m) for m in (getattr(comps, n, None) for n in FROZEN_PARTS) if hasattr(m, "parameters")
+    )
+    return float((copies * numel(engine.module) + 2 * frozen) * dtype.itemsize)
+
+
 def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=None) -> None:
+    """Gather the weights (a collective), then rank 0 writes the pipeline to `<output-dir>/final` while the
+    others wait under a timeout sized for its bytes (sdzero.process.rank0_wait): a shared filesystem can
+    take longer to write an SDXL-size fp32 export than --dist-timeout-s allows a collective."""
     from sdzero.checkpoint.export import gathered_state_dict, write_pipeline
+    from sdzero.process.rank0_wait import waiting_for_rank0
 
     state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
     ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0
-    if rank == 0 and state is not None:
-        extra = {"unet_ema": ema_state} if ema_state is not None else None
-        dtype = DTYPES[cfg.export_dtype]  # one dtype for every component (see write_pipeline)
-        out = write_pipeline(cfg.output_dir / "final", state, comps, dtype, extra_unets=extra)
-        log.info("exported the trained pipeline to %s", out)
-    dist.barrier()
+    dtype = DTYPES[cfg.export_dtype]  # one dtype for every component (see write_pipeline)
+    with waiting_for_rank0(export_bytes(engine, comps, dtype, 2 if ema is not None else 1)) as share:
+        failure = None
+        if rank == 0 and state is not None:
+            extra = {"unet_ema": ema_state} if ema_state is not None else None
+            try:
+                out = write_pipeline(cfg.output_dir / "final", state, comps, dtype, extra_unets=extra)
+                log.info("exported the trained pipeline to %s", out)
+            except Exception as exc:  # every rank must still reach share(), or the others wait it out
+                failure = exc
+        cause = share(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if cause is not None and failure is None:
+            raise RuntimeError(f"rank 0 could not export the trained pipeline ({cause})")
+    if failure is not None:
+        raise failure
