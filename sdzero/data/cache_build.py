@@ -27,7 +27,7 @@ import torch
 
 from sdzero.atomic import write_json_atomic
 from sdzero.config.output_lock import LOCK_NAME, claim_output_dir, release_output_dir
-from sdzero.data.buckets import assign_buckets, image_sizes
+from sdzero.data.buckets import assign_buckets
 from sdzero.data.cache import (
     BUILD_NAME,
     CACHE_FORMAT,
@@ -84,6 +84,16 @@ class _Ranks:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.group:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         if self.group:
             import torch.distributed as dist
@@ -136,6 +146,25 @@ def _pixels(
     return torch.stack(pixels), meta
 
 
+DECODE_WORKERS = 4
+"""DataLoader worker processes per rank that decode, resize and crop the images for the encoder, so the
+rank's main thread only feeds the VAE and text encoders (PIL's decode holds the GIL)."""
+
+
+class _PixelBatches(torch.utils.data.Dataset):
+    """Item k: the k-th batch of a shard's images as pixels (`_pixels`), made in a DataLoader worker."""
+
+    def __init__(self, batches: list[tuple[tuple[int, int], list[tuple[int, Record]]]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, list[tuple[int, tuple[int, int], tuple[int, int]]]]:
+        size, batch = self.batches[k]
+        return _pixels(batch, size)
+
+
 @torch.no_grad()
 def _encode_shard(
     comps: Any,
@@ -143,37 +172,49 @@ def _encode_shard(
     flip: str,
     batch_size: int,
     device: torch.device,
+    workers: int = DECODE_WORKERS,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of a shard's samples, keyed `<position>/<name>`."""
+    """Every tensor of a shard's samples, keyed `<position>/<name>`; the images decoded by `workers`
+    DataLoader processes (0: in this process), in order, while this one encodes."""
     from sdzero.models.loading import encode_prompts, tokenize
+    from sdzero.process.preemption import ignore_preemption_signals
 
     out: dict[str, torch.Tensor] = {}
     by_size: dict[tuple[int, int], list[tuple[int, Record]]] = {}
     for pos, rec, size in items:
         by_size.setdefault(size, []).append((pos, rec))
-    for size, group in by_size.items():
-        for start in range(0, len(group), batch_size):
-            batch = group[start : start + batch_size]
-            pixels, meta = _pixels(batch, size)
-            px = pixels.to(device)
-            vae = comps.vae
-            views = {"": px, "flip/": px.flip(-1)} if flip == "both" else {"": px}
-            # One (batch, tokens) tensor per text encoder, in the family's order (a StepInput's token_ids).
-            per_caption = [tokenize(comps, rec.text) for _, rec in batch]
-            token_ids = tuple(torch.stack(slot).to(device) for slot in zip(*per_caption, strict=True))
-            cond = encode_prompts(comps, token_ids).by_name()
-            for prefix, view in views.items():
-                posterior = vae.encode(view.to(vae.dtype)).latent_dist
-                for i, (pos, _, _) in enumerate(meta):
-                    # clone: safetensors refuses tensors that share storage (slices of one batch)
-                    out[f"{pos}/{prefix}mean"] = posterior.mean[i].contiguous().cpu().clone()
-                    out[f"{pos}/{prefix}std"] = posterior.std[i].contiguous().cpu().clone()
-            for i, (pos, original, crop) in enumerate(meta):
-                for name, value in cond.items():
-                    out[f"{pos}/cond/{name}"] = value[i].contiguous().cpu().clone()
-                out[f"{pos}/original_size"] = torch.tensor(original, dtype=torch.long)
-                out[f"{pos}/crop_top_left"] = torch.tensor(crop, dtype=torch.long)
-                out[f"{pos}/target_size"] = torch.tensor(size, dtype=torch.long)
+    batches = [
+        (size, group[start : start + batch_size])
+        for size, group in by_size.items()
+        for start in range(0, len(group), batch_size)
+    ]
+    loader = torch.utils.data.DataLoader(
+        _PixelBatches(batches),
+        batch_size=None,  # each item is a whole batch already
+        num_workers=min(workers, len(batches)),
+        pin_memory=device.type == "cuda",
+        worker_init_fn=ignore_preemption_signals,  # the rank handles SIGTERM
+    )
+    for (size, batch), (pixels, meta) in zip(batches, loader, strict=True):
+        px = pixels.to(device)
+        vae = comps.vae
+        views = {"": px, "flip/": px.flip(-1)} if flip == "both" else {"": px}
+        # One (batch, tokens) tensor per text encoder, in the family's order (a StepInput's token_ids).
+        per_caption = [tokenize(comps, rec.text) for _, rec in batch]
+        token_ids = tuple(torch.stack(slot).to(device) for slot in zip(*per_caption, strict=True))
+        cond = encode_prompts(comps, token_ids).by_name()
+        for prefix, view in views.items():
+            posterior = vae.encode(view.to(vae.dtype)).latent_dist
+            for i, (pos, _, _) in enumerate(meta):
+                # clone: safetensors refuses tensors that share storage (slices of one batch)
+                out[f"{pos}/{prefix}mean"] = posterior.mean[i].contiguous().cpu().clone()
+                out[f"{pos}/{prefix}std"] = posterior.std[i].contiguous().cpu().clone()
+        for i, (pos, original, crop) in enumerate(meta):
+            for name, value in cond.items():
+                out[f"{pos}/cond/{name}"] = value[i].contiguous().cpu().clone()
+            out[f"{pos}/original_size"] = torch.tensor(original, dtype=torch.long)
+            out[f"{pos}/crop_top_left"] = torch.tensor(crop, dtype=torch.long)
+            out[f"{pos}/target_size"] = torch.tensor(size, dtype=torch.long)
     return out
 
 
@@ -294,16 +335,17 @@ def _plan(
     max_bad_fraction: float,
     data: Path,
 ) -> _Plan:
-    """Unreadable images found by all ranks together (each checks a share: a collective) and every good
-    image's size, so that all ranks cut the same shards."""
-    from sdzero.data.images import check_bad_fraction, find_unreadable
+    """Unreadable images found by all ranks together (each decodes a share, remembered for the next build
+    or run: sdzero.data.listing; a collective) and every good image's size, so that all ranks cut the same
+    shards. Decoded, not only checked from headers: a shard's positions are fixed before it is encoded."""
+    from sdzero.data.listing import check_images, good_sizes
 
-    bad = {i for share in ranks.gather(find_unreadable(records, ranks.rank, ranks.world)) for i in share}
-    check_bad_fraction(len(records), len(bad), max_bad_fraction, data)
+    checked = check_images(records, data, ranks, max_bad_fraction, decode=True)
+    bad = set(checked.bad)
     good = [r for i, r in enumerate(records) if i not in bad]
     if spec.buckets is not None:
         sizes_list = [tuple(s) for s in spec.buckets]
-        sizes = [sizes_list[b] for b in assign_buckets(image_sizes([r.path for r in good]), sizes_list)]
+        sizes = [sizes_list[b] for b in assign_buckets(good_sizes(checked), sizes_list)]
     else:
         sizes = [(spec.resolution, spec.resolution)] * len(good)
     return _Plan(spec, records, rows, good, sorted(bad), sizes, shard_size)  # type: ignore[arg-type]

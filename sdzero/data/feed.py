@@ -7,22 +7,20 @@ import functools
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from sdzero.config.train_config import DsSettings, TrainConfig
-from sdzero.data.buckets import BucketBatchSampler, assign_buckets, bucket_sizes, image_sizes
+from sdzero.data.buckets import BucketBatchSampler, assign_buckets, bucket_sizes
 from sdzero.data.cache import CachedSamples, CacheIndex, net_geometry
 from sdzero.data.images import (
     CaptionedImages,
     EpochSampler,
     LateFailures,
     SampleSpec,
-    check_bad_fraction,
-    find_unreadable,
     read_metadata,
     set_max_image_pixels,
 )
+from sdzero.data.listing import TorchRanks, check_images, good_sizes
 from sdzero.errors import UserError
 from sdzero.models.families import Components
 from sdzero.models.loading import tokenize
@@ -61,11 +59,10 @@ def build_data(
     if cache is None:
         set_max_image_pixels(cfg.max_image_pixels)  # before the check and the workers' fork
         records = read_metadata(cfg.data)
-        mine = find_unreadable(records, rank, world)
-        shares: list[list[int]] = [[] for _ in range(world)]
-        dist.all_gather_object(shares, mine)  # every rank must agree on the dataset, or collectives desync
-        bad = {i for share in shares for i in share}
-        check_bad_fraction(len(records), len(bad), cfg.max_bad_fraction, cfg.data)
+        # every rank must agree on the dataset, or collectives desync: checked together, from headers, and
+        # remembered for the next start (sdzero.data.listing)
+        checked = check_images(records, cfg.data, TorchRanks(rank, world), cfg.max_bad_fraction)
+        bad = set(checked.bad)
         good = [r for i, r in enumerate(records) if i not in bad]
         n_good, n_bad = len(good), len(bad)
     else:
@@ -99,7 +96,7 @@ def build_data(
         else:
             geometry = net_geometry(cfg.model)
             bucket_list = bucket_sizes(resolution, geometry.granularity, max_side=geometry.max_side)
-            image_hw = image_sizes([r.path for r in good])
+            image_hw = good_sizes(checked)  # read once over all ranks by the start-up check
         bucket_of = assign_buckets(image_hw, bucket_list)
         sizes = [bucket_list[b] for b in bucket_of]
         sampler = BucketBatchSampler(

@@ -44,6 +44,11 @@ def set_max_image_pixels(pixels: int) -> None:
     _max_image_pixels = int(pixels)
 
 
+def max_image_pixels() -> int:
+    """The pixel limit in force in this process (--max-image-pixels)."""
+    return _max_image_pixels
+
+
 @dataclass(frozen=True)
 class Record:
     path: Path
@@ -135,7 +140,8 @@ def open_rgb(path: Path) -> Image.Image:
 
 
 def find_unreadable(records: list[Record], rank: int, world_size: int) -> list[int]:
-    """Indices, among this rank's share (i % world == rank), of images that cannot be decoded."""
+    """Indices, among this rank's share (i % world == rank), of images that cannot be decoded: a full
+    decode of each, every call. Start-up uses the remembered header check (sdzero.data.listing) instead."""
     bad = []
     for i in range(rank, len(records), world_size):
         try:
