@@ -13,7 +13,8 @@ import typer
 
 from advisor.advise import run_advise
 from advisor.fine_tune import check_train_args
-from advisor.model.network import PRESETS
+from advisor.model.network import MACHINES, PRESETS
+from advisor.plan import replan_out
 from advisor.request import AdviseRequest
 from advisor.target import TARGET_GPUS
 from sdzero import cli as trainer_cli
@@ -83,7 +84,8 @@ InterNodeLatencyUs = Annotated[
 Preset = Annotated[
     str | None,
     typer.Option(
-        help=f"named inter-node fabric: {', '.join(PRESETS)} (figures in advisor/model/network.py)."
+        help=f"named inter-node fabric: {', '.join(PRESETS)}; or a whole machine (its NVLink domain, intra-node "
+        f"link and NICs): {', '.join(MACHINES)} (figures and sources in advisor/model/network.py)."
     ),
 ]
 GlobalBatch = Annotated[
@@ -135,8 +137,20 @@ Replan = Annotated[
     typer.Option(
         metavar="OUT",
         help="answer again from OUT's trials, link probes and fits for other target, batch or training "
-        "options, measuring nothing (seconds, no process group).",
+        "options, measuring nothing (seconds, no process group); OUT may also be a training run's folder "
+        "(metrics.jsonl, ds_config.json) or a profile file (docs/advisor.md section 2c).",
         show_default=False,
+    ),
+]
+TargetTflops = Annotated[
+    float | None,
+    typer.Option(help="the target's sustained TFLOP/s per GPU (assumed): its compute when the trials ran elsewhere."),
+]
+SamplesRuleOption = Annotated[
+    str,
+    typer.Option(
+        "--samples-rule",
+        help="samples a larger global batch needs for the same quality: same, flux (8x batch: 2.1x samples), sd2.",
     ),
 ]
 TrainArgs = Annotated[
@@ -178,6 +192,8 @@ def advise_command(
     deadline_hours: DeadlineHours = _ADVISE.deadline_hours,
     max_gpu_hours: MaxGpuHours = _ADVISE.max_gpu_hours,
     replan: Replan = _ADVISE.replan,
+    target_tflops: TargetTflops = _ADVISE.target_tflops,
+    samples_rule: SamplesRuleOption = _ADVISE.samples_rule,
 ) -> None:
     """Measure a few trials and the network, predict 1..--max-nodes nodes with the time and GPU-hours to
     train, recommend a runnable config (--replan: answer again from an earlier run's measurements)."""
@@ -189,7 +205,7 @@ def advise_command(
     from sdzero.library_logs import library_chatter_to
 
     started = time.monotonic()
-    out_dir = Path(out or (replan if replan is not None else _ADVISE.out_dir))
+    out_dir = Path(out or (replan_out(replan) if replan is not None else _ADVISE.out_dir))
     console = Console(stderr=True)
     claim_output_dir(out_dir, flag="--out")  # a folder of the user's is refused before advise.log is in it
     with library_chatter_to(out_dir / ADVISE_LOG) as log:
@@ -228,6 +244,8 @@ def advise_command(
             deadline_hours=deadline_hours,
             max_gpu_hours=max_gpu_hours,
             replan=replan,
+            target_tflops=target_tflops,
+            samples_rule=samples_rule,
         )
         result = run_advise(request)
         print_advice(

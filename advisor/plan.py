@@ -44,6 +44,7 @@ from advisor.stages.inputs import (
     dataset_size,
 )
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
+from advisor.stages.profile_source import is_profile_source, profile_stages
 from advisor.target import machine_target, target_differs, target_memory
 from sdzero.atomic import write_json_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
@@ -313,10 +314,19 @@ def replan_trials(inputs: AdviseInputs, record: dict[str, Any], folder: Path) ->
     )
 
 
+def replan_out(replan: Path) -> Path:
+    """--out's default for --replan: the advise folder itself; for a profile file or a run's folder (whose
+    files are the user's), the default reports/advise."""
+    return AdviseRequest().out_dir if is_profile_source(Path(replan)) else Path(replan)
+
+
 def replan_stages(request: AdviseRequest) -> tuple[AdviseInputs, HardwareFigures, MeasuredTrials]:
-    """The inputs and measure stages of a replan: read from the folder, not measured."""
+    """The inputs and measure stages of a replan: read from the folder (or a profile file, a training
+    run's folder: advisor.stages.profile_source), not measured."""
     assert request.replan is not None
     folder = Path(request.replan).resolve()
+    if is_profile_source(folder):
+        return profile_stages(request, folder)
     record = read_plan_inputs(folder)
     inputs = replan_inputs(request, record, folder)
     hardware = replan_hardware(inputs, record, folder)

@@ -154,7 +154,7 @@ class TimeModel:
         self, stage: int, precision: str, micro_batch: int, offload: str = "none"
     ) -> float:
         if self.target is not None:
-            return self.target.seconds_per_sample * micro_batch
+            return self.target.per_sample(stage, precision, offload) * micro_batch
         if precision not in self.slopes and not any(g[1] == precision for g in self.proportional):
             # A precision never measured borrows a measured one's figures (the same network and data).
             precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]

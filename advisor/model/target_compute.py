@@ -16,7 +16,7 @@ they differ in communication and memory, which are costed on the target's links.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -116,6 +116,15 @@ class TargetCompute:
     label: str
     once_per_step_s: float = 0.0
     """Per-step compute outside the micro-steps (not in a FLOP count: 0 unless a profile measured it)."""
+    by_group: dict[tuple[int, str, str], float] = field(default_factory=dict)
+    """Seconds per sample of each (ZeRO stage, precision, offload) a profile measured; the others take
+    their precision's, else `seconds_per_sample`."""
+
+    def per_sample(self, stage: int, precision: str, offload: str) -> float:
+        if (stage, precision, offload) in self.by_group:
+            return self.by_group[(stage, precision, offload)]
+        same = [v for g, v in self.by_group.items() if g[1] == precision]
+        return min(same) if same else self.seconds_per_sample
 
 
 @dataclass(frozen=True)

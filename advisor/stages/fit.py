@@ -12,6 +12,7 @@ from advisor.model.prediction_error import fit_models
 from advisor.model.step_time import TimeModel
 from advisor.model.target_compute import ComputeBasis
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
+from advisor.stages.profile_source import fit_profile, is_profile_trials
 
 
 @dataclass
@@ -30,6 +31,10 @@ class FittedModels:
 
 
 def fit(measured: MeasuredTrials, hardware: HardwareFigures) -> FittedModels:
+    if is_profile_trials(
+        measured.trials
+    ):  # measured on the target's own node (advisor.stages.profile_source)
+        return FittedModels(*fit_profile(measured, hardware))
     trials, note = clean_trials(measured.trials)
     models = fit_models(trials, measured.numels, measured.zero, hardware.measured_net)
     notes = ([note] if note else []) + models.memory.notes + models.timing.notes

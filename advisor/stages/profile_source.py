@@ -1,0 +1,534 @@
+"""`sdzero advise --replan FILE|RUN`: plan for 1-N nodes from what was measured on one node of the target.
+
+Two sources, read into one `Profile`:
+
+- a profile file (YAML or JSON; docs/advisor.md section 2c, `examples/profile.yaml`): the model (a diffusers
+  pipeline folder, a named shape such as `sd2-base-unet`, or a trained parameter count), the device and its
+  GPUs per node, and for one or more configs measured on one node: ZeRO stage, precision, per-GPU
+  micro-batch, accumulation, the step time or samples/s, and the peak memory per GPU;
+- a training run's folder: the trainer's metrics.jsonl (step times and peak memory per step) and the
+  effective ds_config.json it wrote (stage, precision, micro-batch, accumulation), with run_config.json for
+  the model, resolution and ranks (one node assumed).
+
+The measured step is the target's own: its compute per sample is the step less the communication the
+node's links need for it (costed on the machine's NVLink, through the overlap account), solved once per
+config; other node counts add the inter-node cost of the preset's fabric. No process group, no trial.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from advisor.measure.grid import GridRequest, plan_grid
+from advisor.measure.trials import TrialSettings
+from advisor.model.collective_cost import ops_from_mix
+from advisor.model.collective_mix import collective_mix
+from advisor.model.memory import (
+    DEFAULT_BYTES_PER_ELEMENT,
+    STATE_KINDS,
+    ActivationFit,
+    MemoryModel,
+    ZeroSettings,
+    fit_memory_model,
+    state_elements,
+)
+from advisor.model.network import Network, build_network
+from advisor.model.predict import BatchTarget
+from advisor.model.search import SearchResult
+from advisor.model.step_time import TimeModel
+from advisor.model.target_compute import MODEL_SHAPES, PROFILE, ComputeBasis, TargetCompute, shape_cost
+from advisor.model.time_to_train import train_amount
+from advisor.request import AdviseRequest
+from advisor.stages.inputs import AdviseInputs, _checked_options, _refuse_unreachable, claim_out
+from advisor.stages.measure import HardwareFigures, MeasuredTrials
+from advisor.target import TARGET_GPUS
+from sdzero.atomic import write_csv_atomic
+from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
+from sdzero.constants import GIB
+from sdzero.errors import UserError
+
+SOURCE = "profile"
+"""trials.csv's `source` of a row read from a profile or a run folder (advisor.stages.fit dispatches on it)."""
+PARAMETER_TENSOR = 1 << 22
+"""A profile with a parameter count only: the count is split into tensors of this many elements (4M, a
+large UNet's typical weight) for the bucket and ZeRO-3 gather counts; named in the answer's notes."""
+VALIDATION_COLUMNS = (
+    "config_id",
+    "quantity",
+    "predicted",
+    "measured",
+    "held_out",
+    "check",
+    "node_count",
+    "micro_batch",
+    "zero_stage",
+    "grad_accum",
+)
+"""validation.csv's columns (advisor.model.prediction_error)."""
+STEADY_SKIP = 0.1
+"""A run folder's first steps (this share, at least one) are left out of its step time: warm-up."""
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    zero_stage: int
+    precision: str
+    micro_batch: int
+    grad_accum: int
+    step_time_s: float
+    memory_bytes: float
+    """Peak memory per GPU (torch.cuda.max_memory_allocated); NaN where the profile does not give it."""
+    offload: str = "none"
+
+
+@dataclass(frozen=True)
+class Profile:
+    source: str
+    """Where it was read ('profile file X' or 'training run X')."""
+    model: str
+    numels: tuple[int, ...]
+    device: str
+    gpus_per_node: int
+    configs: tuple[ProfileConfig, ...]
+    base: dict[str, Any]
+    dataset_images: int | None
+    forward_share: float
+    notes: tuple[str, ...] = ()
+
+
+def is_profile_source(path: Path) -> bool:
+    """A profile file, or a run folder (metrics.jsonl and ds_config.json) rather than an advise folder."""
+    return path.is_file() or ((path / "metrics.jsonl").is_file() and (path / "ds_config.json").is_file())
+
+
+def _need(record: dict[str, Any], key: str, where: str, kind: type, hint: str) -> Any:
+    if key not in record:
+        raise UserError(f"{where}: no `{key}`; {hint}")
+    try:
+        return kind(record[key])
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: `{key}: {record[key]!r}` is not a {kind.__name__}; {hint}") from None
+
+
+def read_profile(path: Path) -> Profile:
+    """A profile file (see the module doc); every missing or bad field is one line naming it."""
+    where = f"--replan {path}"
+    try:
+        record = yaml.safe_load(path.read_text())  # YAML is a superset of JSON: one reader for both
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{where}: unreadable as YAML or JSON ({str(exc).splitlines()[0]})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: a profile is a mapping of keys (docs/advisor.md section 2c)")
+    device = _need(
+        record, "device", where, str, f"the GPU it ran on, one of {', '.join(TARGET_GPUS)}"
+    ).lower()
+    if device not in TARGET_GPUS:
+        raise UserError(f"{where}: device {device!r} unknown; one of {', '.join(TARGET_GPUS)}")
+    gpus = _need(record, "gpus_per_node", where, int, "the GPUs of the node it was measured on")
+    if gpus < 1:
+        raise UserError(f"{where}: gpus_per_node {gpus}: at least 1")
+    raw = record.get("configs")
+    if not isinstance(raw, list) or not raw:
+        raise UserError(f"{where}: no `configs` list; give one entry per config measured on the node")
+    configs = tuple(_config(c, f"{where} configs[{i}]", gpus) for i, c in enumerate(raw))
+    numels, model, notes = _numels(record, where)
+    images = record.get("dataset_images")
+    base = _base_config(configs[0], record)
+    return Profile(
+        f"profile file {path}",
+        model,
+        numels,
+        device,
+        gpus,
+        configs,
+        base,
+        int(images) if images else None,
+        _forward_share(model),
+        notes,
+    )
+
+
+def _config(c: Any, where: str, gpus: int) -> ProfileConfig:
+    if not isinstance(c, dict):
+        raise UserError(f"{where}: a mapping with zero_stage, precision, micro_batch, a rate and memory_gib")
+    stage = _need(c, "zero_stage", where, int, "0, 1, 2 or 3")
+    precision = _need(c, "precision", where, str, "bf16 or fp16")
+    if stage not in (0, 1, 2, 3) or precision not in ("bf16", "fp16"):
+        raise UserError(f"{where}: zero_stage {stage} / precision {precision!r}: 0-3 and bf16 or fp16")
+    mb = _need(c, "micro_batch", where, int, "the per-GPU micro-batch")
+    accum = int(c.get("grad_accum", 1))
+    batch = mb * accum * gpus
+    if "step_time_s" in c:
+        step = _need(c, "step_time_s", where, float, "seconds per optimizer step")
+    elif "samples_per_s" in c:
+        step = batch / _need(c, "samples_per_s", where, float, "the node's samples/s (all its GPUs)")
+    elif "samples_per_s_per_gpu" in c:
+        step = batch / gpus / _need(c, "samples_per_s_per_gpu", where, float, "samples/s per GPU")
+    else:
+        raise UserError(
+            f"{where}: no rate; give step_time_s, samples_per_s (the node's) or samples_per_s_per_gpu"
+        )
+    memory = (
+        _need(c, "memory_gib", where, float, "peak memory per GPU, GiB") if "memory_gib" in c else math.nan
+    )
+    if mb < 1 or accum < 1 or not step > 0 or memory <= 0:
+        raise UserError(f"{where}: micro_batch, grad_accum, the rate and memory_gib must be positive")
+    return ProfileConfig(stage, precision, mb, accum, step, memory * GIB, str(c.get("offload", "none")))
+
+
+def _numels(record: dict[str, Any], where: str) -> tuple[tuple[int, ...], str, tuple[str, ...]]:
+    """(trained parameter sizes, model name, notes) from `model` (a named shape or a diffusers folder) or
+    `parameters` (a count)."""
+    import torch
+
+    from advisor.model.memory import trained_numels
+
+    model = record.get("model")
+    if model in MODEL_SHAPES:
+        import diffusers
+
+        shape = MODEL_SHAPES[str(model)]
+        with torch.device("meta"):
+            net = getattr(diffusers, shape.class_name).from_config(shape.config)
+        return tuple(int(p.numel()) for p in net.parameters()), str(model), ()
+    if model is not None:
+        if not Path(str(model)).is_dir():
+            raise UserError(
+                f"{where}: model {model!r} is neither a diffusers folder nor a named shape "
+                f"({', '.join(MODEL_SHAPES)}); or give `parameters: N`"
+            )
+        return trained_numels(str(model)), str(model), ()
+    count = _need(
+        record, "parameters", where, int, f"or `model:` (a diffusers folder or {', '.join(MODEL_SHAPES)})"
+    )
+    whole, rest = divmod(count, PARAMETER_TENSOR)
+    numels = (PARAMETER_TENSOR,) * whole + ((rest,) if rest else ())
+    note = f"parameters only: {count:,} taken as tensors of {PARAMETER_TENSOR:,} for bucket and gather counts"
+    return numels, f"{count:,} parameters", (note,)
+
+
+def _forward_share(model: str) -> float:
+    """The forward pass's share of a micro-step's arithmetic: counted for a named shape or a folder, else
+    one third (a backward pass costs about twice its forward: two matrix products per forward one)."""
+    from advisor.model.model_cost import count_model_cost
+
+    if model in MODEL_SHAPES:
+        return shape_cost(model).forward_share
+    if Path(model).is_dir():
+        return count_model_cost(model).forward_share
+    return 1 / 3
+
+
+def _base_config(c: ProfileConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed JSON the profile's first config stands for; the optional keys overlap_comm,
+    reduce_bucket_size and allgather_bucket_size (elements) and lr as the profile gives them."""
+    zero: dict[str, Any] = {"stage": c.zero_stage, "overlap_comm": bool(record.get("overlap_comm", True))}
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if key in record:
+            zero[key] = int(record[key])
+    return {
+        "train_micro_batch_size_per_gpu": c.micro_batch,
+        "gradient_accumulation_steps": c.grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": float(record.get("lr", 1e-4))}},
+        c.precision: {"enabled": True},
+        "zero_optimization": zero,
+    }
+
+
+def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
+    """A training run's folder: its steady steps' median step time and its peak memory, at the config of
+    its effective ds_config.json; the run's ranks are taken as one node (said in the notes)."""
+    from advisor.model.memory import trained_numels
+
+    where = f"--replan {path}"
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if isinstance(r.get("step_time_s"), (int, float))]
+    if not steps:
+        raise UserError(f"{where}: metrics.jsonl has no step with step_time_s; train a few steps first")
+    steady = steps[max(1, math.ceil(len(steps) * STEADY_SKIP)) :] or steps
+    config = json.loads((path / "ds_config.json").read_text())
+    run = json.loads((path / "run_config.json").read_text()) if (path / "run_config.json").is_file() else {}
+    device = (target_gpu or run.get("target_gpu") or "").lower()
+    if device not in TARGET_GPUS:
+        raise UserError(f"{where}: which GPU did it run on? give --target-gpu ({', '.join(TARGET_GPUS)})")
+    model = str(run.get("model") or "")
+    if not Path(model).is_dir():
+        raise UserError(
+            f"{where}: run_config.json names no model folder here ({model!r}); plan from a profile file"
+        )
+    precision = "bf16" if (config.get("bf16") or {}).get("enabled") else "fp16"
+    gpus = int(run.get("world_size") or 1)
+    peak = max(float(r.get("peak_mem_bytes") or 0) for r in steps)
+    c = ProfileConfig(
+        int((config.get("zero_optimization") or {}).get("stage", 0)),
+        precision,
+        int(config["train_micro_batch_size_per_gpu"]),
+        int(config.get("gradient_accumulation_steps", 1)),
+        statistics.median(float(r["step_time_s"]) for r in steady),
+        peak,
+    )
+    notes = (
+        f"from {len(steady)} steady steps of {len(steps)} in metrics.jsonl; its {gpus} ranks taken as one node",
+    )
+    return Profile(
+        f"training run {path}",
+        model,
+        trained_numels(model),
+        device,
+        gpus,
+        (c,),
+        config,
+        None,
+        _forward_share(model),
+        notes,
+    )
+
+
+def profile_trials(profile: Profile, zero: ZeroSettings, setup: str) -> pd.DataFrame:
+    """One ok 'trial' row per measured config: what the report, the memory fit and the candidates read.
+    Model-state bytes are the formula's; the activations are what the measured peak leaves over them."""
+    rows = []
+    for c in profile.configs:
+        world = profile.gpus_per_node
+        elements = state_elements(
+            profile.numels, c.zero_stage, world, zero.persistence_threshold, zero.overlap_comm
+        )
+        states = {f"{k}_bytes": elements[k] * DEFAULT_BYTES_PER_ELEMENT[k] for k in STATE_KINDS}
+        bare = MemoryModel(profile.numels, zero, 0.0, ActivationFit(0.0, 0.0), device="cuda")
+        without = bare.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)["allocated"]
+        batch = c.micro_batch * c.grad_accum * world
+        rows.append(
+            {
+                "trial_id": f"profile-z{c.zero_stage}-{c.precision}-mb{c.micro_batch}-ga{c.grad_accum}",
+                "setup_id": setup,
+                "status": "ok",
+                "source": SOURCE,
+                "zero_stage": c.zero_stage,
+                "precision": c.precision,
+                "micro_batch": c.micro_batch,
+                "offload": c.offload,
+                "grad_accum": c.grad_accum,
+                "world_size": world,
+                "ranks_per_node": world,
+                "nodes": 1,
+                "global_batch": batch,
+                "step_time_s": c.step_time_s,
+                "step_time_median_s": c.step_time_s,
+                "samples_per_s": batch / c.step_time_s,
+                "comm_s": 0.0,
+                "device_peak_bytes": c.memory_bytes,
+                "cuda_peak_bytes": c.memory_bytes,
+                **states,
+                "bucket_bytes": bare.bucket_bytes(c.zero_stage),
+                "frozen_bytes": 0.0,
+                # no peak given: activations unknown, taken as none (said in the notes)
+                "activation_bytes": 0.0 if math.isnan(c.memory_bytes) else max(c.memory_bytes - without, 0.0),
+                "forward_share": profile.forward_share,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def profile_stages(
+    request: AdviseRequest, path: Path
+) -> tuple[AdviseInputs, HardwareFigures, MeasuredTrials]:
+    """The inputs and measure stages from a profile file or a run folder: nothing measured."""
+    r = request
+    node_list, _, asked, rule = _checked_options(r)
+    for given, what in (
+        (r.hostfile is not None, "--hostfile"),
+        (r.budget_minutes is not None, "--budget-minutes"),
+        (r.model is not None, "--model"),
+        (r.deepspeed_config is not None, "--deepspeed-config"),
+    ):
+        if given:
+            raise UserError(
+                f"--replan {path}: {what} does not apply to a profile or a run's folder; the file says it"
+            )
+    profile = read_profile(path) if path.is_file() else read_run_folder(path, r.target_gpu)
+    if r.target_gpu and r.target_gpu.lower() != profile.device and path.is_file():
+        raise UserError(
+            f"--target-gpu {r.target_gpu}: the profile measured {profile.device}; a profile plans for its own "
+            "device (plan another GPU from a profile of it, or from trials with --target-tflops)"
+        )
+    gpus = r.gpus_per_node or profile.gpus_per_node
+    base = profile.base
+    base_batch = lr_reference_batch_of(base, gpus)
+    target = asked or BatchTarget(base_batch, base_batch)
+    out_dir = Path(r.out_dir).resolve()
+    claim_out(out_dir)
+    stages = tuple(sorted({c.zero_stage for c in profile.configs}))
+    grid = GridRequest(
+        stages=stages,
+        precisions=tuple(sorted({c.precision for c in profile.configs})),
+        micro_batches=tuple(sorted({c.micro_batch for c in profile.configs})),
+        ranks_per_node=(gpus,),
+    )
+    plan = plan_grid(grid, {"bf16": True, "fp16": True})
+    _refuse_unreachable(plan, gpus, node_list, target, asked is not None, base_batch)
+    if r.samples is None and profile.dataset_images is None:
+        raise UserError(
+            f"--replan {path}: give --samples (samples in one epoch) or dataset_images in the profile"
+        )
+    amount = train_amount(
+        r.samples, r.epochs, profile.dataset_images or 1, f"the profile's dataset_images ({path})"
+    )
+    setup = "profile-" + hashlib.sha1(profile.source.encode()).hexdigest()[:12]
+    device = {"device": profile.device, "count": gpus, "bf16": True, "fp16": True, "name": profile.device}
+    memory = (
+        (r.device_memory_gib, "assumed (user figure: --device-memory-gib)")
+        if r.device_memory_gib
+        else (
+            TARGET_GPUS[profile.device],
+            f"assumed ({profile.device} nominal memory, the profile's device)",
+        )
+    )
+    inputs = AdviseInputs(
+        request=r,
+        say=r.log or (lambda message: None),
+        out_dir=out_dir,
+        node_list=node_list,
+        user_args=(),
+        target=target,
+        target_asked=asked is not None,
+        base=base,
+        base_batch=base_batch,
+        device=device,
+        ranks=profile.gpus_per_node,
+        target_gpus=gpus,
+        differs=None,
+        memory_given=memory,
+        model=profile.model,
+        data=Path("DATA"),
+        settings=TrialSettings(
+            model=profile.model,
+            data=Path("DATA"),
+            steps=0,
+            warmup_steps=0,
+            trial_timeout_s=0.0,
+            stall_timeout_s=None,
+            train_args=(),
+        ),
+        setup=setup,
+        hosts=[],
+        plan=plan,
+        notes=[
+            f"planned from {profile.source}: {len(profile.configs)} config(s) measured on one {profile.device} "
+            f"node of {profile.gpus_per_node} GPUs (measured on the target); nothing measured here",
+            *profile.notes,
+            *(
+                [
+                    "memory per GPU not in the profile: activations unknown, so memory figures hold model states "
+                    "and buckets only"
+                ]
+                if any(math.isnan(c.memory_bytes) for c in profile.configs)
+                else []
+            ),
+        ],
+        started=time.monotonic(),
+        amount=amount,
+        rule=rule,
+    )
+    hardware = _hardware(inputs, profile, memory)
+    zero = ZeroSettings.from_config(base)
+    trials = profile_trials(profile, zero, setup)
+    # no fit is checked against held-out trials here: the table has its columns and no row
+    validation = pd.DataFrame(columns=list(VALIDATION_COLUMNS))
+    write_csv_atomic(validation, out_dir / "validation.csv")
+
+    def no_trials(_specs: list[Any]) -> pd.DataFrame:
+        raise UserError("a plan from a profile runs no trial; run sdzero advise to measure more")
+
+    measured = MeasuredTrials(
+        trials=trials,
+        search=SearchResult(trials, len(trials), [], [f"read from {profile.source}"]),
+        validation=validation,
+        check_ids=[],
+        numels=profile.numels,
+        zero=zero,
+        runner=no_trials,
+        budget_s=0.0,
+        per_trial_s=0.0,
+        notes=[],
+    )
+    inputs.say(f"planning from {profile.source}; nothing measured")
+    return inputs, hardware, measured
+
+
+def _hardware(inputs: AdviseInputs, profile: Profile, memory: tuple[float, str]) -> HardwareFigures:
+    """The profile's node and the target's: the machine's NVLink inside, the preset's fabric between."""
+    r = inputs.request
+    fit_path = inputs.out_dir / "comm" / "comm_fit.json"
+    links = (r.preset, r.inter_node_gbps, r.inter_node_latency_us, r.nics_per_node)
+    measured_net, measured_notes = build_network(
+        None, profile.gpus_per_node, *links, gpu_target=profile.device
+    )
+    target_net, notes = build_network(None, inputs.target_gpus, *links, gpu_target=profile.device)
+    return HardwareFigures(
+        fit_path=fit_path,
+        measured_net=measured_net,
+        measured_notes=measured_notes,
+        target_net=target_net,
+        memory_bytes=memory[0] * GIB,
+        memory_source=memory[1],
+        usable_bytes=memory[0] * GIB * (1 - r.headroom),
+        notes=notes,
+    )
+
+
+def is_profile_trials(trials: pd.DataFrame) -> bool:
+    return "source" in trials and bool((trials["source"] == SOURCE).any())
+
+
+def fit_profile(
+    measured: MeasuredTrials, hardware: HardwareFigures
+) -> tuple[MemoryModel, TimeModel, list[str], ComputeBasis]:
+    """The memory model on the profile's peaks; compute per sample solved from each measured step: the
+    step less the exposed communication its node's links need at that compute (a fixed point: the overlap
+    windows grow with the compute)."""
+    trials = measured.trials
+    forward_share = float(trials["forward_share"].iloc[0])
+    memory = fit_memory_model(trials, measured.numels, measured.zero)
+    world = int(trials["world_size"].max())
+    ops = {s: ops_from_mix(collective_mix(measured.numels, s, world, measured.zero)) for s in (0, 1, 2, 3)}
+    net = hardware.measured_net
+    by_group: dict[tuple[int, str, str], float] = {}
+    for _, row in trials.iterrows():
+        group = (int(row["zero_stage"]), str(row["precision"]), str(row["offload"]))
+        by_group[group] = per_sample_s(row, ops, net, forward_share)
+    target = TargetCompute(
+        min(by_group.values()), forward_share, "measured on the target's node", by_group=by_group
+    )
+    timing = TimeModel({}, {}, ops, target=target)
+    line = (
+        f"target compute {PROFILE}: measured on one {net.gpus_per_node}-GPU node of the target, less its "
+        "node's communication (costed on the machine's NVLink)"
+    )
+    return memory, timing, [*memory.notes], ComputeBasis(PROFILE, line, target)
+
+
+def per_sample_s(row: pd.Series, ops: dict[int, Any], net: Network, forward_share: float) -> float:
+    stage, precision, offload = int(row["zero_stage"]), str(row["precision"]), str(row["offload"])
+    mb, accum, step = int(row["micro_batch"]), int(row["grad_accum"]), float(row["step_time_s"])
+    seconds = step / (mb * accum)
+    for _ in range(8):
+        model = TimeModel({}, {}, ops, target=TargetCompute(seconds, forward_share, ""))
+        predicted = model.predict(stage, precision, mb, accum, 1, net, offload)
+        compute = step - predicted.exposed_comm_s
+        if not compute > 0:
+            raise UserError(
+                f"{row['trial_id']}: a {step:.3g} s step is shorter than the node's communication "
+                f"({predicted.exposed_comm_s:.3g} s on the preset's links); check gpus_per_node and --preset"
+            )
+        seconds = compute / (mb * accum)
+    return seconds
