@@ -118,6 +118,8 @@ def provenance(o: Outcome) -> dict[str, Any]:
     target = o.differs or f"nodes like this one ({o.target_net.gpus_per_node} ranks each)"
     inter = link_provenance(o.target_net.inter.source)
     compute = o.compute.line if o.compute is not None else f"compute measured on {here}"
+    if o.compute is not None and not o.compute.timed:
+        compute = "the target's compute is unknown (see the answer)"
     headline = f"Trials ran on {here}; target: {target}. " + (
         f"The target differs from this machine: {compute}; memory checked against "
         f"{o.memory_bytes / GIB:.3g} GiB, {o.memory_source}. "

@@ -35,6 +35,8 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
     title = f"Scaling, global batch {rec.get('global_batch_rule', '')}"
     if t:
         title += f"; time to train {t.get('amount', '')}"
+    if rec.get("timed") is False:
+        return untimed_table(rec)
     table = Table(title=title, title_justify="left")
     columns = ["nodes", "config", "mb x accum", "step (s)", "samples/s", "time", unit]
     columns += ["cost"] if price is not None else []
@@ -72,6 +74,44 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
     return table
 
 
+def untimed_table(rec: dict[str, Any]) -> Table:
+    """Without the target's compute: each node count's first-ranked config and the communication a step
+    needs on the target's links, nothing that rests on the target's speed (advisor.report.withheld)."""
+    table = Table(
+        title=f"Ranking and communication, global batch {rec.get('global_batch_rule', '')}",
+        title_justify="left",
+    )
+    for name in (
+        "nodes",
+        "config ranked first",
+        "mb x accum",
+        "global batch",
+        "comm per step (s)",
+        "link",
+        "",
+    ):
+        table.add_column(
+            name, justify="right" if name in {"nodes", "global batch", "comm per step (s)"} else "left"
+        )
+    for row in rec.get("scaling_table", []):
+        if row["status"] != "ok":
+            table.add_row(
+                str(row["node_count"]), f"[dim]{row.get('reach_note') or row['status']}[/dim]", *[""] * 5
+            )
+            continue
+        comm = row.get("comm_s")
+        table.add_row(
+            str(row["node_count"]),
+            str(row["config_id"]),
+            f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
+            str(int(row["global_batch"])),
+            "" if comm is None else f"{float(comm):.4g}",
+            str(row.get("limiting_link", "-")),
+            "larger batch" if row.get("larger_batch") is True else "",
+        )
+    return table
+
+
 def _marks(row: dict[str, Any], rec: dict[str, Any], choice: dict[str, Any]) -> list[str]:
     n = row["node_count"]
     marks = []
@@ -104,12 +144,15 @@ def print_advice(
         )
     out.print(scaling_rich_table(rec))
     choice = rec.get("node_choice", {})
-    out.print(
-        f"[bold]node count:[/bold] {rec['node_count']}, by {choice.get('rule', '')}; fastest "
-        f"{choice.get('fastest')}, most efficient {choice.get('most_efficient')}"
-        + (f", fewest GPU-h {choice['fewest_gpu_hours']}" if choice.get("fewest_gpu_hours") else ""),
-        highlight=False,
-    )
+    if rec.get("timed") is False:
+        out.print(f"[bold yellow]not timed:[/bold yellow] {rec['compute_basis']['line']}", highlight=False)
+    else:
+        out.print(
+            f"[bold]node count:[/bold] {rec['node_count']}, by {choice.get('rule', '')}; fastest "
+            f"{choice.get('fastest')}, most efficient {choice.get('most_efficient')}"
+            + (f", fewest GPU-h {choice['fewest_gpu_hours']}" if choice.get("fewest_gpu_hours") else ""),
+            highlight=False,
+        )
     if choice.get("confidence"):
         out.print(f"[bold]how sure:[/bold] {choice['confidence']}", highlight=False)
     if choice.get("trade"):
@@ -118,12 +161,17 @@ def print_advice(
         out.print(f"[bold]tie:[/bold] {rec['tie']}", highlight=False)
     intervals = rec.get("intervals") or {}
     rate = intervals.get("samples_per_s")
-    out.print(
+    speed = (
         f"predicted {rec['samples_per_s']:.4g} samples/s"
         + (f" ({rate[0]:.4g}-{rate[1]:.4g})" if rate else "")
         + f", {rec['step_time_s']:.4g} s/step, "
-        f"{rec['mem_per_rank_bytes'] / GIB:.3f} GiB per rank of {rec['usable_memory_bytes'] / GIB:.3g} usable "
-        f"(device memory {prov.get('device_memory', '?')})",
+        if rec.get("samples_per_s") is not None
+        else ""
+    )
+    out.print(
+        speed
+        + f"{rec['mem_per_rank_bytes'] / GIB:.3f} GiB per rank of {rec['usable_memory_bytes'] / GIB:.3g} "
+        f"usable (device memory {prov.get('device_memory', '?')})",
         highlight=False,
     )
     t = rec.get("time_to_train") or {}
