@@ -22,7 +22,6 @@ import contextlib
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -95,6 +94,10 @@ class RemoteLaunch:
     """Values handed to every rank in the payload word (none of them secret)."""
     secrets: dict[str, str]
     secrets_file: Path | None
+    launch_id: str | None = None
+    """On every rank's command line (`-X sdzero_launch=ID`): how a signal finds the remote ranks."""
+    remote_hosts: tuple[str, ...] = ()
+    """The hosts a pdsh launch starts ranks on through ssh (empty: every rank is a local process)."""
 
     def write_secrets(self) -> None:
         """The secrets, in a new file only this user can read (O_EXCL: never one planted beforehand)."""
@@ -134,25 +137,16 @@ class RemoteLaunch:
         return subprocess.Popen(self.command, cwd=self.runner_cwd, env=self.runner_env, **kwargs)
 
     def run(self) -> int:
-        """Start the runner, forward a termination to it, and remove the secrets file when it ends.
+        """Start the runner, pass SIGTERM/SIGUSR1/SIGINT/SIGHUP on to the ranks (sdzero.process.launch_signals)
+        and exit with their code (143 after a preemption save); remove the secrets file when it ends."""
+        from sdzero.process.launch_signals import pdsh_remote_signal, wait_forwarding
 
-        Ctrl-C reaches the runner from the terminal itself (one process group), so this process only
-        waits; a SIGTERM or SIGHUP sent to it alone (a scheduler, `kill`) is passed on, and DeepSpeed's
-        runner then stops the remote ranks."""
+        remote = None
+        if self.launch_id is not None and self.remote_hosts:
+            remote = pdsh_remote_signal(self.remote_hosts, self.launch_id, self.runner_env)
         with self.secrets_written():
-            runner = self.popen()
-
-            def forward(signum: int, _frame: Any) -> None:
-                runner.send_signal(signum)
-
-            previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
-            previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: None)
-            try:
-                code = runner.wait()
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
-        return code if code >= 0 else 128 - code
+            runner = self.popen(start_new_session=True)
+            return wait_forwarding(runner, remote)
 
 
 def local_launch(command: list[str], environ: Mapping[str, str] | None = None) -> RemoteLaunch:
@@ -190,11 +184,13 @@ def remote_launch(
     hidden = {k: v for k, v in values.items() if is_secret(k)}
     plain = {k: v for k, v in values.items() if k not in hidden}
     secrets_file = workdir / f"{SECRETS_PREFIX}{secrets.token_hex(8)}.json" if hidden else None
+    launch_id = secrets.token_hex(6)
     payload = Payload(
         cwd=str(workdir),
         command=[str(entry), *train_args] if isinstance(entry, Path) else [*entry, *train_args],
         env=plain,
         secrets_file=None if secrets_file is None else str(secrets_file),
+        launch_id=launch_id,
     )
     command = deepspeed_command(
         [encode_payload(payload)],
@@ -210,7 +206,30 @@ def remote_launch(
     exported = deepspeed_exported(env)
     runner_env = {k: v for k, v in env.items() if k not in exported}
     runner_env["DS_ENV_FILE"] = os.devnull  # not a regular file: DeepSpeed reads no env file at all
-    return RemoteLaunch(command, runner_cwd, runner_env, plain, hidden, secrets_file)
+    return RemoteLaunch(
+        command,
+        runner_cwd,
+        runner_env,
+        plain,
+        hidden,
+        secrets_file,
+        launch_id,
+        pdsh_hosts(hostfile, launcher),
+    )
+
+
+def pdsh_hosts(hostfile: Path, launcher: str | None) -> tuple[str, ...]:
+    """The hosts DeepSpeed's runner reaches through pdsh: all of them when there are several (one host
+    runs its ranks locally), none under another launcher (mpirun passes signals on itself)."""
+    from sdzero.cluster.hostfile import parse_hostfile
+
+    if launcher not in (None, "pdsh"):
+        return ()
+    try:
+        hosts = tuple(entry.host for entry in parse_hostfile(hostfile))
+    except UserError:
+        return ()
+    return hosts if len(hosts) > 1 else ()
 
 
 def launch_from_here(

@@ -18,6 +18,7 @@ import base64
 import binascii
 import json
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from sdzero.errors import EXIT_USER_ERROR, UserError
 
 MODULE = "sdzero.process.rank_entry"
+LAUNCH_ID = re.compile(r"[0-9a-f]{1,64}")
 PER_RANK_KEYS = frozenset(
     {
         "RANK",
@@ -60,6 +62,9 @@ class Payload:
     """Forwarded values that are not secret."""
     secrets_file: str | None
     """A 0600 file of the secret values (JSON object), or None when there are none."""
+    launch_id: str | None = None
+    """Put on the rank's command line as `-X sdzero_launch=ID`, where a signal's `pkill` finds it
+    (sdzero.process.launch_signals); Python keeps unknown -X options in sys._xoptions, unused."""
 
 
 def encode_payload(payload: Payload) -> str:
@@ -70,6 +75,7 @@ def encode_payload(payload: Payload) -> str:
             "command": payload.command,
             "env": payload.env,
             "secrets_file": payload.secrets_file,
+            "launch_id": payload.launch_id,
         },
         ensure_ascii=True,
     )
@@ -98,9 +104,10 @@ def decode_payload(word: str) -> Payload:
         and data["command"]
         and _string_map(data.get("env"))
         and (data.get("secrets_file") is None or isinstance(data.get("secrets_file"), str))
+        and (data.get("launch_id") is None or LAUNCH_ID.fullmatch(str(data.get("launch_id"))))
     ):
         raise UserError(f"{MODULE}: the payload lacks cwd, command or env; relaunch with `sdzero launch`")
-    return Payload(data["cwd"], data["command"], data["env"], data["secrets_file"])
+    return Payload(data["cwd"], data["command"], data["env"], data["secrets_file"], data.get("launch_id"))
 
 
 def read_secrets(path: str) -> dict[str, str]:
@@ -137,7 +144,8 @@ def rank_argv(payload: Payload, local_rank_args: list[str], interpreter: str) ->
     the script or module, exactly as deepspeed.launcher.launch would have placed it."""
     command = payload.command
     head = 2 if command[0] == "-m" else 1
-    return [interpreter, "-u", *command[:head], *local_rank_args, *command[head:]]
+    mark = ["-X", f"sdzero_launch={payload.launch_id}"] if payload.launch_id else []
+    return [interpreter, "-u", *mark, *command[:head], *local_rank_args, *command[head:]]
 
 
 def prepare(argv: list[str], environ: dict[str, str]) -> tuple[str, list[str], dict[str, str]]:
