@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdzero.atomic import write_text_atomic
+from sdzero.config.user_file import read_user_bytes
 from sdzero.errors import UserError
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$", re.ASCII)
@@ -51,7 +52,7 @@ def read_env_file(path: Path) -> dict[str, str]:
     such lines itself).
     """
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_user_bytes(path, "the env file").decode("utf-8")  # a FIFO here once blocked for ever
     except UnicodeDecodeError as exc:
         raise UserError(
             f"{path}: byte {exc.start} is not UTF-8; write the file as UTF-8 text (KEY=VALUE lines)"
@@ -83,8 +84,9 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
     """Add the missing keys to `path`, unquoted; the user's own keys and lines are never changed."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    existing = read_env_file(path) if path.exists() else {}
+    present = os.path.lexists(path)
+    existing = read_env_file(path) if present else {}  # checked to be a regular file before it is read
+    text = read_user_bytes(path, "the env file").decode("utf-8") if present else ""
     missing = {k: v for k, v in wanted.items() if k not in existing}
     # A line break would end the line early (and start a bogus one), and blanks at the ends are stripped
     # on reading: such a value stays out of the file.

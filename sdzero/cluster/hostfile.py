@@ -29,6 +29,7 @@ from pathlib import Path
 from sdzero.cluster.env_file import ENV_FILE, EnvMerge, env_file_name, merge_env_file, read_env_file
 from sdzero.cluster.launch_command import REPO_ROOT, TRAIN_SCRIPT
 from sdzero.cluster.remote_launch import RemoteLaunch, forwarded_values, remote_launch
+from sdzero.config.user_file import read_user_bytes
 from sdzero.errors import UserError
 
 __all__ = ["ENV_FILE", "EnvMerge", "merge_env_file", "read_env_file"]  # the env file's, re-exported
@@ -106,10 +107,11 @@ def check_host_name(host: str, where: str) -> None:
 
 
 def hostfile_lines(path: Path) -> list[str]:
+    data = read_user_bytes(path, "--hostfile")  # a FIFO or a device: one line, never a read that blocks
     try:
-        return path.read_bytes().decode("utf-8").splitlines()
+        return data.decode("utf-8").splitlines()
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        line = data[: exc.start].count(b"\n") + 1
         raise UserError(
             f"--hostfile {path}:{line}: byte {exc.start} is not UTF-8; host names are ASCII, write "
             "the file as plain text (`host slots=N` per line)"
@@ -120,7 +122,7 @@ def hostfile_lines(path: Path) -> list[str]:
 
 def parse_hostfile(path: Path) -> list[HostEntry]:
     """`host slots=N` per line, `#` comments and blank lines allowed (DeepSpeed's and Open MPI's format)."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"--hostfile {path}: no such file; write one `host slots=N` line per node")
     entries: list[HostEntry] = []
     seen: dict[str, tuple[str, int]] = {}

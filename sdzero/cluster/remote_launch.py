@@ -67,7 +67,9 @@ def forwarded_values(workdir: Path, environ: Mapping[str, str], home: Path | Non
     seen: set[Path] = set()
     for folder in folders:
         path = folder / name
-        if path.is_file() and path.resolve() not in seen:
+        if name == os.devnull:
+            continue
+        if os.path.lexists(path) and path.resolve() not in seen:  # a FIFO is refused there, not skipped
             seen.add(path.resolve())
             values.update(read_env_file(path))
     return values

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
+from sdzero.config.user_file import read_user_bytes
 from sdzero.errors import UserError
 
 PRECISION_BLOCKS = ("fp16", "bf16", "bfloat16")
@@ -25,12 +27,7 @@ def read_ds_json(path: Path) -> dict[str, Any]:
     """The file's JSON object, or one UserError saying why it is not one (bytes that are not UTF-8 too:
     `Path.read_text` would decode them in the locale's encoding, or raise a UnicodeDecodeError traceback)."""
     flag = f"--deepspeed_config {path}"
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise UserError(
-            f"{flag}: cannot be read ({exc.strerror}); check the path and its permissions"
-        ) from None
+    data = read_user_bytes(path, "--deepspeed_config")  # a FIFO or /dev/zero: one line, nothing read
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -42,9 +39,45 @@ def read_ds_json(path: Path) -> dict[str, Any]:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{flag}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise UserError(
+            f"{flag}: nested deeper than {MAX_JSON_DEPTH} levels; not a DeepSpeed config"
+        ) from None
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise UserError(
+            f"{flag}: holds an integer of more than {sys.get_int_max_str_digits()} digits; not a DeepSpeed config"
+        ) from None
     if not isinstance(raw, dict):
         raise UserError(f"{flag}: the top level must be a JSON object, not a {type(raw).__name__}")
+    check_json_bounds(raw, flag)
     return raw
+
+
+MAX_JSON_DEPTH = 32
+"""DeepSpeed's configs nest a few levels; far deeper is not a config, and the recursive checks below
+(and DeepSpeed's) would hit Python's recursion limit on it."""
+MAX_JSON_INT = 2**63 - 1
+"""Every integer DeepSpeed reads (sizes, counts, steps) is a 64-bit one in the end."""
+
+
+def check_json_bounds(raw: Any, flag: str) -> None:
+    """Depth and integer size, walked without recursion: one line naming the key that breaks a bound."""
+    stack: list[tuple[Any, str, int]] = [(raw, "", 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise UserError(
+                f'{flag}: "{where}" is nested deeper than {MAX_JSON_DEPTH} levels; not a DeepSpeed config'
+            )
+        if isinstance(node, int) and not isinstance(node, bool) and abs(node) > MAX_JSON_INT:
+            raise UserError(
+                f'{flag}: "{where}" is an integer of {len(str(abs(node)))} digits, beyond 64 bits; no DeepSpeed '
+                "setting holds such a number"
+            )
+        if isinstance(node, dict):
+            stack += [(v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node)]
 
 
 def find_auto(node: Any, where: str = "") -> str | None:

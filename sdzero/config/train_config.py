@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sdzero.config.ds_json import check_ds_values, read_ds_json
+from sdzero.config.ds_schema import check_with_deepspeed
 from sdzero.config.lr_rule import LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
 from sdzero.config.options import (
     PREDICTION_TYPES,
@@ -24,6 +25,7 @@ from sdzero.config.options import (
     WEIGHTING_SCHEMES,
     argv_parser,
 )
+from sdzero.config.user_file import read_user_bytes
 from sdzero.errors import UserError
 
 MODE_SCALE_MAX = 2 / (math.pi - 2)
@@ -98,9 +100,9 @@ def load_ds_config(path: Path, world_size: int) -> DsSettings:
     collective. Checking here, before `init_distributed`, turns that into one clear line.
     """
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"--deepspeed_config {path}: no such file; pick one of ds_configs/*.json")
-    raw = read_ds_json(path)
+    raw = read_ds_json(path)  # a FIFO, a device or a folder: one line saying which
     stage = check_ds_values(raw, path)  # "auto", precision blocks, stage, optimizer: one line each
 
     bf16 = any(raw.get(name, {}).get("enabled", False) for name in ("bf16", "bfloat16"))
@@ -113,6 +115,7 @@ def load_ds_config(path: Path, world_size: int) -> DsSettings:
     micro = _positive_int(raw, "train_micro_batch_size_per_gpu", path)
     accum = _positive_int(raw, "gradient_accumulation_steps", path)
     micro, accum = _resolve_batch_triple(path, total, micro, accum, world_size)
+    check_with_deepspeed(raw, path)  # DeepSpeed's own config models, scheduler, gradient_clipping
     return DsSettings(
         path=path,
         raw=raw,
@@ -305,8 +308,12 @@ def check_model_folder(local: Path, model: str) -> None:
     if not index.is_file():
         raise UserError(f"--model {model}: folder has no model_index.json; {pipeline}")
     try:
-        raw = json.loads(index.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raw = json.loads(read_user_bytes(index, f"--model {model}:").decode("utf-8"))
+    except (
+        OSError,
+        ValueError,
+        RecursionError,
+    ) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise UserError(f"--model {model}: model_index.json is unreadable ({first}); {pipeline}") from None
     if not isinstance(raw, dict):
