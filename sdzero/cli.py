@@ -105,10 +105,13 @@ def cache(
     ] = DEFAULTS.hostfile,
 ) -> None:
     """Encode latents and text embeddings once, into sharded safetensors files (see docs/caching.md)."""
-    from sdzero.config.train_config import rank_from_env
+    from sdzero.config.train_config import check_resolution, rank_from_env
+    from sdzero.data.cache import read_build_record
     from sdzero.data.cache_build import build_cache, cache_launch
     from sdzero.data.images import set_max_image_pixels
 
+    check_resolution(resolution)  # the trainer's bound: a cache at 100000 px would exhaust memory too
+    read_build_record(out)  # an interrupted build's record that is not sdzero's: one line, before any launch
     if num_gpus is not None or hostfile is not None:
         args = [
             "--model",

@@ -24,6 +24,7 @@ every file's size and sha256, and falls back to the previous checkpoint with a w
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -375,6 +376,54 @@ def find_resume(
     return point
 
 
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException, root: Path) -> bool:
+    """Whether a failed save ran out of space. torch.save reports it as a RuntimeError ("file write
+    failed") without the errno, so a RuntimeError counts when the filesystem has (next to) nothing free."""
+    if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
+        return True
+    if "No space left" in str(exc) or "Disk quota exceeded" in str(exc):
+        return True
+    if isinstance(exc, RuntimeError) and "write" in str(exc).lower():
+        try:
+            usage = shutil.disk_usage(root if root.exists() else root.parent)
+        except OSError:
+            return False
+        return usage.free < max(usage.total // 1000, 1 << 20)
+    return False
+
+
+def filesystem_of(path: Path) -> str:
+    """`DEVICE (mounted at MOUNT)` of the filesystem that holds `path`, from /proc/self/mounts where it
+    is readable, else the mount point alone."""
+    mount = Path(os.path.abspath(path if path.exists() else path.parent))
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == str(mount):
+                return f"{fields[0]} (mounted at {mount})"
+    except OSError:
+        pass
+    return str(mount)
+
+
+def no_space_line(root: Path, step: int) -> str:
+    complete = complete_checkpoints(root) if root.exists() else []
+    previous = (
+        f"the previous checkpoint {complete[0][1].step} is intact ({complete[0][0]})"
+        if complete
+        else "no earlier checkpoint of this run exists"
+    )
+    return (
+        f"no space left on {filesystem_of(root)} while saving step {step}: {previous}; free space (or "
+        "lower --keep-last) and rerun with --resume auto"
+    )
+
+
 class Checkpointer:
     """Saves and restores engine + EMA + data position + RNG under the commit protocol above."""
 
@@ -397,7 +446,20 @@ class Checkpointer:
             )
 
     def save(self, state: TrainState) -> Path:
-        """Write a complete checkpoint of `state`; every rank must call it. Returns its folder."""
+        """Write a complete checkpoint of `state`; every rank must call it. Returns its folder.
+
+        A disk that fills during the save is one line (the previous checkpoint is untouched: the new one
+        was still in its staging folder, which is removed to give the space back)."""
+        staging = self.root / f"{STAGING_PREFIX}{step_tag(state.step)}"
+        try:
+            return self._save(state)
+        except (OSError, RuntimeError) as exc:
+            if not disk_full(exc, self.root):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            raise UserError(no_space_line(self.root, state.step)) from None
+
+    def _save(self, state: TrainState) -> Path:
         import torch.distributed as dist
 
         t0 = time.perf_counter()

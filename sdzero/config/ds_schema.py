@@ -78,7 +78,8 @@ def check_deepspeed_models(raw: dict[str, Any], path: Path) -> None:
     if isinstance(complaint, ValidationError):
         error = complaint.errors()[0]
         inner = _dotted(tuple(error.get("loc", ())))
-        key = ".".join(filter(None, (block, inner))) or complaint.title
+        within = block is not None and inner.split(".")[0] == block  # monitors' locations hold their block
+        key = (inner if within else ".".join(filter(None, (block, inner)))) or complaint.title
         if error.get("type") == "extra_forbidden":
             what = "DeepSpeed has no such setting; remove it or correct its spelling"
         else:
@@ -86,11 +87,7 @@ def check_deepspeed_models(raw: dict[str, Any], path: Path) -> None:
     else:
         key = block or "<config>"
         what = f"DeepSpeed's config reader says: {_first_line(complaint)}"
-    if (
-        block is not None
-        and not isinstance(raw[block], dict)
-        and not isinstance(complaint, ValidationError)
-    ):
+    if block is not None and not isinstance(raw[block], dict) and not isinstance(complaint, ValidationError):
         what += f' ("{block}" must be an object)'
     raise UserError(f'{path}: "{key}": {what}')
 

@@ -7,6 +7,7 @@ DeepSpeed JSON (`DsSettings`); the run options (`TrainConfig`) hold only what De
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -167,10 +168,16 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
         self.deepspeed_config = Path(self.deepspeed_config)
         self.data = Path(self.data)
         self.output_dir = Path(self.output_dir)
+        self._check_finite_numbers()
         if self.max_steps < 1:
             raise UserError(f"--max-steps must be at least 1, got {self.max_steps}")
-        if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
-            raise UserError(f"--resolution must be a multiple of 8 (at least 8), got {self.resolution}")
+        check_resolution(self.resolution)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(
+                f"--seed must be in [0, {MAX_SEED}] (numpy's and torch's seed range), got {self.seed}"
+            )
+        if self.lr_warmup_steps < 0:
+            raise UserError(f"--lr-warmup-steps must be >= 0 (0: no warm-up), got {self.lr_warmup_steps}")
         if self.lr is not None and not (0 < self.lr < 1):
             raise UserError(f"--lr must be in (0, 1), got {self.lr}")
         if self.lr_scaling not in LR_SCALINGS:
@@ -207,6 +214,15 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
         local = Path(self.model)
         if local.exists():
             check_model_folder(local, self.model)
+
+    def _check_finite_numbers(self) -> None:
+        """NaN passes every `<` and `>` check (`nan < 0` is False): `--noise-offset nan` trained with a NaN
+        loss without a word. Every number option must be finite before any bound is checked."""
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                flag = "--" + item.name.replace("_", "-")
+                raise UserError(f"{flag} must be a finite number, got {value}")
 
     def _check_cache_options(self) -> None:
         if self.cache_dir is None:
@@ -287,6 +303,20 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
 
     def effective_lr(self, ds: DsSettings) -> float:
         return self.lr_choice(ds).lr
+
+
+MAX_RESOLUTION = 8192
+"""Eight times the largest native side of a supported family (SDXL and SD3: 1024): above any real fine-tune,
+below the sizes whose first batch alone exhausts a machine (100000 was accepted; the kernel killed the run)."""
+MAX_SEED = 2**32 - 1
+"""numpy's RandomState takes seeds in [0, 2**32): the widest range every seeded library accepts."""
+
+
+def check_resolution(resolution: int | None, flag: str = "--resolution") -> None:
+    if resolution is not None and (resolution < 8 or resolution % 8 or resolution > MAX_RESOLUTION):
+        raise UserError(
+            f"{flag} must be a multiple of 8 between 8 and {MAX_RESOLUTION} pixels, got {resolution}"
+        )
 
 
 def check_output_dir(output_dir: Path, flag: str = "--output-dir") -> None:

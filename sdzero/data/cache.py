@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from sdzero.config.user_file import read_user_bytes
 from sdzero.data.buckets import bucket_sizes
 from sdzero.data.images import (
     Record,
@@ -78,8 +80,12 @@ def _read_json(model: str, relpath: str) -> dict[str, Any]:
     """A config file of the model as a JSON object, or one UserError (a list, bytes that are not UTF-8 or
     broken JSON would otherwise surface as an AttributeError or UnicodeDecodeError traceback)."""
     try:
-        raw = json.loads(_model_file(model, relpath).read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raw = json.loads(read_user_bytes(_model_file(model, relpath), f"--model {model}:").decode("utf-8"))
+    except (
+        OSError,
+        ValueError,
+        RecursionError,
+    ) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise UserError(
             f"--model {model}: cannot read {relpath} ({first}); pass a diffusers pipeline folder"
@@ -365,6 +371,31 @@ def read_index(index_path: Path) -> dict[str, Any]:
     wrong = _bad_shard_entry(raw)
     if wrong:
         raise UserError(f"{index_path} is damaged ({wrong}); {rebuild}")
+    return raw
+
+
+def read_build_record(out: Path) -> dict[str, Any] | None:
+    """The build.json of an interrupted build in `out` (None when there is none), checked to be what
+    `sdzero cache` writes: a JSON object with a spec object and a data_files list. Anything else is one
+    line, where json.loads and a KeyError once printed tracebacks."""
+    path = Path(out) / BUILD_NAME
+    if not os.path.lexists(path):
+        return None
+    fix = f"remove {path} (or the whole folder) and rerun `sdzero cache`"
+    try:
+        raw = json.loads(read_user_bytes(path, "--out").decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise UserError(f"{path} is not JSON written by `sdzero cache` ({str(exc)[:120]}); {fix}") from None
+    if not (
+        isinstance(raw, dict)
+        and isinstance(raw.get("spec"), dict)
+        and isinstance(raw.get("data_files"), list)
+    ):
+        raise UserError(f"{path} is damaged (not an object with spec and data_files); {fix}")
+    try:
+        spec_from(raw["spec"])
+    except (TypeError, KeyError, ValueError) as exc:
+        raise UserError(f"{path} is damaged (a malformed spec: {exc!r}); {fix}") from None
     return raw
 
 

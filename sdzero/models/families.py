@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from sdzero.config.user_file import read_user_bytes
 from sdzero.errors import UserError
 from sdzero.models.objectives import FlowSettings, LossInputs, Objective, ddpm_loss, flow_matching_loss
 from sdzero.models.step_input import PromptEmbeds, StepInput
@@ -432,9 +433,9 @@ def read_model_index(model: str) -> dict[str, Any]:
                 "pass a diffusers pipeline folder, or check the hub id and network / HF_HUB_OFFLINE"
             ) from exc
     try:
-        index = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"--model {model}: unreadable model_index.json ({exc})") from exc
+        index = json.loads(read_user_bytes(path, f"--model {model}:").decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        raise UserError(f"--model {model}: unreadable model_index.json ({exc})") from None
     if not isinstance(index, dict):  # a list or a number would fail later as an AttributeError
         raise UserError(
             f"--model {model}: model_index.json holds a JSON {type(index).__name__}, not an object; "
@@ -446,6 +447,11 @@ def read_model_index(model: str) -> dict[str, Any]:
 def detect_family(model: str) -> Family:
     """The family comes from the pipeline folder itself, so users never have to state it twice."""
     class_name = read_model_index(model).get("_class_name", "")
+    if not isinstance(class_name, str):  # a list or an object is unhashable: a TypeError traceback once
+        raise UserError(
+            f"--model {model}: model_index.json's _class_name must be a pipeline class name (a string), got "
+            f"{json.dumps(class_name)[:80]}"
+        )
     family = _BY_PIPELINE.get(class_name)
     if family is None:
         known = ", ".join(_BY_PIPELINE)

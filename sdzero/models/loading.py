@@ -10,16 +10,88 @@ partitioned by ZeRO-3 and fail with size-0 weights (diffusers#1865), so they sta
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from sdzero.config.user_file import read_user_bytes
 from sdzero.errors import UserError
 from sdzero.models.families import DEFAULT_MAX_SEQUENCE_LENGTH, Components
 from sdzero.models.families import detect_family as detect_family  # re-exported: its callers import it here
 from sdzero.models.step_input import PromptEmbeds
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LOAD_ERRORS = (OSError, ValueError, pickle.UnpicklingError, EOFError)
+"""What the libraries raise for a part they cannot read: a missing or damaged file, a config they reject,
+and a `.bin` whose pickle the weights-only loader refuses (a payload: UnpicklingError, which is neither
+of the first two), or a truncated one (EOFError)."""
+PART_CONFIGS = {"scheduler": "scheduler_config.json", "vae": "config.json"}
+"""The config file of each part a local pipeline folder holds (the network's and text encoders' are config.json)."""
+
+
+def load_error_line(exc: BaseException) -> str:
+    """A library's error as the one line a user needs: its first line, the type when it has none."""
+    text = str(exc).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"a weights file holds a pickle the safe loader refuses ({first[:160]}); nothing in it was run"
+    return first or type(exc).__name__
+
+
+def check_part_configs(model: str, family: Any) -> None:
+    """Each part's config file in a local folder holds a JSON object: the libraries assume one, and a list
+    (a scheduler config written as `[...]`) was reported as "couldn't connect to huggingface.co"."""
+    local = Path(model)
+    if not local.is_dir():
+        return
+    parts = {**PART_CONFIGS, family.subfolder: "config.json"}
+    parts.update({name: "config.json" for name in family.text_encoders})
+    for folder, name in parts.items():
+        path = local / folder / name
+        if not os.path.lexists(path):
+            continue  # the library says which part is missing, in its words
+        flag = f"--model {model}:"
+        try:
+            raw = json.loads(read_user_bytes(path, flag).decode("utf-8"))
+        except (ValueError, RecursionError) as exc:
+            raise UserError(f"{flag} {folder}/{name} is not JSON ({load_error_line(exc)})") from None
+        if not isinstance(raw, dict):
+            raise UserError(
+                f"{flag} {folder}/{name} holds a JSON {type(raw).__name__}, not an object; write the part's "
+                "config as the library saves it (a JSON object)"
+            )
+
+
+def check_network_fits(model: str, family: Any) -> None:
+    """The trained network's config, built on the meta device (no memory): its parameters in fp32 must fit
+    this machine's memory, or a config with enormous channel counts would be allocated until the kernel
+    kills the run."""
+    import psutil
+
+    if not Path(model).is_dir():
+        return  # a hub id: its config is fetched by from_pretrained, and a hub model is a real one
+    cls = family.network_class()
+    try:
+        config = cls.load_config(model, subfolder=family.subfolder)
+        with torch.device("meta"):
+            network = cls.from_config(config)
+    except LOAD_ERRORS + (TypeError, KeyError, RuntimeError, AssertionError) as exc:
+        raise UserError(
+            f"--model {model}: {family.subfolder}/config.json does not build a {cls.__name__} "
+            f"({load_error_line(exc)})"
+        ) from None
+    fp32_bytes = 4 * sum(p.numel() for p in network.parameters())
+    memory = psutil.virtual_memory().total
+    if fp32_bytes > memory:
+        raise UserError(
+            f"--model {model}: {family.subfolder}/config.json asks for {fp32_bytes / 4:.3g} parameters "
+            f"({fp32_bytes / 2**30:.1f} GiB in fp32), more than this machine's {memory / 2**30:.1f} GiB of "
+            "memory; check its channel counts (block_out_channels, ...)"
+        )
 
 
 def frozen_dtypes(compute: str) -> tuple[torch.dtype, torch.dtype]:
@@ -54,6 +126,8 @@ def load_components(
     from diffusers import AutoencoderKL
 
     family = detect_family(model)
+    check_part_configs(model, family)
+    check_network_fits(model, family)
     text_dtype, vae_dtype = frozen_dtypes(compute)
     parts: dict[str, Any] = {}
     try:
@@ -69,8 +143,8 @@ def load_components(
         noise_scheduler = family.load_scheduler(model)
         sampler_class = type(noise_scheduler).load_config(model, subfolder="scheduler").get("_class_name", "")
         network = family.load_network(model)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--model {model}: a pipeline part failed to load: {exc}") from exc
+    except LOAD_ERRORS as exc:
+        raise UserError(f"--model {model}: a pipeline part failed to load: {load_error_line(exc)}") from None
     network.train()
     scale = 2 ** (len(vae_config["block_out_channels"]) - 1)
     return Components(
@@ -101,8 +175,10 @@ def ensure_frozen(comps: Components, device: torch.device | str) -> Components:
         for name, module in comps.family.load_text_encoders(comps.model, text_dtype).items():
             setattr(comps, name, _freeze(module, device))
         comps.vae = _freeze(_load_vae(comps.model, vae_dtype), device)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--model {comps.model}: a frozen pipeline part failed to load: {exc}") from exc
+    except LOAD_ERRORS as exc:
+        raise UserError(
+            f"--model {comps.model}: a frozen pipeline part failed to load: {load_error_line(exc)}"
+        ) from None
     return comps
 
 
