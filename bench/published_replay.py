@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from advisor.request import AdviseRequest  # noqa: E402
 NOISE_FLOOR = (0.026, 0.028)
 """Identical single-node systems from different vendors, one MLPerf round: 2.6-2.8% apart (issue #42)."""
 GOAL = 0.05
+SECONDS: dict[str, float] = {}
+"""Each series' replan, seconds (in this process: the interpreter's start-up and imports excluded)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,9 @@ def replay(series: Series, out: Path) -> list[dict[str, object]]:
             max_nodes=largest,
             samples=1_000_000,  # the time to train is not compared here, only throughput
         )
+        started = time.monotonic()
         table = run_advise(request).recommendation["scaling_table"]
+        SECONDS[series.name] = time.monotonic() - started
         predicted = {int(r["node_count"]): float(r["samples_per_s"]) for r in table if r.get("samples_per_s")}
     for p in series.points:
         row: dict[str, object] = {"series": series.name, "nodes": p.nodes, "published": p.per_gpu}
@@ -162,7 +167,8 @@ def main() -> int:
         )
     print()
     for s in SERIES:
-        print(f"- {s.name}: {s.source}; network {s.network}; preset {s.preset}")
+        took = f"; answered in {SECONDS[s.name]:.1f} s" if s.name in SECONDS else ""
+        print(f"- {s.name}: {s.source}; network {s.network}; preset {s.preset}{took}")
     scored = [r for r in rows if "error" in r and r["nodes"] != 1]
     within = sum(abs(float(r["error"])) <= GOAL for r in scored)  # type: ignore[arg-type]
     skipped = sum("skipped" in r for r in rows)

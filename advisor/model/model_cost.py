@@ -88,8 +88,9 @@ def network_inputs(config: Any, latent: int, text_tokens: int) -> dict[str, Any]
 
 def count_network(
     net_class: Any, config: dict[str, Any], latent: int, text_tokens: int
-) -> tuple[float, float]:
-    """(forward, backward) FLOPs of one sample through a network built from `config` on the meta device."""
+) -> tuple[float, float, tuple[int, ...]]:
+    """(forward, backward) FLOPs of one sample through a network built from `config` on the meta device,
+    and its trained parameter sizes."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -100,7 +101,8 @@ def count_network(
             out = net(**inputs, return_dict=False)[0]
         with FlopCounterMode(display=False) as backward:
             out.float().sum().backward()
-    return float(forward.get_total_flops()), float(backward.get_total_flops())
+    numels = tuple(int(p.numel()) for p in net.parameters() if p.requires_grad)
+    return float(forward.get_total_flops()), float(backward.get_total_flops()), numels
 
 
 def count_model_cost(model: str | Path, train_args: tuple[str, ...] = ()) -> ModelCost:
@@ -122,7 +124,7 @@ def count_model_cost(model: str | Path, train_args: tuple[str, ...] = ()) -> Mod
         )
     else:
         tokens = DEFAULT_MAX_SEQUENCE_LENGTH
-    forward, backward = count_network(cls, dict(config), resolution // scale, tokens)
+    forward, backward, _ = count_network(cls, dict(config), resolution // scale, tokens)
     return ModelCost(forward, backward, resolution, "--gradient-checkpointing" in train_args)
 
 

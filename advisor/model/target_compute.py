@@ -16,11 +16,15 @@ they differ in communication and memory, which are costed on the target's links.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from advisor.model.model_cost import ModelCost, count_network
+from sdzero.atomic import write_json_atomic
 
 MEASURED, ASSUMED, PROFILE, NONE = "measured", "assumed", "profile", "none"
 
@@ -94,16 +98,57 @@ GPU_ANCHORS: dict[str, Anchor] = {
 """--target-gpu names with a published rate (sources beside each); others need --target-tflops."""
 
 
-@lru_cache(maxsize=4)
 def shape_cost(name: str) -> ModelCost:
     """A named shape's FLOPs per sample, counted here (advisor.model.model_cost)."""
+    return shape_facts(name)[0]
+
+
+def shape_numels(name: str) -> tuple[int, ...]:
+    """A named shape's trained parameter sizes, in module order."""
+    return shape_facts(name)[1]
+
+
+@lru_cache(maxsize=4)
+def shape_facts(name: str) -> tuple[ModelCost, tuple[int, ...]]:
+    """(FLOPs per sample, parameter sizes) of a named shape from one build on the meta device, kept in
+    the user's cache under the torch and diffusers versions that counted them: importing diffusers and
+    building the network cost seconds that a replan, answered in seconds, should not pay every time."""
+    key = f"{name} torch {_version('torch')} diffusers {_version('diffusers')}"
+    cache = _cache_path()
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        entry = known[key]
+        return ModelCost(entry["forward"], entry["backward"], entry["resolution"]), tuple(entry["numels"])
     import diffusers
 
     shape = MODEL_SHAPES[name]
-    forward, backward = count_network(
-        getattr(diffusers, shape.class_name), shape.config, shape.latent, shape.text_tokens
-    )
-    return ModelCost(forward, backward, shape.latent * 8)
+    net_class = getattr(diffusers, shape.class_name)
+    forward, backward, numels = count_network(net_class, shape.config, shape.latent, shape.text_tokens)
+    cost = ModelCost(forward, backward, shape.latent * 8)
+    entry = {"forward": forward, "backward": backward, "resolution": cost.resolution, "numels": list(numels)}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cache, known | {key: entry})
+    except OSError:
+        pass  # a read-only home: counted again next time
+    return cost, numels
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "sdzero" / "model_shapes.json"
 
 
 @dataclass(frozen=True)

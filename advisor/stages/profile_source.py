@@ -46,7 +46,14 @@ from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget
 from advisor.model.search import SearchResult
 from advisor.model.step_time import TimeModel
-from advisor.model.target_compute import MODEL_SHAPES, PROFILE, ComputeBasis, TargetCompute, shape_cost
+from advisor.model.target_compute import (
+    MODEL_SHAPES,
+    PROFILE,
+    ComputeBasis,
+    TargetCompute,
+    shape_cost,
+    shape_numels,
+)
 from advisor.model.time_to_train import train_amount
 from advisor.request import AdviseRequest
 from advisor.stages.inputs import AdviseInputs, _checked_options, _refuse_unreachable, claim_out
@@ -189,18 +196,11 @@ def _config(c: Any, where: str, gpus: int) -> ProfileConfig:
 def _numels(record: dict[str, Any], where: str) -> tuple[tuple[int, ...], str, tuple[str, ...]]:
     """(trained parameter sizes, model name, notes) from `model` (a named shape or a diffusers folder) or
     `parameters` (a count)."""
-    import torch
-
     from advisor.model.memory import trained_numels
 
     model = record.get("model")
     if model in MODEL_SHAPES:
-        import diffusers
-
-        shape = MODEL_SHAPES[str(model)]
-        with torch.device("meta"):
-            net = getattr(diffusers, shape.class_name).from_config(shape.config)
-        return tuple(int(p.numel()) for p in net.parameters()), str(model), ()
+        return shape_numels(str(model)), str(model), ()
     if model is not None:
         if not Path(str(model)).is_dir():
             raise UserError(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -137,16 +136,28 @@ def test_a_cpu_plan_for_a_gpu_without_a_rate_says_it_cannot_time_it(
 # ------------------------------------------------------------------------------- plans from what you have
 
 
-def test_the_documented_example_profile_plans_one_to_n_nodes_in_seconds(tmp_path):
+def _no_measuring_at_all(monkeypatch):
+    """A plan from a profile or a run's folder starts no trial and no benchmark: the seconds it takes
+    (bench/published_replay.py prints them) are reading and arithmetic only."""
+    import advisor.measure.collectives_launch
+    import advisor.stages.measure
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a plan from a profile measured something")
+
+    monkeypatch.setattr(advisor.stages.measure, "trial_runner", refuse)
+    monkeypatch.setattr(advisor.measure.collectives_launch, "run_comm", refuse)
+
+
+def test_the_documented_example_profile_plans_one_to_n_nodes_measuring_nothing(monkeypatch, tmp_path):
     from advisor.advise import AdviseRequest, run_advise
 
-    started = time.monotonic()
+    _no_measuring_at_all(monkeypatch)
     rec = run_advise(
         AdviseRequest(
             replan=EXAMPLE, out_dir=tmp_path / "p", preset="hgx-h200", samples=1_000_000, max_nodes=16
         )
     ).recommendation
-    assert time.monotonic() - started < 10
     table = pd.DataFrame(rec["scaling_table"])
     assert table["node_count"].tolist() == [1, 2, 4, 8, 16] and (table["status"] == "ok").all()
     one = table.iloc[0]
@@ -181,7 +192,9 @@ def test_a_profile_without_its_fields_is_refused_in_one_line(tmp_path):
         assert words in str(err.value) and "\n" not in str(err.value), (text, str(err.value))
 
 
-def test_a_training_runs_folder_plans_from_its_metrics_and_effective_config(tmp_path, tiny_model):
+def test_a_training_runs_folder_plans_from_its_metrics_and_effective_config(
+    monkeypatch, tmp_path, tiny_model
+):
     """The files the trainer writes (sdzero.training.run_output): metrics.jsonl, ds_config.json and
     run_config.json."""
     from advisor.advise import AdviseRequest, run_advise
@@ -201,13 +214,12 @@ def test_a_training_runs_folder_plans_from_its_metrics_and_effective_config(tmp_
     )
     steps = [{"step": i, "step_time_s": 3.0 if i == 0 else 0.5, "peak_mem_bytes": 2e9} for i in range(20)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
-    started = time.monotonic()
+    _no_measuring_at_all(monkeypatch)
     rec = run_advise(
         AdviseRequest(
             replan=run, out_dir=tmp_path / "plan", target_gpu="h100-80gb", preset="dgx-h100", samples=10**6
         )
     ).recommendation
-    assert time.monotonic() - started < 10
     table = pd.DataFrame(rec["scaling_table"])
     first = table.iloc[0]
     assert first["global_batch"] == 128 and first["samples_per_s"] == pytest.approx(
