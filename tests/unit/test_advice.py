@@ -137,14 +137,17 @@ def test_provenance_labels_name_the_source_of_each_link():
 def test_global_batch_is_held_fixed_unless_asked(monkeypatch, tmp_path, tiny_model, synth_data):
     rec = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data).recommendation
     table = pd.DataFrame(rec["scaling_table"])
-    reachable = table[table["status"] == "ok"]
+    larger = table["larger_batch"].astype(bool)
+    reachable = table[(table["status"] == "ok") & ~larger]
     assert (reachable["global_batch"] == 8).all()  # micro 4 x accumulation 1 x 2 ranks, at every node count
     assert reachable["node_count"].tolist() == [
         1,
         2,
         4,
     ]  # 8 ranks at micro-batch 1 is the most it spreads over
-    assert set(table.loc[table["node_count"] > 4, "status"]) == {"unreachable"}
+    # beyond them each node count is answered at the smallest larger batch, marked so (issue #42)
+    assert table.loc[larger, "node_count"].tolist() == [8, 16, 32]
+    assert table.loc[larger, "global_batch"].tolist() == [16, 32, 64]
     assert (reachable["micro_batch"] * reachable["grad_accum"] * reachable["node_count"] * 2 == 8).all()
     assert rec["global_batch"] == 8 and rec["lr"] == 1e-4 and rec["lr_factor"] == 1.0
     assert "strong scaling" in rec["global_batch_rule"]
