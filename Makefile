@@ -16,7 +16,7 @@ LOCK ?= requirements/lock.txt
 # a TORCH_EXTENSIONS_DIR of your own wins there and here.
 TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: venv demo test test-unit lint format bench clean lock
+.PHONY: venv demo test test-unit lint format bench clean lock gpu-bundle
 
 venv: $(VENV)/.installed
 
@@ -54,6 +54,11 @@ format: venv
 
 bench: venv
 	$(BIN)/python bench/trainer_overhead.py
+
+# Wheels for an offline GPU machine (Python 3.12, CUDA torch, no deepspeed/diffusers/hjson/pydantic) in the
+# ignored build/gpu-wheelhouse (40 MiB at most); bench/gpu_first_run.py installs them there. docs/gpu.md.
+gpu-bundle: venv
+	$(BIN)/python bench/gpu_bundle.py --out build/gpu-wheelhouse --max-mib 40
 
 # Rewrite $(LOCK) from this venv, once the tests pass with what it holds (after `$(BIN)/pip install -U X`).
 # Local version labels (torch's +cpu) are dropped: the same line then pins the CUDA wheel on GPU machines.

@@ -234,9 +234,12 @@ def example_rate(a: argparse.Namespace, base_unet: Any, batches: list, scheduler
 
 def ds_config(a: argparse.Namespace, dest: Path) -> Path:
     """The shipped ZeRO-2 bf16 JSON at this micro-batch, without its optimizer section: sdzero then builds
-    torch's fused AdamW (DeepSpeed's FusedAdam would first JIT-build with nvcc, minutes of the budget)."""
+    torch's fused AdamW (DeepSpeed's FusedAdam would first JIT-build with nvcc, minutes of the budget).
+    `a.deepspeed_adam` keeps the section: DeepSpeed's FusedAdam where nvcc matches torch's CUDA
+    (sdzero.training.adam_kernel)."""
     raw = json.loads((REPO / "ds_configs" / "zero2_bf16.json").read_text())
-    raw.pop("optimizer", None)
+    if not getattr(a, "deepspeed_adam", False):
+        raw.pop("optimizer", None)
     raw["train_micro_batch_size_per_gpu"] = a.batch
     dest.write_text(json.dumps(raw, indent=2) + "\n")
     return dest
