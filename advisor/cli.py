@@ -19,7 +19,7 @@ from advisor.request import AdviseRequest
 from advisor.target import TARGET_GPUS
 from sdzero import cli as trainer_cli
 from sdzero.config.options import DEFAULTS, cli_option, input_option
-from sdzero.config.output_lock import claim_output_dir, release_output_dir
+from sdzero.config.output_folder import check_output_folder
 from sdzero.process.children import ending_children_on_signals as ends_children  # their ranks: on signals too
 
 app = typer.Typer(
@@ -207,7 +207,7 @@ def advise_command(
     started = time.monotonic()
     out_dir = Path(out or (replan_out(replan) if replan is not None else _ADVISE.out_dir))
     console = Console(stderr=True)
-    claim_output_dir(out_dir, flag="--out")  # a folder of the user's is refused before advise.log is in it
+    check_output_folder(out_dir, "--out")  # a folder of the user's: refused before advise.log is in it
     with library_chatter_to(out_dir / ADVISE_LOG) as log:
 
         def say(message: str) -> None:
@@ -267,14 +267,10 @@ def chatter_to_out_log(command: Callable[..., Any], name: str) -> Callable[..., 
         from sdzero.library_logs import library_chatter_to
 
         out = kwargs.get("out")
-        if out is not None:  # every writer of a folder takes its lock, before its log is in it
-            claim_output_dir(out, flag="--out")
-        try:
-            with library_chatter_to(Path(out) / name if out is not None else None):
-                return command(*args, **kwargs)
-        finally:
-            if out is not None:
-                release_output_dir(out)
+        if out is not None:  # a folder of the user's: refused before the log is in it
+            check_output_folder(out, "--out")
+        with library_chatter_to(Path(out) / name if out is not None else None):
+            return command(*args, **kwargs)
 
     return run
 

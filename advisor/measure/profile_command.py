@@ -147,6 +147,9 @@ def profile_command(
         allgather_bucket_size,
         grad_accum,
     )
+    from sdzero.config.output_lock import claim_output_dir, release_output_dir
+
+    claim_output_dir(out, flag="--out")  # every writer of a folder takes its lock (#44): one profile at a time
     try:
         result = run_profile(
             model=model,
@@ -175,6 +178,8 @@ def profile_command(
             "run the same command again to resume[/yellow]"
         )
         raise typer.Exit(130) from None
+    finally:
+        release_output_dir(out)
     console.print(results_table(result.table))
     console.print(
         f"{len(result.ran)} trials run, {len(result.skipped)} already done; results in {result.csv_path}"

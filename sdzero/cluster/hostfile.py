@@ -15,6 +15,7 @@ The launch itself (folder and values passed exactly, secrets by file) is sdzero.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import re
@@ -357,6 +358,10 @@ def plan_launch(
         launcher="openmpi" if mca else None,
         launcher_args=mca,
     )
+    if mca is None and len(entries) > 1:
+        # pdsh over several hosts: a signal reaches the remote ranks by pkill (sdzero.process.launch_signals);
+        # one host's ranks are local processes, and mpirun passes signals on itself.
+        launch = dataclasses.replace(launch, remote_hosts=tuple(e.host for e in entries))
     return LaunchPlan(entries, master, interface, launch, env_file, merge)
 
 

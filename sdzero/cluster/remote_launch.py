@@ -208,30 +208,7 @@ def remote_launch(
     exported = deepspeed_exported(env)
     runner_env = {k: v for k, v in env.items() if k not in exported}
     runner_env["DS_ENV_FILE"] = os.devnull  # not a regular file: DeepSpeed reads no env file at all
-    return RemoteLaunch(
-        command,
-        runner_cwd,
-        runner_env,
-        plain,
-        hidden,
-        secrets_file,
-        launch_id,
-        pdsh_hosts(hostfile, launcher),
-    )
-
-
-def pdsh_hosts(hostfile: Path, launcher: str | None) -> tuple[str, ...]:
-    """The hosts DeepSpeed's runner reaches through pdsh: all of them when there are several (one host
-    runs its ranks locally), none under another launcher (mpirun passes signals on itself)."""
-    from sdzero.cluster.hostfile import parse_hostfile
-
-    if launcher not in (None, "pdsh"):
-        return ()
-    try:
-        hosts = tuple(entry.host for entry in parse_hostfile(hostfile))
-    except UserError:
-        return ()
-    return hosts if len(hosts) > 1 else ()
+    return RemoteLaunch(command, runner_cwd, runner_env, plain, hidden, secrets_file, launch_id)
 
 
 def launch_from_here(

@@ -124,36 +124,35 @@ def test_advise_and_profile_out_onto_a_users_folder_are_refused(tmp_path):
     assert (out / "trials.csv").read_text() == "the user's own table\n" and not (out / LOCK_NAME).exists()
 
 
-def test_profile_takes_the_output_lock(tmp_path):
-    """`sdzero profile` runs inside advisor.cli's chatter_to_out_log, which now claims --out: a second
-    writer of the folder (another process holding its lock) is refused before profile.log is written."""
+def test_profile_takes_the_output_lock(tmp_path, tiny_model, synth_data):
+    """`sdzero profile` rewrote trials.csv while another process held the folder: now it takes the lock
+    first, and a live holder stops it before any trial or file."""
     import subprocess
     import sys
-    import time
+
+    from advisor.measure.profile_command import profile_command
 
     out = tmp_path / "profile"
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            f"from sdzero.config.output_lock import claim_output_dir as c; c({str(out)!r}); import time; print('held', flush=True); time.sleep(60)",
+            "import sys, time; from sdzero.config.output_lock import claim_output_dir as c; c(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(60)",
+            str(out),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        source = (Path(__file__).resolve().parents[2] / "advisor" / "cli.py").read_text()
-        assert 'claim_output_dir(out, flag="--out")' in source.split("def chatter_to_out_log")[1]
-        from sdzero.config.output_lock import claim_output_dir
-
+        before = snapshot(out)
         with pytest.raises(UserError, match="is in use by a live run"):
-            claim_output_dir(out, flag="--out")
-        assert not (out / "profile.log").exists()
+            profile_command(model=str(tiny_model), data=synth_data, out=out)
+        assert snapshot(out) == before  # no trials.csv, no trial folder
     finally:
         holder.kill()
         holder.wait()
-        time.sleep(0)
 
 
 def test_report_out_onto_an_input_file_is_refused(tmp_path):
