@@ -2,26 +2,23 @@
 
 For each model and round:
 1. the whole 1-node grid (ZeRO 1-3 x bf16 x micro-batch 1, 2, 4, 8), measured with `sdzero profile`'s
-   runner: the ground truth's first pass;
+   launches (one per ZeRO stage, its micro-batches interleaved): the ground truth's first pass;
 2. `sdzero advise --max-nodes 1` at its default budget (5 minutes on a CPU), as a user would run it;
 3. the same grid again: the ground truth's second pass.
 
-The two passes bracket the advise run in time, and every run re-measures the same reference config (the
-advise search's first seed, advisor.measure.grid.GridPlan.reference) every few trials. Those brackets,
-from all three runs, are one timeline of this machine's speed (advisor.measure.drift): each grid trial
-is corrected by it to the speed of the advise run's first bracket (item 7's protocol,
-bench/scaleout_accuracy.py). A config's ground truth is the geometric mean of its two passes, its
-interval their intervals and their disagreement combined. The truth is then put on the advise run's
-machine by the median ratio over the configs both measured (as rounds of the earlier protocol, one grid
-pass, were): one bracket of the advise run can be off by a third, the median of ten configs is not.
+The two passes surround the advise run in time. Every launch of every run times the same fixed product
+(its tie, advisor.measure.launch): each grid config is put by it on the machine speed of the advise run's
+first launch. A config's ground truth is the geometric mean of its two passes, its interval their
+intervals and their disagreement combined. The truth is then put on the advise run's machine by the
+median ratio over the configs both measured (as rounds of the earlier protocol, one grid pass, were).
 
-Then, from the advise run's own files (trials, validation.csv, drift.json) and its own code
+Then, from the advise run's own files (trials, validation.csv, launches.json) and its own code
 (advisor.model.prediction_error.fit_models, advisor.model.uncertainty), each grid config is predicted at
 the ground truth's batch shape with its 95% interval, and:
 
 - **error**: step-time MAPE on the grid configs the advise run did not measure;
-- **noise floor**: the advise run's (drift.json) and the ground truth's: the two passes' repeat spread
-  over every config after the timeline's correction (one measurement's noise between runs minutes
+- **noise floor**: the advise run's (the halves of its launches) and the ground truth's: the two passes'
+  repeat spread over every config after the ties' correction (one measurement's noise between runs minutes
   apart, which is also what each of the advise run's single trials carries against the truth);
 - **between runs**: the mean |ratio / scale - 1| of the advise run's trials to the truth over the configs
   both measured: what a model with no error of its own would show as its error here;
@@ -141,12 +138,15 @@ def _key(row) -> tuple[int, str, int, str]:
     return config_key(row)
 
 
-def _drift(folder: Path):
-    """A run's reference brackets (drift.json), or None."""
-    from advisor.measure.drift import Drift
+def _ties(folder: Path) -> dict[str, float]:
+    """A run's launches' ties (launches.json): the median of its fixed product's time, by launch folder."""
+    from advisor.measure.launch import LAUNCHES_FILE, read_launches
 
-    path = folder / "drift.json"
-    return Drift.from_json(json.loads(path.read_text())) if path.is_file() else None
+    for path in (folder / LAUNCHES_FILE, folder / "profile" / LAUNCHES_FILE):
+        records = read_launches(path)
+        if records:
+            return {r.folder: r.tie_s for r in records if r.tie_s}
+    return {}
 
 
 def _shape(row) -> tuple:
@@ -159,30 +159,24 @@ def joint_truth(
 ) -> tuple[pd.DataFrame, dict] | None:
     """The grid's passes on the advise run's machine speed, one row per config, and how they agree.
 
-    Every run re-measured the same reference, so their brackets are one timeline of the machine's speed;
-    a grid trial's raw step divided by that timeline's factor at its time, times the advise run's first
-    bracket's factor, is the trial on the machine the advise run corrected its own trials to. None when
-    the runs do not share a reference or a pass is missing (the bench falls back to the median ratio)."""
-    from advisor.measure.drift import Correction, Drift, corrected_interval
-    from advisor.measure.duel import pooled_log_spread
-    from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA
+    Every launch of every run timed the same fixed product (its tie, advisor.measure.launch): a grid
+    config's raw step divided by its launch's tie over the advise run's first launch's tie is the config
+    on the machine the advise run put its own trials on. None when a run has no ties or a pass is missing
+    (the bench falls back to the median ratio)."""
+    from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA, pooled_log_spread
 
-    runs = [_drift(advise_dir)] + [_drift(folder) for folder, _ in passes]
-    if len(passes) < 2 or any(r is None or not r.clean() for r in runs):
+    advise_ties = _ties(advise_dir)
+    ties = [_ties(folder) for folder, _ in passes]
+    if len(passes) < 2 or not advise_ties or not all(ties):
         return None
-    if len({r.reference for r in runs}) != 1:
-        print(f"  the runs' references differ ({sorted({r.reference for r in runs})}): median-ratio scale")
-        return None
-    joint = Drift(runs[0].reference, "joint", [b for r in runs for b in r.brackets])
-    advise_factor = joint.correction_at(runs[0].clean()[0].at).factor  # its first bracket, on the timeline
+    base = next(iter(advise_ties.values()))  # the advise run's first launch: its rows' own machine speed
     measured: dict[tuple, list[tuple[float, float, float]]] = {}
     first: dict[tuple, pd.Series] = {}
-    for _, table in passes:
+    for (_, table), run_ties in zip(passes, ties, strict=True):
         for _, row in table[table["status"] == "ok"].iterrows():
-            c = joint.correction_at(float(row["measured_at"]))
-            to_advise = Correction(c.factor / advise_factor, c.uncertainty, c.bracketed, c.jump)
+            factor = run_ties.get(str(row["trial_dir"]), base) / base
             raw = (float(row["step_s_raw"]), float(row["step_s_raw_lo"]), float(row["step_s_raw_hi"]))
-            measured.setdefault(_shape(row), []).append(corrected_interval(*raw, to_advise))
+            measured.setdefault(_shape(row), []).append(tuple(x / factor for x in raw))
             first.setdefault(_shape(row), row)
     rows = []
     for shape, steps in measured.items():
@@ -196,22 +190,19 @@ def joint_truth(
         row["passes_s"] = [step for step, _, _ in steps]
         rows.append(row)
     sigma, dof = pooled_log_spread([[step for step, _, _ in steps] for steps in measured.values()])
+    every_tie = [t / base for run in ties for t in run.values()] + [t / base for t in advise_ties.values()]
     agreement = {
         "grid_noise_floor": None if sigma is None else sigma / MEAN_ABS_TO_SIGMA,
         "grid_noise_dof": dof,
         "pass_ratios": [s[1][0] / s[0][0] for s in measured.values() if len(s) > 1],
-        "joint_brackets": len(joint.clean()),
-        "joint_range": [
-            min(b.step_s for b in joint.clean()) / joint.base_s,
-            max(b.step_s for b in joint.clean()) / joint.base_s,
-        ],
+        "ties": len(every_tie),
+        "tie_range": [min(every_tie), max(every_tie)],
     }
     return pd.DataFrame(rows).reset_index(drop=True), agreement
 
 
 def evaluate(advise_dir: Path, model: Path, passes: list[tuple[Path, pd.DataFrame]], rec: dict) -> dict:
     """Predict every grid config from the advise run's own files, and judge the predictions."""
-    from advisor.measure.duel import read_duels
     from advisor.measure.grid import load_base_config
     from advisor.measure.trial_table import read_trials
     from advisor.model.memory import ZeroSettings, trained_numels
@@ -229,26 +220,22 @@ def evaluate(advise_dir: Path, model: Path, passes: list[tuple[Path, pd.DataFram
     zero = ZeroSettings.from_config(load_base_config(shipped_config("zero2_bf16.json")))
     models = fit_models(trials, numels, zero, net)
     floor, dof = _noise_floor(advise_dir)
-    spread = estimate_spread(
-        trials, validation, floor, 0.0, True, noise_dof=dof, duels=read_duels(advise_dir / "duel.json")
-    )
+    spread = estimate_spread(trials, validation, floor, 0.0, True, noise_dof=dof)
 
     advise_steps = dict(zip((_shape(r) for _, r in trials.iterrows()), measured_step_s(trials), strict=True))
     joint = joint_truth(advise_dir, passes)
-    if joint is not None:  # both passes on one timeline, at the advise run's first bracket's speed
+    if joint is not None:  # both passes at the advise run's first launch's machine speed, by their ties
         truth, agreement = joint
-        method = "joint timeline, median ratio"
-    else:  # one pass, corrected to its own reference's first bracket
+        method = "launch ties, median ratio"
+    else:  # one pass, as its launches put it
         grid_dir, grid = passes[0]
         truth = grid[grid["status"] == "ok"].copy()
         truth["truth_s"] = measured_step_s(truth).to_numpy()
         floor_g, dof_g = _noise_floor(grid_dir)
         agreement = {"grid_noise_floor": floor_g, "grid_noise_dof": dof_g}
         method = "median ratio"
-    # Onto the advise run's machine: the median ratio over every config both measured. The shared
-    # reference alone would do it with one bracket of the advise run, and one bracket can be off by a
-    # third (round 5, default: the advise run's first bracket 0.109 s, its later ones and the passes'
-    # 0.13-0.18 s); the scale printed is how far the reference alone would have been off.
+    # Onto the advise run's machine: the median ratio over every config both measured (the scale printed
+    # is how far the ties alone would have been off).
     shared = [
         advise_steps[_shape(r)] / float(r["truth_s"])
         for _, r in truth.iterrows()
@@ -332,7 +319,6 @@ def evaluate(advise_dir: Path, model: Path, passes: list[tuple[Path, pd.DataFram
         "cross_run_ratios": [float(r) for r in ratios],
         "coverage_unmeasured": float(inside[unmeasured].mean()) if unmeasured.any() else math.nan,
         "scale_to_advise_machine": scale,
-        "duels": [d.line() for d in read_duels(advise_dir / "duel.json")],
         "pick": str(pick["config_id"]),
         "advise_recommended": str(rec.get("config_id")),
         "grid_best": str(best["config_id"]),
@@ -396,7 +382,7 @@ def main() -> None:
             folder.mkdir(parents=True, exist_ok=True)
             model = None if kind == "default" else write_model(kind, work)
             grid_model = model or _embedded_model(work)
-            # The grid's two passes bracket the advise run (one grid pass first, the advise run, the
+            # The grid's two passes surround the advise run (one grid pass first, the advise run, the
             # second pass); rounds of the earlier protocol have one pass, "grid" only.
             passes: list[tuple[Path, pd.DataFrame]] = []
             names = ["grid", "advise", "grid-after"]

@@ -5,8 +5,9 @@ local ranks, hostfiles and the launcher environment are exactly the user's. Reru
 `--out` skips the trials already in trials.csv for the same setup (advisor.measure.grid.setup_id), so an
 interrupted profile resumes where it stopped. The command's options are in advisor.measure.profile_command.
 
-Trials run through advisor.measure.runner: with `bracket_every`, a reference config is measured again
-between them and every trial is corrected for the machine's drift (advisor.measure.drift, `<out>/drift.json`).
+Each ladder (ZeRO stage, precision, offload) is one launch of the trainer that measures all its
+micro-batches side by side, interleaved (advisor.measure.launch); an out-of-memory micro-batch ends itself
+and the larger ones, not the launch.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -36,7 +37,7 @@ from advisor.measure.grid import (
     plan_grid,
     setup_id,
 )
-from advisor.measure.runner import BRACKET_EVERY_TRIALS, NO_BRACKETS, RunnerPolicy, TrialRunner
+from advisor.measure.launch import LaunchRunner, launch_name
 from advisor.measure.trial_table import (  # noqa: F401  (re-exported: the table's readers import them here)
     TEXT_COLUMNS,
     TRIAL_COLUMNS,
@@ -50,7 +51,6 @@ from advisor.measure.trials import (
     GIB,
     MAX_MEASURE_S,
     TARGET_REL_HALFWIDTH,
-    TrialOutcome,
     TrialSettings,
     run_trial,
 )
@@ -147,12 +147,12 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 class _Progress:
-    """A rich progress bar: trials done, remaining (an upper bound while ladders may stop early), ETA."""
+    """A rich progress bar: configs done, remaining (an upper bound while ladders may stop early), ETA."""
 
-    def __init__(self, enabled: bool, remaining: int, past_walls: list[float]) -> None:
+    def __init__(self, enabled: bool, remaining: int) -> None:
         self.enabled = enabled
-        self.walls = list(past_walls)
         self.done = 0
+        self.started = time.monotonic()
         self._progress: Any = None
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -165,12 +165,13 @@ class _Progress:
                 TextColumn("{task.fields[eta]}"),
                 TextColumn("[dim]{task.description}"),
             )
-            self._task = self._progress.add_task("", total=remaining, eta=self._eta(remaining))
+            self._task = self._progress.add_task("", total=remaining, eta="")
 
     def _eta(self, remaining: int) -> str:
-        if not self.walls or remaining == 0:
+        if not self.done or remaining == 0:
             return "" if remaining else "done"
-        return f"~{statistics.fmean(self.walls) * remaining / 60:.1f} min left for {remaining} at most"
+        per_config = (time.monotonic() - self.started) / self.done
+        return f"~{per_config * remaining / 60:.1f} min left for {remaining} at most"
 
     def __enter__(self) -> _Progress:
         if self._progress is not None:
@@ -181,16 +182,13 @@ class _Progress:
         if self._progress is not None:
             self._progress.stop()
 
-    def starting(self, trial_id: str) -> None:
+    def starting(self, launch: str) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, description=f"running {trial_id}")
+            self._progress.update(self._task, description=f"launching {launch}")
 
-    def finished(self, outcome: TrialOutcome, remaining: int, trial_id: str) -> None:
-        self.done += 1
-        self.walls.append(outcome.wall_s)
+    def finished(self, configs: int, remaining: int, last: str) -> None:
+        self.done += configs
         if self._progress is not None:
-            rate = (outcome.profile or {}).get("samples_per_s")
-            last = f"{trial_id}: {outcome.status}" + (f", {rate:.1f} samples/s" if rate else "")
             self._progress.update(
                 self._task,
                 total=self.done + remaining,
@@ -292,17 +290,14 @@ def run_profile(
     target_rel_halfwidth: float | None = TARGET_REL_HALFWIDTH,
     max_steps: int | None = None,
     max_measure_s: float | None = MAX_MEASURE_S,
-    bracket_every: int = BRACKET_EVERY_TRIALS,
 ) -> ProfileResult:
-    """Run every pending trial of the grid; return the table of this setup's trials.
+    """Launch every ladder with pending configs once; return the table of this setup's trials.
 
     `grid` None means ZeRO 1-3 x bf16/fp16 x the micro-batch ladder x no offload x the default ranks.
-    `trial_env` adds environment variables to one trial's ranks (per-trial NCCL settings; the tests
-    inject failures with it). Failed trials are rows, not exceptions; bad input raises UserError before
-    any trial starts. `target_rel_halfwidth`, `max_steps`, `max_measure_s`: adaptive trials (see
-    trial_settings; a None target measures exactly `steps`); `bracket_every` > 0 measures the first
-    trial's config again every that many trials and corrects every row for the drift
-    (advisor.measure.runner, `<out>/drift.json`; 0: no brackets).
+    `trial_env` adds environment variables to one launch's ranks (per-launch NCCL settings; the tests
+    inject failures with it). Failed configs are rows, not exceptions; bad input raises UserError before
+    any launch starts. A launch measures `max_measure_s` seconds of timed steps per config (at least
+    `steps` steps each), its configs interleaved (advisor.measure.launch).
     """
     say = log or (lambda message: None)
     out_dir = Path(out_dir).resolve()
@@ -320,40 +315,36 @@ def run_profile(
         max_steps,
         max_measure_s,
     )
-    if bracket_every < 0:
-        raise UserError(f"--bracket-every {bracket_every}: 0 (no brackets) or a number of trials")
     base = load_base_config(Path(base_config) if base_config else shipped_config("zero2_bf16.json"))
     plan = plan_for_device(grid or GridRequest(), device_support())
     for note in plan.notes:
         say(note)
     setup = trial_setup_id(base, settings)
     csv_path = out_dir / "trials.csv"
-    table = read_trials(csv_path)
-    done = finished_trials(table, setup, retry_failed)
+    done = finished_trials(read_trials(csv_path), setup, retry_failed)
     skipped = [s.trial_id for ladder in plan.ladders for s in ladder if s.trial_id in done]
     if skipped:
         say(f"{len(skipped)} trials already in {csv_path}: not run again")
-    past = [float(w) for w in latest_rows(table, setup)["wall_s"].dropna()]
     ran: list[str] = []
-    runner = TrialRunner(
+    runner = LaunchRunner(
         settings,
         base,
         out_dir,
         setup,
         say,
-        policy=RunnerPolicy(bracket_every=bracket_every) if bracket_every else NO_BRACKETS,
         trial_env=trial_env,
         run_trial=lambda *args: run_trial(*args),  # looked up when called: tests stand in for it here
-        reference=plan.reference,  # the advise search's reference too (its first seed)
     )
-    with _sigterm_as_interrupt(), _Progress(progress, _remaining(plan, done), past) as bar:
-        for spec in pending(plan, done):
-            bar.starting(spec.trial_id)
-            outcome = runner.run_one(spec)
-            done[spec.trial_id] = outcome.status
-            ran.append(spec.trial_id)
-            bar.finished(outcome, _remaining(plan, done), spec.trial_id)
-        runner.close()
-    if bracket_every and runner.drift.brackets:
-        say(runner.drift.summary_line())
+    per_config_s = max_measure_s or MAX_MEASURE_S
+    with _sigterm_as_interrupt(), _Progress(progress, _remaining(plan, done)) as bar:
+        for ladder in plan.ladders:
+            specs = list(pending(GridPlan([ladder]), done))
+            if not specs:
+                continue
+            bar.starting(launch_name(specs[0]))
+            ids = runner.launch(specs, per_config_s * len(specs))
+            statuses = finished_trials(runner.table(), setup)
+            done.update({i: statuses[i] for i in ids if i in statuses})
+            ran += ids
+            bar.finished(len(ids), _remaining(plan, done), f"{launch_name(specs[0])}: {len(ids)} configs")
     return ProfileResult(csv_path, latest_rows(read_trials(csv_path), setup), ran, skipped, plan.notes)

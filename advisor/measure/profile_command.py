@@ -13,7 +13,6 @@ import typer
 
 from advisor.measure.grid import OFFLOADS, STAGES, GridRequest
 from advisor.measure.profile import run_profile
-from advisor.measure.runner import BRACKET_EVERY_TRIALS
 from advisor.measure.trials import MAX_MEASURE_S, TARGET_REL_HALFWIDTH
 from sdzero.config.options import DEFAULTS, cli_option, input_option
 from sdzero.errors import UserError
@@ -78,13 +77,6 @@ MaxTrialSteps = Annotated[
 MaxMeasureSeconds = Annotated[
     float, typer.Option(help="with --target-halfwidth, the most seconds of steps a trial measures (0: any).")
 ]
-BracketEvery = Annotated[
-    int,
-    typer.Option(
-        help="measure the first trial's config again every this many trials and correct every trial for "
-        "the machine's drift (<out>/drift.json; 0: never)."
-    ),
-]
 WarmupSteps = Annotated[int, typer.Option(help="steps per trial before measuring (not counted).")]
 TrialTimeout = Annotated[float, typer.Option(help="seconds a trial may take in all, start-up included.")]
 StallTimeout = Annotated[
@@ -123,7 +115,6 @@ def profile_command(
     target_halfwidth: TargetHalfwidth = TARGET_REL_HALFWIDTH,
     max_trial_steps: MaxTrialSteps = None,
     max_measure_seconds: MaxMeasureSeconds = MAX_MEASURE_S,
-    bracket_every: BracketEvery = BRACKET_EVERY_TRIALS,
     warmup_steps: WarmupSteps = 2,
     trial_timeout: TrialTimeout = 900.0,
     stall_timeout: StallTimeout = 300.0,
@@ -168,7 +159,6 @@ def profile_command(
             target_rel_halfwidth=target_halfwidth or None,
             max_steps=max_trial_steps,
             max_measure_s=max_measure_seconds or None,
-            bracket_every=bracket_every,
             progress=True,
             log=lambda message: console.print(f"[dim]{message}[/dim]"),
         )

@@ -90,6 +90,10 @@ class TrialSettings:
     """With a target: measure at most this many steps (None: STEP_CAP_FACTOR x `steps`)."""
     max_measure_s: float | None = None
     """With a target: stop measuring after this many seconds of measured steps (None: no limit)."""
+    sweep: str = ""
+    """A launch of several configs (sdzero.training.config_sweep): `MB:GA,...`; "" for one config."""
+    launch_measure_s: float = 0.0
+    """A launch's seconds of timed steps, all its configs together (advisor.measure.launch)."""
 
     @property
     def step_cap(self) -> int:
@@ -133,9 +137,22 @@ def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> l
         str(trial_dir / "profile.json"),
         "--profile-warmup-steps",
         str(settings.warmup_steps),
-        *adaptive_args(settings),
-        "--sync-timing",  # exact per-phase attribution for the step-time model (a GPU sync per phase)
+        *(sweep_args(settings) if settings.sweep else adaptive_args(settings)),
         *settings.train_args,
+    ]
+
+
+def sweep_args(settings: TrialSettings) -> list[str]:
+    """A launch's configs, its least timed steps per config and its seconds of timed steps. No
+    --sync-timing: a timed step takes no synchronization a user's run would not (the phases are timed
+    with events on CUDA, read a step late)."""
+    return [
+        "--profile-configs",
+        settings.sweep,
+        "--profile-min-steps",
+        str(settings.steps),
+        "--profile-max-seconds",
+        f"{settings.launch_measure_s:g}",
     ]
 
 
@@ -350,7 +367,8 @@ def read_profile(path: Path) -> dict[str, Any] | None:
         profile = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return profile if isinstance(profile, dict) and profile.get("ranks") else None
+    # one config's profile, or a launch's (sdzero.training.config_sweep: its configs' profiles inside)
+    return profile if isinstance(profile, dict) and (profile.get("ranks") or "configs" in profile) else None
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -387,6 +405,8 @@ def classify_trial(
     def outcome(status: str, reason: str) -> TrialOutcome:
         return TrialOutcome(status, reason, profile, wall_s, returncode, log_path, tail, notes)
 
+    if profile is not None and "configs" in profile:  # a launch: each config is judged by its own profile
+        return outcome("ok", "; ".join(notes))
     if profile is not None:
         cap = settings.mem_cap_bytes
         peak = int(profile["device_peak_bytes"])

@@ -1,30 +1,22 @@
-"""Search economy: measure a small seed set, then let the model choose each next trial.
+"""Search economy: one launch per group (ZeRO stage, precision, offload), as many groups as the budget holds.
 
-Seeds: the reference (advisor.measure.grid.GridPlan.reference, a middle rung of the first ladder: the
-runner's drift probe and a second point for the compute slope), then the smallest micro-batch of every
-ladder (one point per stage and precision, for the intercepts and the communication mix). Until a
-precision has a second micro-batch measured its compute is taken as proportional to the micro-batch; the
-model's first pick, its predicted best (a large micro-batch), then gives the slope. Then, until the
-budget is spent: refit, predict every unmeasured grid point at the target node count, drop those predicted
-not to fit (in the trial or at the target), those above an out-of-memory trial of their ladder, and those
-predicted more than DOMINATED_MARGIN slower than the best prediction; measure the fastest of the rest.
-It stops when nothing is left: the best predicted config is then measured.
+A launch (advisor.measure.launch) starts the trainer once and measures all its configs side by side, so a
+config costs its steps, not a start-up. Each group's launch takes every micro-batch of its ladder that the
+global batch can use and the fitted model does not predict to run out of memory (`launch_specs`), plus
+its largest micro-batch at accumulation 4: the check, held out of the fit that predicts it (every other
+config of the grid runs at the base accumulation; the plans run at others, so this is the figure that
+says how far to trust them).
 
-Second micro-batches: when the model has nothing left to pick and the budget still has room for more than
-the trials kept in reserve (`reserve_trials`: the check trials that come after the search), each ladder
-measured at one micro-batch only gets a second one (`slope_specs`: its largest that fits), so that its
-stage's compute has a line of its own (advisor.model.step_time) instead of the slope of the others; the
-model then picks again. A 5-minute default run ended in 178 of its 300 s with ZeRO-3 measured at one
-micro-batch and its micro-batches 2-8 off by 15-17% (docs/advisor.md, round 3).
+The first launch is the first ladder's (the reference's group). Its measured cost, start-up seconds and
+seconds per step (`LaunchCosts`), plans the rest: the budget left is split evenly over the launches it
+holds, each measuring for its share less the start-up, and the log says up front what the budget covers.
+Without --budget-minutes the default budget follows the model's cost (`default_budget_s`). Each next
+group is the one whose config the model ranks most promising (`choose_next`, judged at every node count
+the global batch reaches); groups the budget cannot hold are predicted, borrowing the measured ones'
+costs.
 
-Noise: configs are compared by measurements corrected for the machine's drift (advisor.measure.runner
-brackets the trials with a reference config). When the two fastest measured configs are within each
-other's intervals (`contenders`), the search has them measured again, A B B A (`rematch`: a duel,
-advisor.measure.duel, when the runner offers it and the budget has room beside the reserve; it stops one
-trial early to leave that room), so that a slow minute does not decide between them.
-
-`run_specs` is injected: `sdzero advise` runs real trials, bench/advisor_accuracy.py replays a measured
-full grid through the very same choices.
+`run_specs` is injected: `sdzero advise` launches real trials; tests replay a synthetic grid through the
+very same choices.
 """
 
 from __future__ import annotations
@@ -36,8 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
-from advisor.measure.duel import DUEL_ORDER
-from advisor.measure.grid import GridPlan, TrialSpec
+from advisor.measure.grid import ACCUMULATION_CHECK, GridPlan, TrialSpec, accumulation_check
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate, grad_accum_for
@@ -53,48 +44,12 @@ class SearchResult:
     trials: pd.DataFrame
     full_grid: int
     chosen_by_model: list[str] = field(default_factory=list)
+    """The configs launched, in order."""
     log: list[str] = field(default_factory=list)
-
-
-def seed_specs(plan: GridPlan) -> list[TrialSpec]:
-    """The reference first (GridPlan.reference: the runner's drift probe, and a second rung of its ladder
-    for the compute slope), then the smallest micro-batch of every ladder."""
-    smallest = [ladder[0] for ladder in plan.ladders]
-    reference = plan.reference
-    return [reference, *(s for s in smallest if s != reference)] if reference else smallest
-
-
-def slope_specs(
-    plan: GridPlan,
-    trials: pd.DataFrame,
-    numels: tuple[int, ...],
-    zero: ZeroSettings,
-    measured_net: Network,
-    usable_bytes: float,
-    in_reach: Callable[[int], bool] = lambda micro_batch: True,
-) -> list[TrialSpec]:
-    """For each ladder with one micro-batch measured (ok) and no other, its largest unmeasured micro-batch
-    that the model predicts to fit and the global batch can use (`in_reach`): the widest lever for the
-    ladder's own slope where a prediction can need it. Fastest predicted first (on the trials' own
-    machine), so that a budget with room for one measures the one that matters most."""
-    ok = trials[trials["status"] == "ok"]
-    if ok.empty:
-        return []
-    models = fit_models(trials, numels, zero, measured_net)
-    measured = set(ok["trial_id"].astype(str))
-    scored: list[tuple[float, TrialSpec]] = []
-    for ladder in plan.ladders:
-        if sum(spec.trial_id in measured for spec in ladder) != 1:
-            continue
-        for spec in reversed(ladder):
-            if _blocked(spec, trials) or not in_reach(spec.micro_batch):
-                continue
-            rate = _own_machine_rate(models, spec, measured_net, usable_bytes)
-            if rate is not None:
-                scored.append((rate, spec))
-                break
-    scored.sort(key=lambda t: -t[0])
-    return [spec for _, spec in scored]
+    check_ids: list[str] = field(default_factory=list)
+    """The accumulation checks that measured: held out of the fit that predicts them."""
+    budget_s: float = 0.0
+    """The budget the search ran under (the default one may follow the first launch's cost)."""
 
 
 def _own_machine_rate(
@@ -232,9 +187,70 @@ def choose_next(
     return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {nodes} nodes"
 
 
+FIRST_LAUNCH_MEASURE_SHARE = 0.5
+"""The first launch's share of its slot of the budget spent measuring: nothing is known of the start-up
+yet, so it is taken to cost as much as the measuring."""
+MIN_TIMED_STEPS = 6
+"""The fewest timed steps a config gets in a launch: three interleaved rounds of two."""
+UNTIMED_STEPS = 6
+"""Steps per config a launch takes besides the timed ones: a warm-up, the instrumented step and a round of
+two settling in its first visit, and up to a round of two past the measuring time in its last."""
+END_RESERVE = 0.04
+"""The share of the budget kept for what follows the launches (fit, prediction, report)."""
+CHECK_TRIALS = 1
+"""Check configs per launch: its largest micro-batch at accumulation ACCUMULATION_CHECK, held out of the
+fit that predicts it."""
+
+
+@dataclass(frozen=True)
+class LaunchCosts:
+    """What a launch costs, measured by the first: its start-up and the seconds of one timed step."""
+
+    startup_s: float
+    step_s: float
+
+    def min_measure_s(self, configs: int) -> float:
+        return configs * MIN_TIMED_STEPS * self.step_s
+
+    def untimed_s(self, configs: int) -> float:
+        """A launch's steps besides its timed ones: each config's first round (warm-up, instrumented
+        step, settling) and the last round's overshoot past the measuring time."""
+        return configs * UNTIMED_STEPS * self.step_s
+
+    def launch_s(self, configs: int, measure_s: float) -> float:
+        return self.startup_s + self.untimed_s(configs) + max(measure_s, self.min_measure_s(configs))
+
+
+def default_budget_s(base_s: float, costs: LaunchCosts, groups: int, configs: int, spent_s: float) -> float:
+    """The default budget's rule: `base_s` (5 minutes on a CPU, 30 on a GPU), or the time every group's
+    launch takes once at the first launch's measured cost (its start-up and MIN_TIMED_STEPS of each
+    config), whichever is longer. --budget-minutes replaces it (and caps it)."""
+    every_group = spent_s + groups * costs.launch_s(configs, 0.0)
+    return max(base_s, every_group / (1 - END_RESERVE))
+
+
+def launch_specs(
+    ladder: Sequence[TrialSpec],
+    trials: pd.DataFrame,
+    in_reach: Callable[[int], bool],
+    fits: Callable[[TrialSpec], bool],
+) -> list[TrialSpec]:
+    """A group's launch: every micro-batch of its ladder the global batch can use and the model does not
+    predict to run out of memory (in-launch, an out-of-memory one ends itself and the larger ones), and
+    the largest of them again at accumulation ACCUMULATION_CHECK: the check, held out of the fit."""
+    specs = [s for s in ladder if in_reach(s.micro_batch) and not _blocked(s, trials) and fits(s)]
+    if not specs:
+        specs = [s for s in ladder[:1] if not _blocked(s, trials)]
+    if specs and (specs[-1].grad_accum or 1) < ACCUMULATION_CHECK:
+        check = accumulation_check(specs[-1])
+        if not _blocked(check, trials):
+            specs.append(check)
+    return specs
+
+
 def run_search(
     plan: GridPlan,
-    run_specs: Callable[[list[TrialSpec]], pd.DataFrame],
+    run_specs: Callable[..., pd.DataFrame],
     numels: tuple[int, ...],
     zero: ZeroSettings,
     measured_net: Network,
@@ -245,173 +261,136 @@ def run_search(
     budget_s: float,
     max_trials: int | None = None,
     log: Callable[[str], None] | None = None,
-    reserve_trials: int = 0,
+    default_base_s: float | None = None,
 ) -> SearchResult:
-    """Seeds, then model-chosen trials while the budget allows. `run_specs` returns the whole trial table.
-    `reserve_trials` trials' worth of the budget is kept from the second micro-batches and the duel (not
-    from the model's own picks) for what runs after the search: advise's check trials."""
+    """One launch per group (a ladder: ZeRO stage, precision, offload), the reference's group first, then
+    the group the model ranks most promising, while the budget has room; see the module docstring.
+    `run_specs(specs, measure_s=...)` returns the whole trial table. `default_base_s`: the budget is the
+    default one (no --budget-minutes), which the first launch's cost may raise (`default_budget_s`)."""
     say = log or (lambda message: None)
     started = time.monotonic()
     result = SearchResult(pd.DataFrame(), plan.max_trials)
-    trials = run_specs(seed_specs(plan))
-    limit = max_trials if max_trials is not None else plan.max_trials
-    per_trial = 0.0
-    while len(trials) < limit:
-        walls = pd.to_numeric(trials.get("wall_s", pd.Series(dtype=float)), errors="coerce").dropna()
-        per_trial = float(walls.mean()) if len(walls) else 0.0
-        left = budget_s - (time.monotonic() - started)
-        if per_trial > left:
-            result.log.append(f"stopped: --budget-minutes reached after {len(trials)} trials")
-            break
-        if _duel_now(run_specs, trials, per_trial, left, reserve_trials * per_trial):
-            result.log.append(
-                f"stopped after {len(trials)} trials to leave the budget's last "
-                f"{left:.0f} s to a duel of the two closest configs"
-            )
-            break
-        spec, why = choose_next(
-            plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
+    in_reach = _reach(target_net, target_nodes, target)
+    groups = list(plan.ladders)
+    limit = max_trials if max_trials is not None else math.inf
+    trials = pd.DataFrame(columns=["trial_id", "status"])
+    costs: LaunchCosts | None = None
+    _hold_to(run_specs, started + budget_s * (1 - END_RESERVE))
+    while groups and len(trials) < limit:
+        left = budget_s * (1 - END_RESERVE) - (time.monotonic() - started)
+        models = fit_models(trials, numels, zero, measured_net) if (trials["status"] == "ok").any() else None
+        group = _next_group(
+            groups, plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
         )
-        if spec is None:
-            spec, why = _second_micro_batch(
-                plan,
-                trials,
-                numels,
-                zero,
-                measured_net,
-                usable_bytes,
-                _reach(target_net, target_nodes, target),
-                left,
-                per_trial,
-                reserve_trials,
-                why,
-            )
+        groups.remove(group)
+        fits = _fits(models, usable_bytes)
+        specs = launch_specs(group, trials, in_reach, fits)
+        if not specs:
+            continue
+        if costs is None:
+            measure_s = left / (len(groups) + 1) * FIRST_LAUNCH_MEASURE_SHARE
+        else:
+            if costs.launch_s(len(specs), 0.0) > left:
+                result.log.append(f"stopped: --budget-minutes reached; {len(groups) + 1} groups not launched")
+                say(result.log[-1])
+                break
+            covered = max(1, min(len(groups) + 1, int(left // costs.launch_s(len(specs), 0.0))))
+            slot = left / covered - costs.startup_s - costs.untimed_s(len(specs))
+            measure_s = max(slot, costs.min_measure_s(len(specs)))
+        why = f"launch {len(result.chosen_by_model) + 1}: {_group_name(group)}, {len(specs)} configs"
         result.log.append(why)
-        say(why)
-        if spec is None:
-            break
-        result.chosen_by_model.append(spec.trial_id)
-        trials = run_specs([spec])
-    reserve_s = reserve_trials * per_trial
-    left = budget_s - (time.monotonic() - started) - reserve_s
-    trials = _rematch(run_specs, trials, result, left, say, reserve_s)
+        result.chosen_by_model += [s.trial_id for s in specs]
+        trials = run_specs(specs, measure_s=measure_s)
+        if costs is None:
+            costs = _costs(run_specs, trials)
+            if costs is not None:
+                if default_base_s is not None:
+                    spent = time.monotonic() - started
+                    budget_s = default_budget_s(default_base_s, costs, len(plan.ladders), len(specs), spent)
+                    _hold_to(run_specs, started + budget_s * (1 - END_RESERVE))
+                line = _budget_line(costs, budget_s, time.monotonic() - started, groups, len(specs))
+                result.log.append(line)
+                say(line)
+    result.check_ids = sorted(
+        trials.loc[
+            (trials["status"] == "ok") & trials["trial_id"].astype(str).isin(_check_ids(trials)), "trial_id"
+        ]
+    )
     result.trials = trials
+    result.budget_s = budget_s
     return result
 
 
-def _second_micro_batch(
+def _hold_to(run_specs: Callable[..., pd.DataFrame], deadline: float) -> None:
+    """The runner's own deadline (a contended launch is launched again only before it): the search's."""
+    if hasattr(run_specs, "deadline"):
+        run_specs.deadline = deadline
+
+
+def _next_group(
+    groups: list[list[TrialSpec]],
     plan: GridPlan,
     trials: pd.DataFrame,
     numels: tuple[int, ...],
     zero: ZeroSettings,
     measured_net: Network,
+    target_net: Network,
+    target_nodes: int | Sequence[int],
     usable_bytes: float,
-    in_reach: Callable[[int], bool],
-    left_s: float,
-    per_trial: float,
-    reserve_trials: int,
-    done_why: str,
-) -> tuple[TrialSpec | None, str]:
-    """Once the model has nothing left to pick (`done_why`): the first of `slope_specs`, if the budget has
-    room for it beside the reserve; else None and `done_why`."""
-    specs = slope_specs(plan, trials, numels, zero, measured_net, usable_bytes, in_reach)
-    if not specs:
-        return None, done_why
-    if per_trial * (1 + reserve_trials) > left_s:
-        return None, f"{done_why}; no room for a second micro-batch of {specs[0].trial_id}'s ladder"
-    spec = specs[0]
-    return spec, (
-        f"second micro-batch: {spec.trial_id}, so that its stage's compute gets a slope of its own "
-        f"({done_why.split(' (')[0]})"
+    target: BatchTarget | None,
+) -> list[TrialSpec]:
+    """The group of the model's pick (choose_next over the groups not launched); the first of them while
+    nothing is measured or the model picks none."""
+    if not (trials["status"] == "ok").any():
+        return groups[0]
+    pick, _ = choose_next(
+        GridPlan(groups), trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
+    )
+    return next((g for g in groups if pick is not None and pick in g), groups[0])
+
+
+def _fits(models: Models | None, usable_bytes: float) -> Callable[[TrialSpec], bool]:
+    def fits(spec: TrialSpec) -> bool:
+        if models is None:
+            return True
+        mem = models.memory.per_rank_bytes(
+            spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
+        )
+        return mem["total"] <= usable_bytes
+
+    return fits
+
+
+def _costs(run_specs: Callable[..., pd.DataFrame], trials: pd.DataFrame) -> LaunchCosts | None:
+    """The launches' measured costs (the runner's); where a runner keeps none (a replay of recorded
+    trials), the first launch's configs' wall times, each a run of the config alone, as its start-up."""
+    measured = getattr(run_specs, "costs", None)
+    found = measured() if callable(measured) else None
+    if found is not None:
+        return LaunchCosts(*found)
+    walls = pd.to_numeric(trials.get("wall_s", pd.Series(dtype=float)), errors="coerce").dropna()
+    return LaunchCosts(float(walls.sum()), 0.0) if len(walls) else None
+
+
+def _budget_line(costs: LaunchCosts, budget_s: float, spent_s: float, groups: list, configs: int) -> str:
+    """What the budget covers, said once the first launch measured its cost."""
+    left = budget_s * (1 - END_RESERVE) - spent_s
+    per_launch = costs.launch_s(configs, 0.0)
+    covered = min(len(groups), max(0, int(left // per_launch))) if per_launch > 0 else len(groups)
+    names = ", ".join(_group_name(g) for g in groups[:covered]) or "none"
+    return (
+        f"budget: {budget_s / 60:.1f} min; the first launch measured a start-up of {costs.startup_s:.0f} s and "
+        f"{costs.step_s:.2f} s a step, so the {left:.0f} s left cover {covered} of the {len(groups)} other "
+        f"groups ({names})" + ("" if covered == len(groups) else "; the rest are predicted, not measured")
     )
 
 
-def contenders(trials: pd.DataFrame) -> list[str]:
-    """The fastest measured config (samples/s here) and the fastest other one whose interval overlaps
-    its own; only the fastest when none does (or the trials carry no intervals)."""
-    if "step_s_lo" not in trials or "step_s_hi" not in trials:
-        return []
-    ok = trials[(trials["status"] == "ok")].copy()
-    for column in ("global_batch", "step_time_median_s", "step_s_lo", "step_s_hi"):
-        ok[column] = pd.to_numeric(ok[column], errors="coerce")
-    ok = ok.dropna(subset=["global_batch", "step_time_median_s", "step_s_lo", "step_s_hi"])
-    if ok.empty:
-        return []
-    rate = ok["global_batch"] / ok["step_time_median_s"]
-    best = rate.idxmax()
-    best_lo = ok.at[best, "global_batch"] / ok.at[best, "step_s_hi"]
-    rival_hi = ok["global_batch"] / ok["step_s_lo"]
-    rivals = rate[(rival_hi >= best_lo) & (ok.index != best)]
-    picked = [best] if rivals.empty else [best, rivals.idxmax()]
-    return [str(ok.at[i, "trial_id"]) for i in picked]
+def _group_name(group: Sequence[TrialSpec]) -> str:
+    return "-".join(p for p in group[0].trial_id.split("-") if not p.startswith(("mb", "ga")))
 
 
-def _duel_now(
-    run_specs: Callable[[list[TrialSpec]], pd.DataFrame],
-    trials: pd.DataFrame,
-    per_trial: float,
-    left: float,
-    reserve_s: float = 0.0,
-) -> bool:
-    """Whether the budget left, less `reserve_s`, holds a duel but not one more trial besides: with the two
-    fastest measured configs within each other's intervals, telling them apart is then worth more than one
-    more config."""
-    if getattr(run_specs, "rematch", None) is None or len(contenders(trials)) < 2:
-        return False
-    legs = len(DUEL_ORDER) * per_trial + reserve_s
-    return legs <= left < legs + per_trial
-
-
-def _rematch(
-    run_specs: Callable[[list[TrialSpec]], pd.DataFrame],
-    trials: pd.DataFrame,
-    result: SearchResult,
-    left_s: float,
-    say: Callable[[str], None],
-    reserve_s: float = 0.0,
-) -> pd.DataFrame:
-    """The two closest contenders measured again back to back, when the runner can and time allows:
-    `left_s` is the budget left less `reserve_s`, which the runner keeps free too."""
-    rematch = getattr(run_specs, "rematch", None)
-    pair = contenders(trials)
-    if rematch is None or len(pair) < 2:
-        return trials
-    walls = pd.to_numeric(trials.get("wall_s", pd.Series(dtype=float)), errors="coerce").dropna()
-    per_trial = float(walls.mean()) if len(walls) else math.inf
-    if 2 * per_trial > left_s:
-        result.log.append(f"no rematch: {pair[0]} and {pair[1]} overlap, but the budget has no room")
-        return trials
-    line = f"rematch: {pair[0]} and {pair[1]} are within each other's intervals; measured again"
-    result.log.append(line)
-    say(line)
-    return rematch(pair, reserve_s=reserve_s)
-
-
-CHECK_TRIALS = 2
-"""Configs measured after the search only to check the model: predicted before they run, never fitted."""
-CHECK_COST_TRIALS = CHECK_TRIALS + 2
-"""The check trials' cost in mean trials: CHECK_TRIALS and the accumulation check (advisor.stages.measure),
-counted twice: it runs 4 micro-steps a step (40 s against a mean trial's 19 s with bf16 emulated)."""
-
-
-def check_specs(
-    plan: GridPlan,
-    trials: pd.DataFrame,
-    numels: tuple[int, ...],
-    zero: ZeroSettings,
-    measured_net: Network,
-    usable_bytes: float,
-    n: int = CHECK_TRIALS,
-) -> list[TrialSpec]:
-    """The `n` unmeasured grid points the fitted model ranks fastest on the trials' own machine among
-    those it predicts to fit: the configs whose predicted figures matter most, and a fair test of them."""
-    if n <= 0 or (trials["status"] == "ok").sum() == 0:
-        return []
-    models = fit_models(trials, numels, zero, measured_net)
-    scored = []
-    for spec in (s for ladder in plan.ladders for s in ladder):
-        rate = None if _blocked(spec, trials) else _own_machine_rate(models, spec, measured_net, usable_bytes)
-        if rate is not None:
-            scored.append((rate, spec))
-    scored.sort(key=lambda t: -t[0])
-    return [spec for _, spec in scored[:n]]
+def _check_ids(trials: pd.DataFrame) -> set[str]:
+    """The accumulation checks: rows at ACCUMULATION_CHECK."""
+    accum = pd.to_numeric(trials.get("grad_accum", pd.Series(dtype=float)), errors="coerce")
+    ids = trials.loc[accum == ACCUMULATION_CHECK, "trial_id"].astype(str)
+    return {i for i in ids if i.endswith(f"-ga{ACCUMULATION_CHECK}")}

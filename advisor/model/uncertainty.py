@@ -26,21 +26,19 @@ A predicted step time is uncertain for three reasons, each measured by the run i
   the note says the interval leaves it out.
 
 A figure is for a run of the config, which lands in some minute of this machine's own drift, so the
-**prediction interval** adds the run's noise floor to the above: the spread of every repeat the run made
-of the same work (the reference's brackets, the duels' legs; `run_noise_floor`), widened by Student's
-t for the few repeats it rests on (a 5-minute run makes 3-7: a floor from so few understates the drift
-of the next runs, bench/advisor_accuracy.py).
+**prediction interval** adds the run's noise floor to the above: the spread between the two halves of
+each config's launch (the same work measured twice, a half-launch apart; `run_noise_floor`), widened by
+Student's t for the few configs it rests on.
 
 A **tie** is a difference the measurements cannot resolve: two configs are tied when the 95% interval of
 their difference, from their measurement noise alone, holds zero. A measured config brings its trial's
 interval; one nobody ran brings the typical trial's (what measuring it would give). The fit's spread is
 left out on purpose: a config the model knows little about is not "as good as" the fastest, it is
 unknown, and the fastest prediction is still the best bet (its interval says how far to trust it). The
-machine's drift is left out too: the configs are compared on the same drift-corrected scale. The
-difference's interval is tighter than asking whether two intervals overlap, which calls ties up to 1.4x
-the difference's own half-width. Two configs that fought a **duel** (advisor.measure.duel: measured
-again A B B A, close in time) are judged by the duel's own interval of their ratio instead, which the
-drift between their first trials no longer widens or biases.
+machine's drift is left out too: configs of one launch were measured side by side, interleaved, and
+launches are put on one machine speed by their tie (advisor.measure.launch). The difference's interval is
+tighter than asking whether two intervals overlap, which calls ties up to 1.4x the difference's own
+half-width.
 
 Relative spreads are one-sigma fractions of the figure; halfwidths are the 95% ones.
 """
@@ -48,15 +46,18 @@ Relative spreads are one-sigma fractions of the figure; halfwidths are the 95% o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from advisor.measure.duel import Z95, Duel, pooled_log_spread, repeat_groups
+from advisor.measure.launch import repeat_halves
 from advisor.model.leverage import FitPoints, group_of
+
+Z95 = 1.959964
+"""The two-sided 95% quantile of the normal distribution."""
 
 MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2)
 """A normal spread's sigma over its mean absolute deviation: the noise floor is a mean |deviation|."""
@@ -111,8 +112,6 @@ class Spread:
     """This machine's repeat spread as a sigma (the noise floor x sqrt(pi/2)); 0 when not measured."""
     noise_dof: int = 0
     """The degrees of freedom `noise` rests on: the run's repeats, less one per config (0: unknown)."""
-    duels: dict[frozenset[ConfigKey], float] = field(default_factory=dict)
-    """The 95% half-width of each duel's log ratio (advisor.measure.duel), by its two configs."""
     link: float = 0.0
     """Relative sigma of an inter-node op's cost; 0 for an assumed link."""
     memory: float = MIN_MEMORY_SPREAD
@@ -194,29 +193,6 @@ def measured_spreads(trials: pd.DataFrame) -> dict[ConfigKey, float]:
         key = config_key(row)
         out[key] = min(out.get(key, math.inf), sigma)
     return out
-
-
-def duel_halfwidths(trials: pd.DataFrame, duels: Iterable[Duel]) -> dict[frozenset[ConfigKey], float]:
-    """Each duel's half-width by the config keys of its two trials (a duel whose trial is not in
-    `trials` is left out)."""
-    if trials.empty or "trial_id" not in trials:
-        return {}
-    keys = {str(r["trial_id"]): config_key(r) for _, r in trials.iterrows()}
-    return {frozenset((keys[d.a], keys[d.b])): d.halfwidth for d in duels if d.a in keys and d.b in keys}
-
-
-def _duel_columns(
-    table: pd.DataFrame, keys: list[ConfigKey], spread: Spread
-) -> tuple[list[str], list[float]]:
-    """`duel_partner` (the config_id a row's config duelled, "" for none) and `duel_halfwidth`."""
-    ids = {k: str(c) for k, c in zip(keys, table["config_id"], strict=True)} if "config_id" in table else {}
-    partners, widths = [], []
-    for key in keys:
-        match = next(((pair, h) for pair, h in spread.duels.items() if key in pair), None)
-        other = next(iter(match[0] - {key}), None) if match else None
-        partners.append(ids.get(other, "") if other is not None else "")
-        widths.append(match[1] if match and other in ids else math.nan)
-    return partners, widths
 
 
 def config_key(row: pd.Series | dict) -> ConfigKey:
@@ -312,11 +288,26 @@ def _fit_sigma(errors: np.ndarray, own: float) -> float:
 
 
 def run_noise_floor(folder: Path) -> tuple[float | None, int]:
-    """A run's noise floor and the degrees of freedom it rests on, from every repeat the run made (the
-    reference's brackets, the duels' legs: advisor.measure.duel.repeat_groups): their pooled sigma of
-    ln(step), stated as the mean |deviation| a normal spread of that sigma has. None without repeats."""
-    sigma, dof = pooled_log_spread(repeat_groups(folder))
+    """A run's noise floor and the degrees of freedom it rests on, from the halves of its launches
+    (advisor.measure.launch.repeat_halves): their pooled sigma of ln(step), stated as the mean |deviation|
+    a normal spread of that sigma has. None without repeats."""
+    sigma, dof = pooled_log_spread(repeat_halves(folder))
     return (None if sigma is None else sigma / MEAN_ABS_TO_SIGMA), dof
+
+
+def pooled_log_spread(groups: Iterable[Sequence[float]]) -> tuple[float | None, int]:
+    """The relative sigma of repeated measurements of the same work, pooled over groups (each group one
+    config measured several times), and its degrees of freedom (the repeats less one per group): the
+    sample sd of ln(step) about each group's mean. None with no repeats."""
+    squares, dof = 0.0, 0
+    for group in groups:
+        logs = [math.log(x) for x in group if x > 0 and math.isfinite(x)]
+        if len(logs) < 2:
+            continue
+        mean = sum(logs) / len(logs)
+        squares += sum((v - mean) ** 2 for v in logs)
+        dof += len(logs) - 1
+    return (math.sqrt(squares / dof), dof) if dof else (None, 0)
 
 
 def estimate_spread(
@@ -327,10 +318,9 @@ def estimate_spread(
     link_assumed: bool,
     startup_rest_s: Iterable[float] = (),
     noise_dof: int = 0,
-    duels: Iterable[Duel] = (),
 ) -> Spread:
     """The run's Spread from its trials, its held-out errors, its noise floor (with the repeats it rests
-    on, less one), its link fits and its duels."""
+    on, less one) and its link fits."""
     measured = measured_spreads(trials)
     own = list(measured.values())
     typical_own = float(np.median(own)) if own else 0.0
@@ -348,7 +338,7 @@ def estimate_spread(
             "no held-out errors to size the fit's spread: unmeasured configs' intervals are too narrow"
         )
     if noise_floor is None:
-        notes.append("no noise floor measured (fewer than two reference brackets): intervals leave drift out")
+        notes.append("no noise floor measured (no launch ran two rounds): intervals leave drift out")
     if link_assumed:
         notes.append("the inter-node link is assumed, not measured: its figures carry no interval")
     mem_errors = held_out_errors(validation, "mem_per_rank_bytes")
@@ -370,7 +360,6 @@ def estimate_spread(
         fit_points=FitPoints.of(trials) if scaled is not None else FitPoints(),
         noise=noise,
         noise_dof=noise_dof,
-        duels=duel_halfwidths(trials, duels),
         link=0.0 if link_assumed else link_rel,
         memory=max(_rms(mem_errors), MIN_MEMORY_SPREAD),
         memory_dof=int(mem_errors.size),
@@ -410,7 +399,6 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     table["compare_halfwidth"] = compare
     table["link_halfwidth"] = link
     table["interval_source"] = np.where(pinned, "measured", "model")
-    table["duel_partner"], table["duel_halfwidth"] = _duel_columns(table, keys, spread)
     if "time_to_train_s" in table and "optimizer_steps" in table:
         steps = table["optimizer_steps"].to_numpy(dtype=float)
         startup = table["time_to_train_s"].to_numpy(dtype=float) - steps * step
@@ -449,21 +437,8 @@ def is_tie(a: pd.Series, b: pd.Series) -> bool:
     fa, fb = float(a["samples_per_s"]), float(b["samples_per_s"])
     if not (fa > 0 and fb > 0):
         return False
-    duel = _duel_halfwidth(a, b)
-    if duel is not None:  # measured side by side: the pair's own interval, and the link's share each
-        return abs(math.log(fa / fb)) <= math.hypot(
-            duel, _value(a, "link_halfwidth"), _value(b, "link_halfwidth")
-        )
     ha, hb = _halfwidth(a), _halfwidth(b)
     return abs(math.log(fa / fb)) <= math.hypot(ha, hb)
-
-
-def _duel_halfwidth(a: pd.Series, b: pd.Series) -> float | None:
-    """The duel's half-width when `a` and `b` are the two configs of one duel."""
-    if str(a.get("duel_partner", "")) != str(b.get("config_id", "-")):
-        return None
-    value = a.get("duel_halfwidth")
-    return None if value is None or pd.isna(value) else float(value)
 
 
 def _value(row: pd.Series, column: str) -> float:

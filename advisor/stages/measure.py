@@ -1,12 +1,13 @@
-"""The measure stage: the collectives benchmark and the device memory (measure_hardware), then the trials
-the search chooses and the check trials that test the model on configs it never fitted (measure_trials).
+"""The measure stage: the collectives benchmark and the device memory (measure_hardware), then the launches
+the search plans, one per group, and the held-out check of the model on the configs it never fitted
+(measure_trials).
 
-Files: <out>/comm/ (the benchmark), <out>/profile/trials.csv and one folder per trial, <out>/validation.csv.
+Files: <out>/comm/ (the benchmark), <out>/profile/trials.csv (one row per config) and one folder per
+launch under <out>/profile/trials/, <out>/launches.json (their costs), <out>/validation.csv.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,21 +16,22 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.measure.grid import TrialSpec, accumulation_check
+from advisor.measure.launch import LAUNCHES_FILE
 from advisor.measure.trials import TrialSettings
 from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import Network, build_network
 from advisor.model.predict import grad_accum_for
 from advisor.model.prediction_error import check_rows, fit_models, validation_table
-from advisor.model.search import CHECK_COST_TRIALS, SearchResult, check_specs, run_search
+from advisor.model.search import SearchResult, run_search
 from advisor.stages.inputs import AdviseInputs
 from advisor.target import device_memory_bytes
 from sdzero.atomic import write_csv_atomic
 from sdzero.constants import GIB
 from sdzero.errors import UserError
 
-TrialRunner = Callable[[list[TrialSpec]], pd.DataFrame]
-"""Runs the specs not yet measured; returns the table of every trial of the setup so far."""
+TrialRunner = Callable[..., pd.DataFrame]
+"""Launches the specs not yet measured (`measure_s`: each launch's seconds of timed steps); returns the
+table of every trial of the setup so far."""
 
 
 @dataclass
@@ -135,18 +137,23 @@ def measure_hardware(inputs: AdviseInputs) -> HardwareFigures:
 
 
 def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredTrials:
-    """The trials the search picks within the budget, then the check trials if the budget leaves room."""
+    """One launch per group while the budget holds (advisor.model.search), then the held-out check of
+    the accumulation configs the launches measured beside the others."""
     numels = trained_numels(inputs.model)
     zero = ZeroSettings.from_config(inputs.base)
-    total_s = (inputs.request.budget_minutes or (5.0 if inputs.on_cpu else 30.0)) * 60
+    given = inputs.request.budget_minutes
+    base_s = (5.0 if inputs.on_cpu else 30.0) * 60
+    total_s = given * 60 if given else base_s
     runner = trial_runner(
         inputs.settings,
         inputs.base,
         inputs.out_dir / "profile",
         inputs.setup,
         inputs.say,
-        inputs.out_dir / "drift.json",  # the reference's brackets and the noise floor
-        inputs.started + total_s,  # brackets and re-runs only while the budget has room
+        inputs.out_dir / LAUNCHES_FILE,
+        # a contended launch is launched again only while the budget has room (the default budget's
+        # deadline follows the search's, which the first launch may raise)
+        None if not given else inputs.started + total_s,
     )
     budget_s = total_s - (time.monotonic() - inputs.started)
     # The search judges each config at every node count the global batch reaches (beyond them nothing runs).
@@ -167,24 +174,22 @@ def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredT
         inputs.target,
         budget_s,
         log=inputs.say,
-        # the check trials run after the search: their room is kept from the second micro-batches and the
-        # duel (a reserve of their bare mean cost was a few seconds short once a duel's legs raised the mean)
-        reserve_trials=CHECK_COST_TRIALS,
+        default_base_s=None if given else budget_s,
     )
     if search.trials[search.trials["status"] == "ok"].empty:
         raise UserError(f"no trial succeeded; see the logs under {inputs.out_dir / 'profile' / 'trials'}")
-    check = check_model(inputs, hardware, search.trials, numels, zero, runner, total_s)
+    check = check_model(inputs, hardware, search.trials, search.check_ids, numels, zero)
     return MeasuredTrials(
-        trials=check.trials,
+        trials=search.trials,
         search=search,
         validation=check.validation,
         check_ids=check.check_ids,
         numels=numels,
         zero=zero,
         runner=runner,
-        budget_s=total_s,
+        budget_s=search.budget_s + total_s - budget_s,  # the search's budget from the command's start
         per_trial_s=check.per_trial_s,
-        # the machine's drift and any trial left contended (advisor.measure.runner), in one line each
+        # a launch left contended (advisor.measure.launch), in one line each
         notes=[*check.notes, *getattr(runner, "answer_lines", list)()],
     )
 
@@ -193,39 +198,25 @@ def check_model(
     inputs: AdviseInputs,
     hardware: HardwareFigures,
     trials: pd.DataFrame,
+    check_ids: list[str],
     numels: tuple[int, ...],
     zero: ZeroSettings,
-    runner: TrialRunner,
-    total_s: float,
 ) -> ModelCheck:
-    """Check trials: configs the model predicts before they run and never fitted on, the held-out error;
-    run only if the budget leaves time for all of them. Writes validation.csv."""
+    """The held-out error: the accumulation checks predicted by the model fitted on every other trial
+    (they are never in the fit that predicts them), leave-one-out for the rest. Writes validation.csv."""
     net = hardware.measured_net
-    validation = validation_table(trials, numels, zero, net)
-    checks = check_specs(inputs.plan, trials, numels, zero, net, hardware.usable_bytes)
-    if checks:
-        # The model's fastest check config again at accumulation 4: every fitted trial ran at accumulation
-        # 1, so this is what tests the split of once-per-step from per-micro-step costs.
-        checks.append(accumulation_check(checks[0]))
-    check_ids: list[str] = []
+    held = trials["trial_id"].astype(str).isin(check_ids)
+    fitted_on = trials[~held]
+    validation = validation_table(fitted_on, numels, zero, net)
     notes: list[str] = []
+    if check_ids:
+        fitted = fit_models(fitted_on, numels, zero, net)
+        validation = pd.concat([validation, check_rows(fitted, trials[held], net)], ignore_index=True)
+    else:
+        notes.append("no check config measured: no held-out error; leave-one-out is shown instead")
     per_trial = float(pd.to_numeric(trials["wall_s"], errors="coerce").mean())
-    if checks and total_s - (time.monotonic() - inputs.started) > per_trial * len(checks):
-        fitted = fit_models(trials, numels, zero, net)  # fitted before the checks run: they stay held out
-        inputs.say("checking the model on " + ", ".join(c.trial_id for c in checks))
-        everything = runner(checks)
-        checked = everything[everything["trial_id"].isin([c.trial_id for c in checks])]
-        check_ids = sorted(checked.loc[checked["status"] == "ok", "trial_id"])
-        validation = pd.concat([validation, check_rows(fitted, checked, net)], ignore_index=True)
-        trials = everything
-    elif checks:
-        need_s = time.monotonic() - inputs.started + per_trial * CHECK_COST_TRIALS
-        notes.append(
-            "no budget left for check trials: no held-out error; leave-one-out is shown instead "
-            f"(--budget-minutes {math.ceil(need_s / 60)} with the same --out runs them, reusing these trials)"
-        )
     write_csv_atomic(validation, inputs.out_dir / "validation.csv")
-    return ModelCheck(trials, validation, check_ids, per_trial, notes)
+    return ModelCheck(trials, validation, list(check_ids), per_trial, notes)
 
 
 def trial_runner(
@@ -234,11 +225,13 @@ def trial_runner(
     profile_dir: Path,
     setup: str,
     say: Callable[[str], None],
-    drift_path: Path | None = None,
+    launches_path: Path | None = None,
     deadline: float | None = None,
 ) -> TrialRunner:
-    """Run specs not yet in <profile_dir>/trials.csv; return the table. advisor.measure.runner brackets
-    them with the reference config, corrects them for drift and runs contended ones again."""
-    from advisor.measure.runner import TrialRunner as Runner
+    """Launch the specs not yet in <profile_dir>/trials.csv, one launch per group; return the table
+    (advisor.measure.launch)."""
+    from advisor.measure.launch import LaunchRunner
 
-    return Runner(settings, base, profile_dir, setup, say, drift_path=drift_path, deadline=deadline)
+    return LaunchRunner(
+        settings, base, profile_dir, setup, say, deadline=deadline, launches_path=launches_path
+    )

@@ -175,7 +175,6 @@ def with_larger_batches(
 
 def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Spread:
     """The run's own uncertainty: its trials' intervals, held-out errors, noise floor and link fits."""
-    from advisor.measure.duel import DUEL_FILE, read_duels
     from advisor.model.alphabeta import load_fits
     from advisor.model.uncertainty import run_noise_floor
 
@@ -192,7 +191,6 @@ def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: Measur
         assumed,
         startup_rests(measured.trials),
         noise_dof=dof,
-        duels=read_duels(inputs.out_dir / DUEL_FILE),
     )
 
 

@@ -8,11 +8,12 @@ slow minute. ZeRO partitions and buckets never depend on the micro-batch (DeepSp
 read it): a config is the batch the same engine is fed and its accumulation
 (`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`).
 
-Each config's first visit runs `--profile-warmup-steps` uncounted steps and one *instrumented* step, the only
+Each config's first visit is uncounted: `--profile-warmup-steps` steps, one *instrumented* step, the only
 one with DeepSpeed's comms_logger and wall-clock timers on (the logger synchronizes after every collective
 and the timers around every phase: in a timed step they would remove the overlap of communication and
-compute that a user's run has); it also reads the model states and the activation bytes. Every later step
-is *timed*: nothing on in it that a user's run does not have.
+compute that a user's run has), which also reads the model states and the activation bytes, and a round's
+worth of steps more (a launch's first seconds ran slow). Every later step is *timed*: nothing on in it
+that a user's run does not have.
 
 A *tie* is timed at the end of every round: a fixed matrix product that depends on no engine, so that
 launches of different engines can be put on one machine speed (advisor.measure.launch).
@@ -48,7 +49,7 @@ from sdzero.errors import UserError
 from sdzero.telemetry.step_interval import median_interval
 from sdzero.telemetry.step_stats import StepLog
 from sdzero.training.callbacks import Callback
-from sdzero.training.probe import Probe, StopRule
+from sdzero.training.probe import Probe, StopRule, start_probe, stop_rule
 
 SWEEP_VERSION = 1
 TIE_SIZE = 256
@@ -200,9 +201,9 @@ class ConfigSweep(Callback):
 
     # ------------------------------------------------------------------ the launch
 
-    def run(self, trainer: Any) -> Any:
-        from sdzero.training.trainer import RunSummary
-
+    def run(self, trainer: Any) -> dict[str, Any]:
+        """The launch: rounds until the measuring time is spent. Returns the RunSummary's fields (the
+        trainer builds it: this module does not import the trainer)."""
         step = trainer.state.step
         while True:
             for entry in [e for e in self.entries if e.oom is None]:
@@ -221,7 +222,7 @@ class ConfigSweep(Callback):
             trainer.writer.close()
         rates = [r["samples_per_s"] for e in self.entries for r in e.probe.records if r.get("samples_per_s")]
         losses = [r["loss"] for e in self.entries for r in e.probe.records if r.get("loss") is not None]
-        return RunSummary(
+        return dict(
             steps=step,
             first_loss=losses[0] if losses else float("nan"),
             last_loss=losses[-1] if losses else float("nan"),
@@ -249,7 +250,9 @@ class ConfigSweep(Callback):
         self._switch(trainer, entry)
         plan = ["timed"] * self.round_steps
         if entry.visits == 0:
-            plan = ["warmup"] * self.warmup_steps + ["instrumented"] + plan
+            # The first round is all warm-up: its steps after the instrumented one still ran about twice
+            # as long as later rounds' on the CPU (the launch's first seconds: workers, allocator).
+            plan = ["warmup"] * self.warmup_steps + ["instrumented"] + ["warmup"] * self.round_steps
         entry.visits += 1
         before = len(entry.probe.records)
         oom = None
@@ -450,6 +453,12 @@ def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def start_measurements(cfg: Any, ds: Any, engine: Any, comps: Any) -> Callback | None:
+    """The Trainer's measuring callback: a sweep for `--profile-configs`, else the one-config probe for
+    `--profile-out` (sdzero.training.probe), else None (no measurements, no per-step cost)."""
+    return start_sweep(cfg, ds, engine, comps, stop_rule(cfg)) or start_probe(cfg, ds, engine, comps)
 
 
 def start_sweep(cfg: Any, ds: Any, engine: Any, comps: Any, stop_rule: StopRule) -> ConfigSweep | None:

@@ -485,16 +485,11 @@ def stop_rule(cfg: Any) -> StopRule:
     return rule
 
 
-def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Callback | None:
-    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost). With
-    `--profile-configs`, the launch's sweep over several configs (sdzero.training.config_sweep)."""
+def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe | None:
+    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost)."""
     out = getattr(cfg, "profile_out", None)
     if not out:
         return None
-    if getattr(cfg, "profile_configs", None):
-        from sdzero.training.config_sweep import start_sweep  # it builds on this module
-
-        return start_sweep(cfg, ds, engine, comps, stop_rule(cfg))
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
     # Every frozen module the family loaded (VAE, one to three text encoders; none when training from a cache).
     return Probe(engine, ds, comps.frozen_modules(), Path(out), warmup, stop_rule(cfg))

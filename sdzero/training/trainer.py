@@ -51,10 +51,9 @@ from sdzero.training.callbacks import (
     model_reference,
     overrides,
 )
-from sdzero.training.config_sweep import ConfigSweep
+from sdzero.training.config_sweep import ConfigSweep, start_measurements
 from sdzero.training.engine import init_engine, loss_scale_of
 from sdzero.training.fast_paths import apply_backend_flags, check_attention, check_speed_options, speed_report
-from sdzero.training.probe import start_probe
 from sdzero.training.run_output import export_final, prepare_output, quiet_libraries
 from sdzero.training.validation import Validator
 
@@ -280,7 +279,7 @@ class Trainer:
             *([EmaCallback(ema)] if ema is not None else []),
             ValidationCallback(validator),
             checkpoints,
-            *filter(None, [start_probe(cfg, ds, engine, comps)]),
+            *filter(None, [start_measurements(cfg, ds, engine, comps)]),
             *extras,
             PreemptionCallback(preemption),
         ]
@@ -391,6 +390,6 @@ def run(cfg: TrainConfig) -> RunSummary:
     try:
         # --profile-configs: one launch measures several configs (sdzero.training.config_sweep)
         sweep = next((c for c in trainer.callbacks if isinstance(c, ConfigSweep)), None)
-        return sweep.run(trainer) if sweep else trainer.train()
+        return RunSummary(**sweep.run(trainer)) if sweep else trainer.train()
     finally:
         trainer.close()

@@ -24,7 +24,7 @@ from advisor.model.predict import (
 )
 from advisor.model.prediction_error import fit_models, mape, trial_predictions, validation_table
 from advisor.model.recommend import recommend, what_would_fit
-from advisor.model.search import run_search, seed_specs
+from advisor.model.search import run_search
 from sdzero.errors import UserError
 
 RNG = np.random.default_rng(0)
@@ -362,30 +362,28 @@ def test_offload_trials_get_their_own_fixed_cost():
         assert predicted == pytest.approx(row["step_time_s"], rel=1e-9)
 
 
-def test_search_measures_a_fraction_of_the_grid_and_finds_the_best():
-    full = grid_trials(noise=False).set_index("trial_id")
+def test_search_launches_every_group_with_every_micro_batch_and_finds_the_best():
+    full = with_accumulation_checks(grid_trials(noise=False)).set_index("trial_id")
     plan = plan_grid(
         GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8), ranks_per_node=(2,)),
         {"bf16": True, "fp16": True},
     )
-    replay = replayer(full)
-
     measured_net, target = nets(gpus=2)
-    result = run_search(plan, replay, NUMELS, ZERO, measured_net, target, 32, 1e12, None, budget_s=600)
-    assert len(result.trials) < plan.max_trials
-    best_id = full["samples_per_s"].idxmax()
+    result = run_search(
+        plan, replayer(full), NUMELS, ZERO, measured_net, target, 32, 1e12, None, budget_s=600
+    )
+    checks = [f"z{s}-bf16-mb8-off-none-r2-ga4" for s in (1, 2, 3)]  # each launch's largest, at 4
+    assert set(result.trials["trial_id"]) == {*grid_trials(noise=False)["trial_id"], *checks}
+    best_id = full.loc[grid_trials(noise=False)["trial_id"], "samples_per_s"].idxmax()
     assert best_id in set(result.trials["trial_id"])
-    assert result.chosen_by_model  # beyond the seeds
-
-
-# ------------------------------------------------------------------------------------- the whole pipeline
+    assert result.check_ids == checks
 
 
 def replayer(full: pd.DataFrame):
     """A trial runner answering from `full` (indexed by trial_id): the table of everything asked so far."""
     measured: list[str] = []
 
-    def run(specs):
+    def run(specs, measure_s: float = 0.0):
         measured.extend(s.trial_id for s in specs if s.trial_id not in measured)
         return full.loc[measured].reset_index()
 
@@ -459,12 +457,13 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
     )
     rec = result.recommendation
     assert 512 <= rec["global_batch"] <= 2048 and rec["lr_scaling"] == "sqrt"
-    assert rec["trials_run"] < rec["full_grid"] == 12
+    # every group launched once: its 4 micro-batches and its accumulation check
+    assert rec["trials_run"] == 15 and rec["full_grid"] == 12
     assert rec["error"]["memory_mape"] < 0.05 and rec["error"]["step_time_mape"] < 0.5
     assert any("collectives benchmark failed" in note for note in rec["notes"])
     validation = pd.read_csv(tmp_path / "out" / "validation.csv")
     accum_checks = validation[(validation["grad_accum"] == 4) & validation["check"]]
-    assert accum_checks["config_id"].nunique() == 1  # the accumulation check trial, predicted before it ran
+    assert accum_checks["config_id"].nunique() == 3  # each launch's check, never in the fit that predicts it
     for name in (
         "predictions.csv",
         "validation.csv",
@@ -483,18 +482,17 @@ def test_run_advise_writes_every_contract_file_and_the_report(monkeypatch, tmp_p
     assert rec["config_id"] in repr(report)
 
 
-def test_under_a_fixed_batch_the_search_looks_past_the_node_count_only_micro_batch_1_reaches():
-    """Global batch 8 on 2-rank nodes: 4 nodes admit micro-batch 1 only. Judged there alone, no other
-    micro-batch can be picked and the search stops at its seeds; judged at each of 1, 2, 4 nodes it goes on
-    to the micro-batches that fit the batch at fewer nodes, as the recommendation may well choose."""
+def test_under_a_fixed_batch_a_launch_takes_the_micro_batches_some_judged_node_count_can_use():
+    """Global batch 8 on 2-rank nodes: 4 nodes admit micro-batch 1 only, 1 node micro-batches 1 to 4.
+    Judged at 4 nodes alone a launch measures micro-batch 1 (and its check); judged at 1, 2 and 4 nodes it
+    takes every micro-batch the recommendation may choose, and never micro-batch 8, which no count uses."""
     from advisor.model.predict import BatchTarget
 
-    full = grid_trials(noise=False).set_index("trial_id")
+    full = with_accumulation_checks(grid_trials(noise=False)).set_index("trial_id")
     plan = plan_grid(
         GridRequest(stages=(1, 2, 3), precisions=("bf16",), micro_batches=(1, 2, 4, 8), ranks_per_node=(2,)),
         {"bf16": True, "fp16": True},
     )
-    seeds = {s.trial_id for s in seed_specs(plan)}
 
     def searched(target_nodes):
         measured_net, target_net = nets(gpus=2)
@@ -510,8 +508,7 @@ def test_under_a_fixed_batch_the_search_looks_past_the_node_count_only_micro_bat
             BatchTarget(8, 8),
             budget_s=600,
         )
-        return set(result.trials["trial_id"]) - seeds
+        return {int(m) for m in result.trials.loc[result.trials["grad_accum"] == 1, "micro_batch"]}
 
-    assert searched(4) == set()  # the old aim: nothing beyond the seeds
-    beyond = searched([1, 2, 4])
-    assert beyond and all("mb1-" not in t for t in beyond)
+    assert searched(4) == {1}
+    assert searched([1, 2, 4]) == {1, 2, 4}

@@ -325,10 +325,18 @@ def test_speed_options_parse_from_the_command_line(tmp_path):
     )
 
 
-def test_advisor_trials_ask_for_exact_phase_times():
+def test_advisor_launches_time_their_steps_without_a_sync_a_users_run_does_not_take():
+    """A launch's timed steps are the user's (phases timed by events on CUDA, read a step late): no
+    --sync-timing; DeepSpeed's synchronizing instruments are on in its instrumented steps only
+    (sdzero.training.config_sweep)."""
+    from dataclasses import replace
+
     from advisor.measure.trials import TrialSettings, trainer_args
 
     settings = TrialSettings(
         model="m", data=Path("d"), steps=2, warmup_steps=1, trial_timeout_s=60, stall_timeout_s=None
     )
-    assert "--sync-timing" in trainer_args(settings, "ds.json", Path("/tmp/t"))
+    args = trainer_args(replace(settings, sweep="1:1,4:1", launch_measure_s=20), "ds.json", Path("/tmp/t"))
+    assert "--sync-timing" not in args
+    assert args[args.index("--profile-configs") + 1] == "1:1,4:1"
+    assert args[args.index("--profile-max-seconds") + 1] == "20"

@@ -1,18 +1,15 @@
-"""A slope per stage where a stage was measured at two micro-batches, the search's second micro-batch for a
-stage measured at one, and the budget the search keeps free for the check trials."""
+"""A slope per stage where a stage was measured at two micro-batches; the search's launches (one per group,
+every micro-batch of it) and the budget it plans from the first launch's measured cost."""
 
 from __future__ import annotations
 
-import time
-
 import pandas as pd
 import pytest
-from test_advisor_model import NUMELS, ZERO, nets, replayer, trial
-from test_measurement_noise import SPECS, Machine, make_runner, no_config_check  # noqa: F401
+from test_advisor_model import NUMELS, ZERO, nets, trial, with_accumulation_checks
 
 import advisor.model.search as search
 from advisor.measure.grid import GridRequest, plan_grid
-from advisor.model.search import run_search, slope_specs
+from advisor.model.search import LaunchCosts, default_budget_s, run_search
 from advisor.model.step_time import fit_time_model
 
 PER_SAMPLE = {1: 0.010, 2: 0.012, 3: 0.030}
@@ -68,39 +65,16 @@ def plan():
     )
 
 
-def full_grid(wall_s: float = 10.0) -> pd.DataFrame:
-    rows = [stage_trial(s, mb) | {"wall_s": wall_s} for s in (1, 2, 3) for mb in (1, 2, 4, 8)]
-    return pd.DataFrame(rows).set_index("trial_id")
+def full_grid() -> pd.DataFrame:
+    rows = pd.DataFrame([stage_trial(s, mb) for s in (1, 2, 3) for mb in (1, 2, 4, 8)])
+    return with_accumulation_checks(rows).set_index("trial_id")
 
 
-def test_slope_specs_pick_the_largest_micro_batch_that_fits_of_each_one_point_ladder():
-    full = full_grid()
-    measured = full.loc[
-        [
-            "z1-bf16-mb1-off-none-r2",
-            "z1-bf16-mb4-off-none-r2",
-            "z2-bf16-mb1-off-none-r2",
-            "z3-bf16-mb1-off-none-r2",
-        ]
-    ].reset_index()
-    roomy = slope_specs(plan(), measured, NUMELS, ZERO, nets()[0], 1e12)
-    assert {s.trial_id for s in roomy} == {"z2-bf16-mb8-off-none-r2", "z3-bf16-mb8-off-none-r2"}
-    assert roomy[0].zero_stage == 2  # the faster one first
-    # memory that holds micro-batch 4 but not 8: the largest that fits instead
-    from advisor.model.prediction_error import fit_models
-
-    memory = fit_models(measured, NUMELS, ZERO, nets()[0]).memory
-    total = {
-        (st, mb): memory.per_rank_bytes(st, "bf16", mb, "none", 2)["total"] for st in (2, 3) for mb in (4, 8)
-    }
-    limit = max(total[(2, 4)], total[(3, 4)]) * 1.001
-    assert limit < min(total[(2, 8)], total[(3, 8)])
-    tight = slope_specs(plan(), measured, NUMELS, ZERO, nets()[0], limit)
-    assert {s.trial_id for s in tight} == {"z2-bf16-mb4-off-none-r2", "z3-bf16-mb4-off-none-r2"}
+STARTUP_S, STEP_S = 20.0, 0.1
 
 
 class Clock:
-    """time.monotonic for the search, advanced by each replayed trial's wall time."""
+    """time.monotonic for the search, advanced by each replayed launch."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -109,25 +83,33 @@ class Clock:
         return self.now
 
 
-def timed_replayer(full: pd.DataFrame, clock: Clock):
-    replay = replayer(full)
+class LaunchReplay:
+    """A stand-in for advisor.measure.launch.LaunchRunner: answers from `full`; each call is one launch
+    of STARTUP_S, its measuring time and its untimed steps; `costs` as the runner measures them."""
 
-    def run(specs):
-        before = len(replay([]))
-        table = replay(specs)
-        clock.now += float(full["wall_s"].iloc[0]) * (len(table) - before)
-        return table
+    def __init__(self, full: pd.DataFrame, clock: Clock) -> None:
+        self.full, self.clock = full, clock
+        self.measured: list[str] = []
+        self.launches: list[list[str]] = []
 
-    return run
+    def __call__(self, specs, measure_s: float = 24.0) -> pd.DataFrame:
+        self.launches.append([s.trial_id for s in specs])
+        self.measured += [s.trial_id for s in specs if s.trial_id not in self.measured]
+        self.clock.now += LaunchCosts(STARTUP_S, STEP_S).launch_s(len(specs), measure_s)
+        return self.full.loc[self.measured].reset_index()
+
+    def costs(self) -> tuple[float, float]:
+        return STARTUP_S, STEP_S
 
 
-def searched(monkeypatch, budget_s: float, reserve_trials: int):
+def searched(monkeypatch, budget_s: float, default_base_s: float | None = None):
     clock = Clock()
     monkeypatch.setattr(search.time, "monotonic", clock)
+    replay = LaunchReplay(full_grid(), clock)
     measured_net, target = nets(gpus=2)
     result = run_search(
         plan(),
-        timed_replayer(full_grid(), clock),
+        replay,
         NUMELS,
         ZERO,
         measured_net,
@@ -136,45 +118,44 @@ def searched(monkeypatch, budget_s: float, reserve_trials: int):
         1e12,
         None,
         budget_s=budget_s,
-        reserve_trials=reserve_trials,
+        default_base_s=default_base_s,
     )
-    return result, budget_s - (clock.now - 1000.0)
+    return result, replay, clock.now - 1000.0
 
 
-def test_the_search_measures_a_second_micro_batch_per_stage_with_budget_left(monkeypatch):
-    result, left = searched(monkeypatch, budget_s=300, reserve_trials=3)
-    seconds = [line for line in result.log if line.startswith("second micro-batch:")]
-    ok = result.trials
-    for stage in (1, 2, 3):  # every stage ends with two micro-batches or more: a line of its own
-        assert ok.loc[ok["zero_stage"] == stage, "micro_batch"].nunique() >= 2, stage
-    assert seconds and left >= 3 * 10.0  # the check trials' room is still there
-    model = fit_time_model(ok, nets()[0], NUMELS, ZERO)
-    truth = 0.05 * 3 + PER_SAMPLE[3] * 2
-    assert compute_of(model, 3, 2) == pytest.approx(truth, rel=1e-6)  # a micro-batch no trial ran
+def test_each_launch_measures_every_micro_batch_of_its_group_and_its_accumulation_check(monkeypatch):
+    result, replay, spent = searched(monkeypatch, budget_s=600)
+    assert len(replay.launches) == 3  # one per ZeRO stage, not one per config
+    assert replay.launches[0][0].startswith("z1-")  # the first ladder's; then in the model's order
+    for launch in replay.launches:
+        stage = int(launch[0][1])
+        assert launch == [f"z{stage}-bf16-mb{mb}-off-none-r2" for mb in (1, 2, 4, 8)] + [
+            f"z{stage}-bf16-mb8-off-none-r2-ga4"
+        ]
+    assert result.check_ids == sorted(launch[-1] for launch in replay.launches)
+    assert spent <= 600
+    # every stage has its own line: a micro-batch of ZeRO-3 is its own, not the others' slope
+    fitted = result.trials[~result.trials["trial_id"].isin(result.check_ids)]
+    model = fit_time_model(fitted, nets()[0], NUMELS, ZERO)
+    assert compute_of(model, 3, 2) == pytest.approx(0.05 * 3 + PER_SAMPLE[3] * 2, rel=1e-6)
 
 
-def test_the_reserve_is_not_spent_on_second_micro_batches(monkeypatch):
-    # Room for the seeds (4 trials), the model's picks and nothing beyond the reserve.
-    bare, _ = searched(monkeypatch, budget_s=300, reserve_trials=0)
-    picks = len(bare.trials) - sum(line.startswith("second micro-batch:") for line in bare.log)
-    budget = picks * 10.0 + 25.0  # 2.5 trials past the picks: less than a trial beside a reserve of 2
-    tight, left = searched(monkeypatch, budget_s=budget, reserve_trials=2)
-    assert not any(line.startswith("second micro-batch:") for line in tight.log)
-    assert any("no room for a second micro-batch" in line for line in tight.log)
-    assert left >= 2 * 10.0
+def test_the_first_launchs_cost_plans_the_budget_says_so_and_the_search_ends_within_it(monkeypatch):
+    # Room for the first launch and one more: the plan says which, the third group is left predicted.
+    result, replay, spent = searched(monkeypatch, budget_s=90)
+    (line,) = [line for line in result.log if line.startswith("budget:")]
+    assert "start-up of 20 s" in line and "cover 1 of the 2 other groups" in line and "predicted" in line
+    assert len(replay.launches) == 2 and spent <= 90
+    assert any("--budget-minutes reached" in line for line in result.log)
 
 
-def test_a_rematch_keeps_the_reserve_free(tmp_path, no_config_check):  # noqa: F811
-    machine = Machine(lambda t: 1.0)
-    runner = make_runner(tmp_path, machine, bracket_every=0)
-    a, b = SPECS[3], SPECS[7]
-    runner([a, b])  # 20 s of wall time each
-    runner.deadline = time.monotonic() + 90.0  # room for a duel's 4 legs (80 s), not beside 40 s kept
-    machine.calls.clear()
-    runner.rematch([a.trial_id, b.trial_id], reserve_s=40.0)
-    assert [trial for trial, _ in machine.calls] == [a.trial_id, b.trial_id]  # once each, back to back
-    assert not any(name.startswith("duel") for _, name in machine.calls)
-    machine.calls.clear()
-    runner.deadline = time.monotonic() + 90.0
-    runner.rematch([a.trial_id, b.trial_id])
-    assert [name for _, name in machine.calls] == ["duel-1", "duel-2", "duel-3", "duel-4"]
+def test_the_default_budget_grows_to_launch_every_group_once_at_the_measured_cost(monkeypatch):
+    costs = LaunchCosts(100.0, 0.5)  # minutes-long launches: 100 s start-up, 0.5 s a step
+    every = default_budget_s(300.0, costs, groups=3, configs=5, spent_s=130.0)
+    assert every == pytest.approx((130.0 + 3 * costs.launch_s(5, 0.0)) / (1 - search.END_RESERVE))
+    assert default_budget_s(3600.0, costs, groups=3, configs=5, spent_s=130.0) == 3600.0
+    # a given --budget-minutes is a cap: the search stays within it; the default budget follows the cost
+    capped, _, _ = searched(monkeypatch, budget_s=100)
+    assert capped.budget_s == 100
+    grown, replay, spent = searched(monkeypatch, budget_s=100, default_base_s=100)
+    assert grown.budget_s > 100 and len(replay.launches) == 3 and spent <= grown.budget_s

@@ -357,18 +357,31 @@ def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_
     from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA
     from advisor.report.terminal import error_line
 
-    (tmp_path / "out").mkdir()
-    # three brackets of the reference, 1.0, 1.05 and 0.95 s: the pooled repeat spread of ln(step)
-    (tmp_path / "out" / "drift.json").write_text(json.dumps({"reference_step_s": [1.0, 1.05, 0.95]}))
-    logs = [math.log(v) for v in (1.0, 1.05, 0.95)]
-    floor = math.sqrt(sum((v - sum(logs) / 3) ** 2 for v in logs) / 2) / MEAN_ABS_TO_SIGMA
+    # no launch of the replayed trials left repeats: no floor, and the line says none
+    rec = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
+    ).recommendation
+    assert rec["noise_floor"] is None and "noise floor" not in error_line(rec)
+    # one launch whose config ran 1.0, 1.0 s in its first rounds and 1.1, 1.1 s in its last: its halves
+    launch = {
+        "name": "z1",
+        "folder": "",
+        "configs": [],
+        "status": "ok",
+        "wall_s": 1.0,
+        "startup_s": 0.0,
+        "steps_s": 1.0,
+        "timed_s": 1.0,
+        "timed_steps": 4,
+        "tie_s": None,
+        "others_cpu_share": None,
+        "round_medians_s": {"mb1-ga1": [1.0, 1.0, 1.1, 1.1]},
+    }
+    (tmp_path / "out" / "launches.json").write_text(json.dumps({"setup": "s", "launches": [launch]}))
+    logs = [math.log(v) for v in (1.0, 1.1)]
+    floor = math.sqrt(sum((v - sum(logs) / 2) ** 2 for v in logs) / 1) / MEAN_ABS_TO_SIGMA
     rec = advise_on_synthetic_trials(
         monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
     ).recommendation
     assert rec["noise_floor"] == pytest.approx(floor) and rec["error"]["trials"] > 0
     assert f"(this machine's noise floor {floor:.1%})" in error_line(rec)
-    (tmp_path / "out" / "drift.json").unlink()
-    rec = advise_on_synthetic_trials(
-        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
-    ).recommendation
-    assert rec["noise_floor"] is None and "noise floor" not in error_line(rec)

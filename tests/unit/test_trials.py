@@ -123,7 +123,8 @@ def test_trainer_args_profile_the_requested_steps(tmp_path):
 
 
 class FakeRunner:
-    """Stands in for advisor.measure.trials.run_trial: OOM from `oom_from` upwards; may interrupt."""
+    """Stands in for a launch (advisor.measure.trials.run_trial under advisor.measure.launch): its configs
+    out of memory from `oom_from` upwards, as the config sweep reports them; may interrupt a launch."""
 
     def __init__(self, oom_from: int = 4, interrupt_at: int | None = None) -> None:
         self.oom_from, self.interrupt_at = oom_from, interrupt_at
@@ -134,8 +135,46 @@ class FakeRunner:
             raise KeyboardInterrupt
         self.calls.append((spec.trial_id, env))
         assert json.loads(ds_config.read_text())["train_micro_batch_size_per_gpu"] == spec.micro_batch
-        status = "oom" if spec.micro_batch >= self.oom_from else "ok"
-        return TrialOutcome(status, "cap" if status == "oom" else "", None, 2.0, 0, trial_dir / "log.txt")
+        configs, oom = {}, {}
+        for part in settings.sweep.split(","):
+            mb = int(part.split(":")[0])
+            key = f"mb{mb}-ga1"
+            if mb >= self.oom_from:
+                oom[key] = "out of memory" if mb == self.oom_from else f"above mb{self.oom_from}-ga1"
+            else:
+                configs[key] = profile(mb)
+        launch = {"rounds": 3, "round_steps": 2, "oom": oom, "seconds": {"timed": 1.0}, "tie_s": [0.01]}
+        result = {"launch": launch, "configs": configs}
+        return TrialOutcome("ok", "", result, 2.0, 0, trial_dir / "log.txt")
+
+
+def profile(mb: int) -> dict:
+    """A config's profile as the sweep writes it (the figures trials.csv reads)."""
+    rank = {
+        "rank": 0,
+        "device_peak_bytes": mb,
+        "model_state_bytes": {k: 1 for k in ("params", "grads", "master", "optimizer")},
+        "model_state_total_bytes": 4,
+        "bucket_bytes": 0,
+        "offloaded_bytes": 0,
+        "frozen_bytes": 0,
+        "activation_bytes": mb,
+        "cuda_peak_bytes": None,
+    }
+    steps = [0.1 * mb] * 5
+    return {
+        "grad_accum": 1,
+        "world_size": 2,
+        "global_batch": 2 * mb,
+        "samples_per_s": 20.0,
+        "step_time_s": 0.1 * mb,
+        "ranks": [rank],
+        "trained_params": 1,
+        "device_peak_bytes": mb,
+        "peak_rss_bytes": 1,
+        "measured_steps": 5,
+        "step_times_s": steps,
+    }
 
 
 @pytest.fixture
@@ -157,31 +196,34 @@ def fake(monkeypatch, tmp_path):
 
 
 def test_ladders_stop_at_oom_and_rows_have_the_columns(fake, tmp_path):
-    result = fake(FakeRunner(oom_from=4))
-    per_stage = ["mb1", "mb2", "mb4"]  # mb8 is never tried after mb4 ran out of memory
-    assert [r.split("-")[2] for r in result.ran] == per_stage * 2
+    runner = FakeRunner(oom_from=4)
+    result = fake(runner)
+    assert [c[0][:2] for c in runner.calls] == ["z1", "z2"]  # one launch per ladder
+    assert [r.split("-")[2] for r in result.ran] == ["mb1", "mb2", "mb4", "mb8"] * 2
     assert result.notes and result.notes[0].startswith("fp16: skipped")
     on_disk = pd.read_csv(tmp_path / "out" / "trials.csv")
-    assert tuple(on_disk.columns) == TRIAL_COLUMNS and len(on_disk) == 6
-    assert list(on_disk["status"]) == ["ok", "ok", "oom"] * 2
+    assert tuple(on_disk.columns) == TRIAL_COLUMNS and len(on_disk) == 8
+    # mb8 never ran after mb4 ran out of memory in the launch: it is an oom row that says why
+    assert list(on_disk["status"]) == ["ok", "ok", "oom", "oom"] * 2
+    assert on_disk["reason"].iloc[3] == "above mb4-ga1"
     assert (on_disk["ranks_per_node"] == 2).all()  # the CPU default
 
 
 def test_rerun_skips_finished_trials_and_resumes_after_an_interrupt(fake, tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        fake(FakeRunner(interrupt_at=2))
-    assert len(read_trials(tmp_path / "out" / "trials.csv")) == 2  # whole rows only
+        fake(FakeRunner(interrupt_at=1))
+    assert len(read_trials(tmp_path / "out" / "trials.csv")) == 4  # the first launch's rows, whole
     second = FakeRunner()
     result = fake(second)
     assert result.skipped[:2] == ["z1-bf16-mb1-off-none-r2", "z1-bf16-mb2-off-none-r2"]
-    assert [c[0] for c in second.calls] == result.ran and len(result.ran) == 4
+    assert [c[0][:2] for c in second.calls] == ["z2"] and len(result.ran) == 4
     assert fake(FakeRunner()).ran == []  # all done: nothing runs a third time
-    assert len(result.table) == 6
+    assert len(result.table) == 8
 
 
 def test_a_changed_setup_runs_again(fake):
     fake(FakeRunner())
-    assert len(fake(FakeRunner(), steps=7).ran) == 6
+    assert len(fake(FakeRunner(), steps=7).ran) == 8
 
 
 @pytest.mark.parametrize("setup", ["5e1234567890", "123456789012", "00000000007a"])
@@ -189,9 +231,9 @@ def test_a_number_like_setup_hash_still_resumes(fake, monkeypatch, setup):
     # CI once drew a data path whose hash read as a float (5e...: inf): the resume then ran nothing
     monkeypatch.setattr(profile_module, "setup_id", lambda parts: setup)
     with pytest.raises(KeyboardInterrupt):
-        fake(FakeRunner(interrupt_at=2))
+        fake(FakeRunner(interrupt_at=1))
     result = fake(FakeRunner())
-    assert len(result.skipped) == 2 and len(result.ran) == 4 and len(result.table) == 6
+    assert len(result.skipped) == 4 and len(result.ran) == 4 and len(result.table) == 8
     assert set(result.table["setup_id"]) == {setup}
 
 
