@@ -157,7 +157,8 @@ def test_attention_kernel_holds_in_the_recomputation_of_gradient_checkpointing()
     unet.enable_gradient_checkpointing()
     speed.prepare_network(_options(attention="math"), unet)
     kernels: list[bool] = []
-    attn = speed.attention_modules(unet)[0].to_out[0]  # runs inside the block, after SDPA
+    block = next(m for m in unet.modules() if type(m).__name__ == "Attention")
+    attn = block.to_out[0]  # runs inside the block, after SDPA
     attn.register_forward_hook(lambda *_: kernels.append(torch.backends.cuda.flash_sdp_enabled()))
     got = _grads(unet)
     assert len(kernels) == 2 and not any(kernels)  # the forward and its recomputation, both restricted
@@ -287,23 +288,37 @@ TF32_SCRIPT = """
 import json, torch
 from types import SimpleNamespace
 from sdzero.training import fast_paths as speed
-torch.backends.cuda.matmul.fp32_precision = "ieee"  # another library used the new API first
+cfg = SimpleNamespace(channels_last=False, attention="auto")
+net = torch.nn.Linear(2, 2)
+engine = SimpleNamespace(module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+
+def used():  # what environment.json records (sdzero.training.fast_paths.speed_report)
+    report = speed.speed_report(cfg, engine, "events", {})
+    return [report["tf32_matmul"], report["tf32_cudnn"]]
+
 speed.apply_backend_flags(SimpleNamespace(tf32=True), "cuda")
-on = speed.tf32_in_use()
 new = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+on = used()
+torch.backends.cuda.matmul.fp32_precision = "ieee"  # other code in the process uses the new API
+after = used()  # environment.json's record, read after it: what is in force
 speed.apply_backend_flags(SimpleNamespace(tf32=False), "cuda")
-print(json.dumps({"on": on, "new": new, "off": speed.tf32_in_use()}))
+print(json.dumps({"on": on, "new": new, "after": after, "off": used()}))
 """
 
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="torch < 2.9")
 def test_tf32_is_set_and_read_through_fp32_precision_never_the_legacy_flags():
     """Once the new API is used, reading `allow_tf32` raises (torch >= 2.9): sdzero must set and read the
-    new one. A fresh process, since the mixed-API state is process-wide."""
+    new one, whatever else in the process uses it. A fresh process: the mixed-API state is process-wide."""
     proc = subprocess.run([sys.executable, "-c", TF32_SCRIPT], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == {"on": [True, True], "new": ["tf32", "tf32"], "off": [False, False]}
+    assert seen == {
+        "on": [True, True],
+        "new": ["tf32", "tf32"],
+        "after": [False, True],
+        "off": [False, False],
+    }
 
 
 def test_without_the_new_api_the_legacy_flags_are_used(monkeypatch):
