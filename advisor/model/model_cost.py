@@ -33,6 +33,9 @@ class ModelCost:
     recompute: bool = False
     """Gradient checkpointing: the forward runs again inside the backward."""
     counted_with: str = COUNTED_WITH
+    kernels: int = 0
+    """Operators of one forward + backward that launch work (views and aliases left out): on a GPU each is a
+    kernel launch, a cost per micro-step whatever its size (advisor.model.target_compute.LAUNCH_S)."""
 
     @property
     def flops_per_sample(self) -> float:
@@ -88,21 +91,47 @@ def network_inputs(config: Any, latent: int, text_tokens: int) -> dict[str, Any]
 
 def count_network(
     net_class: Any, config: dict[str, Any], latent: int, text_tokens: int
-) -> tuple[float, float, tuple[int, ...]]:
+) -> tuple[float, float, tuple[int, ...], int]:
     """(forward, backward) FLOPs of one sample through a network built from `config` on the meta device,
-    and its trained parameter sizes."""
+    its trained parameter sizes, and the kernels one forward + backward launches."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
         net = net_class.from_config(config)
         inputs = network_inputs(net.config, latent, text_tokens)
-        with FlopCounterMode(display=False) as forward:
-            out = net(**inputs, return_dict=False)[0]
-        with FlopCounterMode(display=False) as backward:
-            out.float().sum().backward()
+        with KernelCounter() as kernels:
+            with FlopCounterMode(display=False) as forward:
+                out = net(**inputs, return_dict=False)[0]
+            with FlopCounterMode(display=False) as backward:
+                out.float().sum().backward()
     numels = tuple(int(p.numel()) for p in net.parameters() if p.requires_grad)
-    return float(forward.get_total_flops()), float(backward.get_total_flops()), numels
+    return float(forward.get_total_flops()), float(backward.get_total_flops()), numels, kernels.count
+
+
+class KernelCounter:
+    """Counts the operators dispatched inside it that are not views (a view launches no kernel)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if not getattr(func, "is_view", False):
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count = 0
+        self._mode = _Mode()
+
+    def __enter__(self) -> KernelCounter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
 
 
 def count_model_cost(model: str | Path, train_args: tuple[str, ...] = ()) -> ModelCost:
@@ -124,8 +153,8 @@ def count_model_cost(model: str | Path, train_args: tuple[str, ...] = ()) -> Mod
         )
     else:
         tokens = DEFAULT_MAX_SEQUENCE_LENGTH
-    forward, backward, _ = count_network(cls, dict(config), resolution // scale, tokens)
-    return ModelCost(forward, backward, resolution, "--gradient-checkpointing" in train_args)
+    forward, backward, _, kernels = count_network(cls, dict(config), resolution // scale, tokens)
+    return ModelCost(forward, backward, resolution, "--gradient-checkpointing" in train_args, kernels=kernels)
 
 
 def _option(args: tuple[str, ...], flag: str) -> int | None:

@@ -154,7 +154,8 @@ class TimeModel:
         self, stage: int, precision: str, micro_batch: int, offload: str = "none"
     ) -> float:
         if self.target is not None:
-            return self.target.per_sample(stage, precision, offload) * micro_batch
+            work = self.target.per_sample(stage, precision, offload) * micro_batch
+            return max(work, self.target.micro_floor_s)
         if precision not in self.slopes and not any(g[1] == precision for g in self.proportional):
             # A precision never measured borrows a measured one's figures (the same network and data).
             precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]

@@ -27,6 +27,13 @@ from advisor.model.model_cost import ModelCost, count_network
 from sdzero.atomic import write_json_atomic
 
 MEASURED, ASSUMED, PROFILE, NONE = "measured", "assumed", "profile", "none"
+CACHE_VERSION = 2
+"""What a cached shape entry holds (2: with its kernel count)."""
+LAUNCH_S = 5e-6
+"""Seconds a GPU kernel launch costs the host, whatever the kernel's size: 4-6 us measured through the CUDA
+driver (susun-blog.com, "pegainfer (3): From Launch Overhead to CUDA Graph", 2025; PyTorch's own dispatch
+adds to it, so this is a floor). A micro-step takes at least its kernels' launches: a small network is
+bound by them, not by its FLOPs."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ def shape_facts(name: str) -> tuple[ModelCost, tuple[int, ...]]:
     """(FLOPs per sample, parameter sizes) of a named shape from one build on the meta device, kept in
     the user's cache under the torch and diffusers versions that counted them: importing diffusers and
     building the network cost seconds that a replan, answered in seconds, should not pay every time."""
-    key = f"{name} torch {_version('torch')} diffusers {_version('diffusers')}"
+    key = f"{name} v{CACHE_VERSION} torch {_version('torch')} diffusers {_version('diffusers')}"
     cache = _cache_path()
     try:
         known = json.loads(cache.read_text())
@@ -121,14 +128,18 @@ def shape_facts(name: str) -> tuple[ModelCost, tuple[int, ...]]:
         known = {}
     if key in known:
         entry = known[key]
-        return ModelCost(entry["forward"], entry["backward"], entry["resolution"]), tuple(entry["numels"])
+        cost = ModelCost(entry["forward"], entry["backward"], entry["resolution"], kernels=entry["kernels"])
+        return cost, tuple(entry["numels"])
     import diffusers
 
     shape = MODEL_SHAPES[name]
     net_class = getattr(diffusers, shape.class_name)
-    forward, backward, numels = count_network(net_class, shape.config, shape.latent, shape.text_tokens)
-    cost = ModelCost(forward, backward, shape.latent * 8)
+    forward, backward, numels, kernels = count_network(
+        net_class, shape.config, shape.latent, shape.text_tokens
+    )
+    cost = ModelCost(forward, backward, shape.latent * 8, kernels=kernels)
     entry = {"forward": forward, "backward": backward, "resolution": cost.resolution, "numels": list(numels)}
+    entry["kernels"] = kernels
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(cache, known | {key: entry})
@@ -161,6 +172,9 @@ class TargetCompute:
     label: str
     once_per_step_s: float = 0.0
     """Per-step compute outside the micro-steps (not in a FLOP count: 0 unless a profile measured it)."""
+    micro_floor_s: float = 0.0
+    """The least a micro-step takes whatever its micro-batch: its kernels' launches (LAUNCH_S); 0 where a
+    profile measured the step."""
     by_group: dict[tuple[int, str, str], float] = field(default_factory=dict)
     """Seconds per sample of each (ZeRO stage, precision, offload) a profile measured; the others take
     their precision's, else `seconds_per_sample`."""
@@ -233,5 +247,11 @@ def compute_basis(
         )
     flops_per_s, label = rate
     seconds = cost.flops_per_sample / flops_per_s
+    floor = cost.kernels * LAUNCH_S
     line = f"target compute {ASSUMED}: {cost.describe()} over {label}"
-    return ComputeBasis(ASSUMED, line, TargetCompute(seconds, cost.forward_share, label))
+    if floor:
+        line += (
+            f"; at least {floor * 1e3:.3g} ms per micro-step: {cost.kernels} kernel launches x "
+            f"{LAUNCH_S * 1e6:g} us ({ASSUMED})"
+        )
+    return ComputeBasis(ASSUMED, line, TargetCompute(seconds, cost.forward_share, label, micro_floor_s=floor))

@@ -55,6 +55,21 @@ def test_a_published_anchor_becomes_a_rate_through_the_same_counter():
     assert none.kind == "none" and not none.timed and "--target-tflops" in none.line
 
 
+def test_a_small_network_is_bound_by_its_kernel_launches_not_its_flops(tiny_model):
+    from advisor.model.step_time import TimeModel
+    from advisor.model.target_compute import LAUNCH_S
+
+    cost = count_model_cost(tiny_model, ("--resolution", "64"))
+    basis = compute_basis("trials on a CPU", "h100-80gb", None, cost)
+    assert cost.kernels > 100 and "kernel launches" in basis.line
+    model = TimeModel({}, {}, {}, target=basis.target)
+    one, eight = (model.compute_per_micro_s(1, "bf16", mb) for mb in (1, 8))
+    assert one == eight == pytest.approx(cost.kernels * LAUNCH_S)  # the launches bound it, not the FLOPs
+    sd2 = compute_basis("trials on a CPU", "h100-80gb", None, shape_cost("sd2-base-unet"))
+    big = TimeModel({}, {}, {}, target=sd2.target).compute_per_micro_s(1, "bf16", 32)
+    assert big == pytest.approx(32 / GPU_ANCHORS["h100-80gb"].samples_per_s_per_gpu)  # FLOP-bound
+
+
 # ------------------------------------------------------------------------------------------ the presets
 
 
