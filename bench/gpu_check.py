@@ -338,7 +338,7 @@ def memory_phase(
             "micro_batch": int(row["micro_batch"]),
             "held_out": held_out,
             "fitted_on_micro_batches": sorted(int(m) for m in fit_rows["micro_batch"]),
-            "predicted_bytes": parts["total"],
+            "predicted_bytes": parts["allocated"],  # the allocator's peak, as measured (no context, NCCL)
             "predicted_parts_bytes": {
                 k: parts[k]
                 for k in (
@@ -352,7 +352,8 @@ def memory_phase(
                 )
             },
             "measured_cuda_peak_bytes": measured,
-            "error_pct": 100.0 * (parts["total"] / measured - 1.0),
+            "error_pct": 100.0 * (parts["allocated"] / measured - 1.0),
+            "predicted_device_total_bytes": parts["total"],
             "model_states_measured_bytes": float(row["model_state_bytes"]),
             "activations_measured_bytes": float(row["activation_bytes"]),
             "notes": model_fit.notes,

@@ -201,6 +201,8 @@ def throughput(a: argparse.Namespace, device: Any, peak: float | None, results: 
             )
             run.out.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             try:
                 if options is None:
                     entry["samples_per_s"] = gt.example_rate(run, base_unet, batches, scheduler, device)
@@ -213,6 +215,10 @@ def throughput(a: argparse.Namespace, device: Any, peak: float | None, results: 
             except Exception as exc:  # one failing row must not cost the others
                 entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             entry["wall_s"] = round(time.monotonic() - started, 1)
+            if device.type == "cuda":  # the allocator's fragmentation (advisor.model.memory)
+                allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+                entry.update(cuda_peak_allocated_bytes=allocated, cuda_peak_reserved_bytes=reserved)
+                entry["reserved_over_allocated"] = reserved / allocated if allocated else None
             say(f"{name} mb {mb}: {entry.get('samples_per_s', entry.get('error'))}")
     add_ratios(rows, mlperf=not a.cpu_rehearsal)
 

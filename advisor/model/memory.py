@@ -71,8 +71,8 @@ ALLOCATOR_FRAGMENTATION = 0.05
 """PyTorch's caching allocator holds more than it hands out: blocks over 1 MiB are rounded up to 2 MiB and
 carved from segments of at least 20 MiB (c10/cuda/CUDACachingAllocator.cpp, kRoundLarge, kLargeBuffer), and a
 freed block can only be reused by a request that fits it. This fraction of the allocated peak is sdzero's
-assumption, not a published figure; bench/gpu_check.py records torch.cuda.max_memory_reserved beside
-max_memory_allocated, which measures it."""
+assumption, not a published figure; bench/gpu_first_run.py records torch.cuda.max_memory_reserved
+beside max_memory_allocated for each of its rows, which measures it."""
 
 
 def device_overheads(device: str, world: int, allocated_bytes: float) -> dict[str, float]:
