@@ -255,7 +255,6 @@ def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
     steps = [r for r in records if isinstance(r.get("step_time_s"), (int, float))]
     if not steps:
         raise UserError(f"{where}: metrics.jsonl has no step with step_time_s; train a few steps first")
-    steady = steps[max(1, math.ceil(len(steps) * STEADY_SKIP)) :] or steps
     config = json.loads((path / "ds_config.json").read_text())
     run = json.loads((path / "run_config.json").read_text()) if (path / "run_config.json").is_file() else {}
     device = (target_gpu or run.get("target_gpu") or "").lower()
@@ -268,17 +267,23 @@ def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
         )
     precision = "bf16" if (config.get("bf16") or {}).get("enabled") else "fp16"
     gpus = int(run.get("world_size") or 1)
-    peak = max(float(r.get("peak_mem_bytes") or 0) for r in steps)
-    c = ProfileConfig(
-        int((config.get("zero_optimization") or {}).get("stage", 0)),
-        precision,
-        int(config["train_micro_batch_size_per_gpu"]),
-        int(config.get("gradient_accumulation_steps", 1)),
-        statistics.median(float(r["step_time_s"]) for r in steady),
-        peak,
-    )
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    shape = (int(config["train_micro_batch_size_per_gpu"]), int(config.get("gradient_accumulation_steps", 1)))
+    # a run that swept several batch shapes (sdzero's config sweep) records each step's own: one config each
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in steps:
+        groups.setdefault(
+            (int(r.get("micro_batch", shape[0])), int(r.get("grad_accum", shape[1]))), []
+        ).append(r)
+    configs = []
+    for (mb, accum), rows in groups.items():
+        steady = rows[max(1, math.ceil(len(rows) * STEADY_SKIP)) :] or rows
+        step = statistics.median(float(r["step_time_s"]) for r in steady)
+        peak = max(float(r.get("peak_mem_bytes") or 0) for r in rows) or math.nan
+        configs.append(ProfileConfig(stage, precision, mb, accum, step, peak))
     notes = (
-        f"from {len(steady)} steady steps of {len(steps)} in metrics.jsonl; its {gpus} ranks taken as one node",
+        f"from the steady steps of metrics.jsonl ({len(steps)} steps, the first {STEADY_SKIP:.0%} of each "
+        f"config's left out); its {gpus} ranks taken as one node",
     )
     return Profile(
         f"training run {path}",
@@ -286,7 +291,7 @@ def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
         trained_numels(model),
         device,
         gpus,
-        (c,),
+        tuple(configs),
         config,
         None,
         _forward_share(model),
