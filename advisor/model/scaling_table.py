@@ -309,7 +309,7 @@ def _nodes(n: int) -> str:
 def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
     """How sure the node-count choice is, in one line: whether the rule's bar falls inside the interval of
     the chosen count or of its neighbours, and which count would be sure where the choice is not."""
-    ok = table[table["status"] == "ok"].set_index("node_count", drop=False)
+    ok = at_asked_batch(table).set_index("node_count", drop=False)  # larger-batch rows are never chosen
     if chosen not in ok.index or rule.name == "nodes":
         return ""
     row = ok.loc[chosen]

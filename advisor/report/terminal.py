@@ -142,6 +142,11 @@ def print_advice(
         out.print(
             ("[bold yellow]" if prov.get("target_differs") else "[dim]") + prov["headline"], highlight=False
         )
+    basis = rec.get("compute_basis") or {}
+    if basis.get("kind") == "profile":  # measured on the target's own node: said once, under the headline
+        out.print(
+            f"[dim]{basis['line']}; {rec['notes'][0] if rec.get('notes') else ''}[/dim]", highlight=False
+        )
     out.print(scaling_rich_table(rec))
     choice = rec.get("node_choice", {})
     if rec.get("timed") is False:
