@@ -191,7 +191,7 @@ def _encode_shard(
     loader = torch.utils.data.DataLoader(
         _PixelBatches(batches),
         batch_size=None,  # each item is a whole batch already
-        num_workers=min(workers, len(batches)),
+        num_workers=min(workers, len(batches), os.cpu_count() or 1),
         pin_memory=device.type == "cuda",
         worker_init_fn=ignore_preemption_signals,  # the rank handles SIGTERM
     )
