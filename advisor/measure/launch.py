@@ -313,14 +313,16 @@ class LaunchRunner:
     def _room_for(self, seconds: float) -> bool:
         return self.deadline is None or time.monotonic() + seconds <= self.deadline
 
-    def costs(self) -> tuple[float, float] | None:
-        """(start-up seconds, seconds per timed step) of the launches so far; None before any measured."""
+    def costs(self) -> tuple[float, float, float] | None:
+        """(start-up seconds, seconds per timed step, seconds of untimed steps per config: warm-up,
+        instrumented, settling) of the launches so far; None before any measured."""
         measured = [r for r in self.launches if r.timed_steps]
         if not measured:
             return None
         startup = statistics.median(r.startup_s for r in measured)
-        step = sum(r.steps_s for r in measured) / sum(r.timed_steps for r in measured)
-        return startup, step
+        step = sum(r.timed_s for r in measured) / sum(r.timed_steps for r in measured)
+        untimed = sum(r.steps_s - r.timed_s for r in measured) / sum(len(r.configs) for r in measured)
+        return startup, step, untimed
 
     def _write_launches(self) -> None:
         write_json_atomic(

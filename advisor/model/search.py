@@ -208,6 +208,8 @@ class LaunchCosts:
 
     startup_s: float
     step_s: float
+    untimed_per_config_s: float | None = None
+    """Seconds of a launch's steps besides its timed ones, per config (None: UNTIMED_STEPS steps)."""
 
     def min_measure_s(self, configs: int) -> float:
         return configs * MIN_TIMED_STEPS * self.step_s
@@ -215,7 +217,8 @@ class LaunchCosts:
     def untimed_s(self, configs: int) -> float:
         """A launch's steps besides its timed ones: each config's first round (warm-up, instrumented
         step, settling) and the last round's overshoot past the measuring time."""
-        return configs * UNTIMED_STEPS * self.step_s
+        per_config = self.untimed_per_config_s
+        return configs * (UNTIMED_STEPS * self.step_s if per_config is None else per_config)
 
     def launch_s(self, configs: int, measure_s: float) -> float:
         return self.startup_s + self.untimed_s(configs) + max(measure_s, self.min_measure_s(configs))

@@ -8,12 +8,12 @@ slow minute. ZeRO partitions and buckets never depend on the micro-batch (DeepSp
 read it): a config is the batch the same engine is fed and its accumulation
 (`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`).
 
-Each config's first visit is uncounted: `--profile-warmup-steps` steps, one *instrumented* step, the only
-one with DeepSpeed's comms_logger and wall-clock timers on (the logger synchronizes after every collective
-and the timers around every phase: in a timed step they would remove the overlap of communication and
-compute that a user's run has), which also reads the model states and the activation bytes, and a round's
-worth of steps more (a launch's first seconds ran slow). Every later step is *timed*: nothing on in it
-that a user's run does not have.
+Each config's first visit is uncounted: `--profile-warmup-steps` steps (the launch's first config only),
+one *instrumented* step, the only one with DeepSpeed's comms_logger and wall-clock timers on (the logger
+synchronizes after every collective and the timers around every phase: in a timed step they would remove
+the overlap of communication and compute that a user's run has), which also reads the model states and
+the activation bytes, and while the launch's first seconds last a round's worth of steps more. Every
+later step is *timed*: nothing on in it that a user's run does not have.
 
 A *tie* is timed at the end of every round: a fixed matrix product that depends on no engine, so that
 launches of different engines can be put on one machine speed (advisor.measure.launch).
@@ -23,8 +23,8 @@ config of the same accumulation at its micro-batch or above; the launch goes on.
 while the others wait in a collective cannot be saved in-process: the advisor sees the launch stall, keeps
 the configs already written and launches the rest again without it.)
 
-The launch ends once `--profile-max-seconds` of steps are measured and every config has
-`--profile-min-steps` timed steps. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
+The launch ends, after any config's turn, once `--profile-max-seconds` of steps are measured and every
+config has `--profile-min-steps` timed steps. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
 single-trial format (sdzero.training.probe); FILE.partial.json the same after every round.
 """
 
@@ -55,6 +55,8 @@ SWEEP_VERSION = 1
 TIE_SIZE = 256
 """The tie's square matrices: a product of a few milliseconds on a CPU core, far less on a GPU."""
 TIE_REPEATS = 8
+SETTLE_S = 10.0
+"""Seconds of a launch's first steps that run slow whatever the model (the process's first seconds)."""
 
 
 @dataclass(frozen=True)
@@ -206,11 +208,16 @@ class ConfigSweep(Callback):
         trainer builds it: this module does not import the trainer)."""
         step = trainer.state.step
         while True:
+            stopped = False
             for entry in [e for e in self.entries if e.oom is None]:
                 step = self._visit(trainer, entry, step)
+                # judged after every config, so the launch ends when its time is spent, not a round later
+                if self.rounds and self._agree(self._done()):
+                    stopped = True
+                    break
             self._time_tie(trainer.device)
             self.rounds += 1
-            done = self._agree(self._done())
+            done = stopped or self._agree(self._done())
             self._write(self.out.with_name(self.out.stem + ".partial.json"))
             if done:
                 break
@@ -250,9 +257,15 @@ class ConfigSweep(Callback):
         self._switch(trainer, entry)
         plan = ["timed"] * self.round_steps
         if entry.visits == 0:
-            # The first round is all warm-up: its steps after the instrumented one still ran about twice
-            # as long as later rounds' on the CPU (the launch's first seconds: workers, allocator).
-            plan = ["warmup"] * self.warmup_steps + ["instrumented"] + ["warmup"] * self.round_steps
+            # The first round is all warm-up. The launch's first config takes the warm-up steps (JIT
+            # builds, Adam's states made in the first optimizer step); every config's instrumented step
+            # takes its own shapes' allocations. While the launch's first SETTLE_S of steps are not
+            # spent, a round more: its steps ran about twice as long as later rounds' on the CPU
+            # (workers, allocator); a large model's first steps spend them at once.
+            warm = 0 if any(e.visits for e in self.entries) else self.warmup_steps
+            plan = ["warmup"] * warm + ["instrumented"]
+            if self.seconds["warmup"] + self.seconds["instrumented"] < SETTLE_S:
+                plan += ["warmup"] * self.round_steps
         entry.visits += 1
         before = len(entry.probe.records)
         oom = None

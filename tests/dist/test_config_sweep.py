@@ -62,7 +62,8 @@ def test_every_config_that_fits_is_measured_in_interleaved_rounds(swept: tuple[d
         assert config["global_batch"] == mb * ga * 2
         assert config["measured_steps"] >= 4 and len(config["step_times_s"]) == config["measured_steps"]
         # every round measured every config: their medians are spread over the whole launch
-        assert len(launch["round_medians_s"][key]) == launch["rounds"] - 1  # the first round warms up
+        # every round but the first (warm-up) and perhaps the last (the time ran out mid-round)
+        assert launch["rounds"] - 2 <= len(launch["round_medians_s"][key]) <= launch["rounds"] - 1
         assert config["comm"]["ops"], "the instrumented step logged the collectives"
         assert config["ranks"][0]["activation_bytes"] > 0
     assert (
