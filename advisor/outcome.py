@@ -255,11 +255,20 @@ def time_to_train(o: Outcome) -> dict[str, Any]:
     """The recommended run's time, GPU-hours and cost to train, and what they rest on."""
     best = o.best
     gpu_hours = float(best["gpu_hours"])
+    factor = float(best.get("samples_factor", 1.0) or 1.0)  # a batch above the LR's reference trains more
     return {
-        "samples": o.amount.samples,
+        "samples": math.ceil(o.amount.samples * factor),
+        "samples_factor": factor,
+        "samples_rule": o.samples_rule,
         "samples_per_epoch": o.amount.samples_per_epoch,
         "epochs": o.amount.epochs,
-        "amount": o.amount.describe(),
+        "amount": o.amount.describe()
+        + (
+            f", x{factor:.3g} for global batch {int(best['global_batch'])} above the LR's reference "
+            f"{o.lr_reference} ({o.samples_rule} rule)"
+            if factor != 1
+            else ""
+        ),
         "optimizer_steps": int(best["optimizer_steps"]),
         "seconds": float(best["time_to_train_s"]),
         "gpu_hours": gpu_hours,

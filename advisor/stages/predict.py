@@ -148,7 +148,12 @@ def with_larger_batches(
 ) -> pd.DataFrame:
     """Node counts the asked global batch cannot spread over, predicted at the smallest batch that reaches
     each (weak scaling), marked `larger_batch`, with the samples they need by `rule` (`samples_factor`)."""
-    table = table.assign(larger_batch=False, samples_factor=1.0)
+    # every row's samples by the rule against the batch the base LR (and its quality) was tuned for: a
+    # --global-batch above it grows the samples as a larger-batch row does
+    reference = inputs.lr_reference
+    table = table.assign(
+        larger_batch=False, samples_factor=table["global_batch"].map(lambda b: rule.factor(int(b), reference))
+    )
     reached = set(table["node_count"])
     reach = BatchReach(
         tuple(sorted({c.micro_batch for c in candidates})), net.gpus_per_node, inputs.target.lo
@@ -160,7 +165,7 @@ def with_larger_batches(
             candidates, [n], fitted.memory, timing, net, usable_bytes, BatchTarget(batch, batch)
         )
         if not rows.empty:
-            grown.append(rows.assign(larger_batch=True, samples_factor=rule.factor(batch, inputs.target.hi)))
+            grown.append(rows.assign(larger_batch=True, samples_factor=rule.factor(batch, reference)))
     if not grown:
         return table
     whole = pd.concat([table, *grown], ignore_index=True)

@@ -187,6 +187,19 @@ def test_every_row_answered_at_the_smallest_batch_that_reaches_it(
         assert "larger than asked" in rec["node_choice"]["trade"]
 
 
+def test_a_batch_above_the_lr_reference_trains_its_rules_samples(
+    monkeypatch, tmp_path, tiny_model, synth_data
+):
+    """--global-batch 64 against the base config's 8 under the sd2 rule (256 -> 2048: 2x): 2x the samples."""
+    rec = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, samples=64_000, global_batch="64", samples_rule="sd2"
+    ).recommendation
+    t = rec["time_to_train"]
+    assert t["samples_factor"] == pytest.approx(2.0) and t["samples"] == 128_000
+    assert t["optimizer_steps"] == 128_000 // 64 and "x2 for global batch 64" in t["amount"]
+    assert "to train 128,000 samples" in rec["verdict"]
+
+
 def test_the_embedded_default_plans_a_fine_tune_every_node_count_reaches(
     monkeypatch, tmp_path, tiny_model, synth_data
 ):
