@@ -113,17 +113,21 @@ def write_recommendation(
     """recommendation.json's payload, written; `notes` (the run's, in order) go into it as they are."""
     outcome = _outcome(inputs, hardware, measured, predictions, choice, notes)
     recommendation = build_recommendation(outcome)
+    timed = predictions.basis.timed
     recommendation["launch_command"] = launch_command(
         choice.config_path,
         inputs.model,
         inputs.data,
-        int(choice.best["node_count"]),
+        # without the target's compute no node count is chosen: the command is one node's, said so
+        int(choice.best["node_count"]) if timed else 1,
         inputs.target_gpus,
         inputs.request.hostfile,
         inputs.out_dir / "run",
         inputs.user_args,
         choice.lr,
     )
+    if not timed:
+        recommendation["launch_command"] += " (one node shown: the node count is yours to choose)"
     recommendation["error_explained"] = ERROR_EXPLAINED
     if len(inputs.hosts) >= 2 and inputs.request.hostfile is not None:
         recommendation["scaleout_check"] = scaleout_check(

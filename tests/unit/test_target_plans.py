@@ -143,6 +143,7 @@ def test_a_cpu_plan_for_a_gpu_without_a_rate_says_it_cannot_time_it(
     assert table["time_to_train_s"].isna().all() and table["gpu_hours"].isna().all()
     assert table["samples_per_s"].isna().all()
     assert (table["comm_s"] > 0).all() and table["config_id"].notna().all()  # ranking and communication stay
+    assert "--num_nodes" not in rec["launch_command"] and "yours to choose" in rec["launch_command"]
     text = _printed(rec, tmp_path / "out")
     assert "no time, GPU-hours or node count" in text and "--target-tflops" in text
     assert "GPU-h to train" not in text and "\nnode count:" not in text and "samples/s" not in text
