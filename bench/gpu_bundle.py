@@ -45,11 +45,31 @@ MISSING_ON_IMAGE = (
     "annotated-types",
     "typing-inspection",
     "importlib-metadata",
+    "lazy-importer",
+    "zipp",
     "typing-extensions",
 )
 """Downloaded as wheels: diffusers, hjson and pydantic, and their requirements the image lacks
-(importlib-metadata for diffusers; pydantic-core, annotated-types and typing-inspection for pydantic; a
-typing-extensions new enough for pydantic-core, which shadows an older one only on the bundle's path)."""
+(importlib-metadata for diffusers, with its lazy-importer and a zipp new enough; pydantic-core,
+annotated-types and typing-inspection for pydantic; a typing-extensions new enough for pydantic-core, which
+shadows an older one only on the bundle's path). `requirements_met` checks the list is complete."""
+ON_IMAGE = (
+    "torch", "numpy", "pillow", "filelock", "huggingface-hub", "regex", "requests", "safetensors",
+    "einops", "msgpack", "ninja", "packaging", "psutil", "py-cpuinfo", "tqdm",
+)  # fmt: skip
+"""What the bundle's wheels require that the image has (its package list): never bundled."""
+TARGET_MARKERS = {
+    "python_version": PYTHON_VERSION,
+    "python_full_version": f"{PYTHON_VERSION}.0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
+"""The image's environment markers, for the wheels' conditional requirements."""
 
 
 def normalize(name: str) -> str:
@@ -72,6 +92,31 @@ def pip(*args: str) -> None:
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.splitlines() if line.strip() and "is ignored" not in line][-3:]
         raise SystemExit(f"gpu_bundle: `{' '.join(cmd[2:5])} ...` failed: {' | '.join(tail)}")
+
+
+def requirements_met(folder: Path) -> list[str]:
+    """Requirements of the wheels in `folder`, on the image, that neither another wheel there nor the
+    image's own packages (ON_IMAGE) provide: empty for a complete bundle."""
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    bundled = {normalize(w.name.split("-")[0]) for w in folder.glob("*.whl")}
+    have = bundled | {normalize(n) for n in ON_IMAGE}
+    missing = []
+    for wheel in sorted(folder.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            lines = z.read(meta).decode().splitlines()
+        for line in lines:
+            if not line.startswith("Requires-Dist:"):
+                continue
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is not None and not req.marker.evaluate(TARGET_MARKERS):
+                continue  # an extra, or another Python or platform
+            if normalize(req.name) not in have:
+                missing.append(f"{req} (for {wheel.name.split('-')[0]})")
+    return missing
 
 
 def manifest(folder: Path) -> dict:
@@ -103,6 +148,12 @@ def build(out: Path, max_mib: float, lock: Path) -> dict:
             "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_VERSION,
             "--implementation", "cp", *platforms, "-d", str(stage), *pinned(MISSING_ON_IMAGE, lock),
         )  # fmt: skip
+        missing = requirements_met(stage)
+        if missing:
+            raise SystemExit(
+                f"gpu_bundle: the wheels need {', '.join(missing)}, neither bundled nor on the image; add "
+                "them to MISSING_ON_IMAGE (or ON_IMAGE, if the image has them)"
+            )
         record = manifest(stage)
         size_mib = record["total_bytes"] / 2**20
         if size_mib > max_mib:
