@@ -111,6 +111,13 @@ class Profile:
     dataset_images: int | None
     forward_share: float
     notes: tuple[str, ...] = ()
+    nodes: int = 1
+    """Nodes the configs ran on (a profile measured across several nodes: their link is in its steps)."""
+
+    @property
+    def where(self) -> str:
+        nodes = "one node" if self.nodes == 1 else f"{self.nodes} nodes"
+        return f"{nodes} of {self.gpus_per_node} {self.device} GPUs"
 
 
 def is_profile_source(path: Path) -> bool:
@@ -142,12 +149,13 @@ def read_profile(path: Path) -> Profile:
     if device not in TARGET_GPUS:
         raise UserError(f"{where}: device {device!r} unknown; one of {', '.join(TARGET_GPUS)}")
     gpus = _need(record, "gpus_per_node", where, int, "the GPUs of the node it was measured on")
-    if gpus < 1:
-        raise UserError(f"{where}: gpus_per_node {gpus}: at least 1")
+    nodes = int(record.get("nodes", 1))
+    if gpus < 1 or nodes < 1:
+        raise UserError(f"{where}: gpus_per_node {gpus}, nodes {nodes}: at least 1 each")
     raw = record.get("configs")
     if not isinstance(raw, list) or not raw:
         raise UserError(f"{where}: no `configs` list; give one entry per config measured on the node")
-    configs = tuple(_config(c, f"{where} configs[{i}]", gpus) for i, c in enumerate(raw))
+    configs = tuple(_config(c, f"{where} configs[{i}]", gpus * nodes) for i, c in enumerate(raw))
     numels, model, notes = _numels(record, where)
     images = record.get("dataset_images")
     base = _base_config(configs[0], record)
@@ -162,10 +170,12 @@ def read_profile(path: Path) -> Profile:
         int(images) if images else None,
         _forward_share(model),
         notes,
+        nodes,
     )
 
 
 def _config(c: Any, where: str, gpus: int) -> ProfileConfig:
+    """One measured config; `gpus`: every GPU of the run (its nodes x GPUs per node)."""
     if not isinstance(c, dict):
         raise UserError(f"{where}: a mapping with zero_stage, precision, micro_batch, a rate and memory_gib")
     stage = _need(c, "zero_stage", where, int, "0, 1, 2 or 3")
@@ -178,12 +188,12 @@ def _config(c: Any, where: str, gpus: int) -> ProfileConfig:
     if "step_time_s" in c:
         step = _need(c, "step_time_s", where, float, "seconds per optimizer step")
     elif "samples_per_s" in c:
-        step = batch / _need(c, "samples_per_s", where, float, "the node's samples/s (all its GPUs)")
+        step = batch / _need(c, "samples_per_s", where, float, "the run's samples/s (all its GPUs)")
     elif "samples_per_s_per_gpu" in c:
         step = batch / gpus / _need(c, "samples_per_s_per_gpu", where, float, "samples/s per GPU")
     else:
         raise UserError(
-            f"{where}: no rate; give step_time_s, samples_per_s (the node's) or samples_per_s_per_gpu"
+            f"{where}: no rate; give step_time_s, samples_per_s (all its GPUs') or samples_per_s_per_gpu"
         )
     memory = (
         _need(c, "memory_gib", where, float, "peak memory per GPU, GiB") if "memory_gib" in c else math.nan
@@ -245,7 +255,7 @@ def _base_config(c: ProfileConfig, record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
+def read_run_folder(path: Path, target_gpu: str | None, gpus_per_node: int | None = None) -> Profile:
     """A training run's folder: its steady steps' median step time and its peak memory, at the config of
     its effective ds_config.json; the run's ranks are taken as one node (said in the notes)."""
     from advisor.model.memory import trained_numels
@@ -266,7 +276,8 @@ def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
             f"{where}: run_config.json names no model folder here ({model!r}); plan from a profile file"
         )
     precision = "bf16" if (config.get("bf16") or {}).get("enabled") else "fp16"
-    gpus = int(run.get("world_size") or 1)
+    world = int(run.get("world_size") or 1)
+    gpus = gpus_per_node if gpus_per_node and world % gpus_per_node == 0 else world
     stage = int((config.get("zero_optimization") or {}).get("stage", 0))
     shape = (int(config["train_micro_batch_size_per_gpu"]), int(config.get("gradient_accumulation_steps", 1)))
     # a run that swept several batch shapes (sdzero's config sweep) records each step's own: one config each
@@ -283,7 +294,7 @@ def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
         configs.append(ProfileConfig(stage, precision, mb, accum, step, peak))
     notes = (
         f"from the steady steps of metrics.jsonl ({len(steps)} steps, the first {STEADY_SKIP:.0%} of each "
-        f"config's left out); its {gpus} ranks taken as one node",
+        f"config's left out); its {world} ranks taken as {world // gpus} node(s) of {gpus} (--gpus-per-node)",
     )
     return Profile(
         f"training run {path}",
@@ -296,6 +307,7 @@ def read_run_folder(path: Path, target_gpu: str | None) -> Profile:
         None,
         _forward_share(model),
         notes,
+        world // gpus,
     )
 
 
@@ -304,7 +316,7 @@ def profile_trials(profile: Profile, zero: ZeroSettings, setup: str) -> pd.DataF
     Model-state bytes are the formula's; the activations are what the measured peak leaves over them."""
     rows = []
     for c in profile.configs:
-        world = profile.gpus_per_node
+        world = profile.gpus_per_node * profile.nodes
         elements = state_elements(
             profile.numels, c.zero_stage, world, zero.persistence_threshold, zero.overlap_comm
         )
@@ -324,8 +336,8 @@ def profile_trials(profile: Profile, zero: ZeroSettings, setup: str) -> pd.DataF
                 "offload": c.offload,
                 "grad_accum": c.grad_accum,
                 "world_size": world,
-                "ranks_per_node": world,
-                "nodes": 1,
+                "ranks_per_node": profile.gpus_per_node,
+                "nodes": profile.nodes,
                 "global_batch": batch,
                 "step_time_s": c.step_time_s,
                 "step_time_median_s": c.step_time_s,
@@ -360,7 +372,7 @@ def profile_stages(
             raise UserError(
                 f"--replan {path}: {what} does not apply to a profile or a run's folder; the file says it"
             )
-    profile = read_profile(path) if path.is_file() else read_run_folder(path, r.target_gpu)
+    profile = read_profile(path) if path.is_file() else read_run_folder(path, r.target_gpu, r.gpus_per_node)
     if r.target_gpu and r.target_gpu.lower() != profile.device and path.is_file():
         raise UserError(
             f"--target-gpu {r.target_gpu}: the profile measured {profile.device}; a profile plans for its own "
@@ -428,8 +440,8 @@ def profile_stages(
         hosts=[],
         plan=plan,
         notes=[
-            f"planned from {profile.source}: {len(profile.configs)} config(s) measured on one {profile.device} "
-            f"node of {profile.gpus_per_node} GPUs (measured on the target); nothing measured here",
+            f"planned from {profile.source}: {len(profile.configs)} config(s) measured on {profile.where} "
+            "(measured on the target); nothing measured here",
             *profile.notes,
             *(
                 [
@@ -516,8 +528,8 @@ def fit_profile(
     )
     timing = TimeModel({}, {}, ops, target=target)
     line = (
-        f"target compute {PROFILE}: measured on one {net.gpus_per_node}-GPU node of the target, less its "
-        "node's communication (costed on the machine's NVLink)"
+        f"target compute {PROFILE}: measured on the target ({int(trials['nodes'].iloc[0])} node(s) of "
+        f"{net.gpus_per_node} GPUs), less the communication its links need (the machine's NVLink and NICs)"
     )
     return memory, timing, [*memory.notes], ComputeBasis(PROFILE, line, target)
 
@@ -528,12 +540,12 @@ def per_sample_s(row: pd.Series, ops: dict[int, Any], net: Network, forward_shar
     seconds = step / (mb * accum)
     for _ in range(8):
         model = TimeModel({}, {}, ops, target=TargetCompute(seconds, forward_share, ""))
-        predicted = model.predict(stage, precision, mb, accum, 1, net, offload)
+        predicted = model.predict(stage, precision, mb, accum, int(row["nodes"]), net, offload)
         compute = step - predicted.exposed_comm_s
         if not compute > 0:
             raise UserError(
                 f"{row['trial_id']}: a {step:.3g} s step is shorter than the node's communication "
-                f"({predicted.exposed_comm_s:.3g} s on the preset's links); check gpus_per_node and --preset"
+                f"({predicted.exposed_comm_s:.3g} s on the preset's links); check gpus_per_node, nodes and --preset"
             )
         seconds = compute / (mb * accum)
     return seconds

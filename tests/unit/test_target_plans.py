@@ -183,6 +183,21 @@ def test_the_documented_example_profile_plans_one_to_n_nodes_measuring_nothing(m
     assert (tmp_path / "p" / "report.html").is_file()
 
 
+def test_a_profile_measured_across_two_nodes_gives_its_own_figure_back_there(monkeypatch, tmp_path):
+    """No 1-node rate at 32 per GPU is published for Lambda's H100 cluster: its profile is the 2-node run."""
+    from advisor.advise import AdviseRequest, run_advise
+
+    _no_measuring_at_all(monkeypatch)
+    profile = ROOT / "bench" / "published" / "mlperf-v4.1-lambda-h100.yaml"
+    rec = run_advise(
+        AdviseRequest(replan=profile, out_dir=tmp_path / "l", preset="dgx-h100", samples=10**6, max_nodes=4)
+    ).recommendation
+    per_gpu = {r["node_count"]: r["samples_per_s"] / (8 * r["node_count"]) for r in rec["scaling_table"]}
+    assert per_gpu[2] == pytest.approx(119.1)  # its own point: the fixed point subtracts the 2-node links
+    assert per_gpu[4] < per_gpu[2] < per_gpu[1]
+    assert "2 nodes of 8 h100-80gb GPUs" in rec["notes"][0]
+
+
 def test_a_profile_without_its_fields_is_refused_in_one_line(tmp_path):
     from advisor.advise import AdviseRequest, run_advise
 
