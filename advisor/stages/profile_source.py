@@ -361,7 +361,6 @@ def profile_stages(
 ) -> tuple[AdviseInputs, HardwareFigures, MeasuredTrials]:
     """The inputs and measure stages from a profile file or a run folder: nothing measured."""
     r = request
-    node_list, _, asked, rule = _checked_options(r)
     for given, what in (
         (r.hostfile is not None, "--hostfile"),
         (r.budget_minutes is not None, "--budget-minutes"),
@@ -378,15 +377,24 @@ def profile_stages(
             f"--target-gpu {r.target_gpu}: the profile measured {profile.device}; a profile plans for its own "
             "device (plan another GPU from a profile of it, or from trials with --target-tflops)"
         )
+    inputs = profile_inputs(r, path, profile)
+    hardware = _hardware(inputs, profile, inputs.memory_given or (0.0, ""))
+    measured = profile_measured(inputs, profile)
+    inputs.say(f"planning from {profile.source}; nothing measured")
+    return inputs, hardware, measured
+
+
+def profile_inputs(r: AdviseRequest, path: Path, profile: Profile) -> AdviseInputs:
+    """The inputs stage for a profile: the request checked, the grid of the measured configs, the target's
+    batch (the profile's on one node unless --global-batch) and its memory (the profile's GPU's)."""
+    node_list, _, asked, rule = _checked_options(r)
     gpus = r.gpus_per_node or profile.gpus_per_node
-    base = profile.base
-    base_batch = lr_reference_batch_of(base, gpus)
+    base_batch = lr_reference_batch_of(profile.base, gpus)
     target = asked or BatchTarget(base_batch, base_batch)
     out_dir = Path(r.out_dir).resolve()
     claim_out(out_dir)
-    stages = tuple(sorted({c.zero_stage for c in profile.configs}))
     grid = GridRequest(
-        stages=stages,
+        stages=tuple(sorted({c.zero_stage for c in profile.configs})),
         precisions=tuple(sorted({c.precision for c in profile.configs})),
         micro_batches=tuple(sorted({c.micro_batch for c in profile.configs})),
         ranks_per_node=(gpus,),
@@ -400,17 +408,21 @@ def profile_stages(
     amount = train_amount(
         r.samples, r.epochs, profile.dataset_images or 1, f"the profile's dataset_images ({path})"
     )
-    setup = "profile-" + hashlib.sha1(profile.source.encode()).hexdigest()[:12]
-    device = {"device": profile.device, "count": gpus, "bf16": True, "fp16": True, "name": profile.device}
     memory = (
         (r.device_memory_gib, "assumed (user figure: --device-memory-gib)")
         if r.device_memory_gib
-        else (
-            TARGET_GPUS[profile.device],
-            f"assumed ({profile.device} nominal memory, the profile's device)",
-        )
+        else (TARGET_GPUS[profile.device], f"assumed ({profile.device} nominal memory, the profile's device)")
     )
-    inputs = AdviseInputs(
+    settings = TrialSettings(
+        model=profile.model,
+        data=Path("DATA"),
+        steps=0,
+        warmup_steps=0,
+        trial_timeout_s=0.0,
+        stall_timeout_s=None,
+        train_args=(),
+    )
+    return AdviseInputs(
         request=r,
         say=r.log or (lambda message: None),
         out_dir=out_dir,
@@ -418,55 +430,55 @@ def profile_stages(
         user_args=(),
         target=target,
         target_asked=asked is not None,
-        base=base,
+        base=profile.base,
         base_batch=base_batch,
-        device=device,
+        device={"device": profile.device, "count": gpus, "bf16": True, "fp16": True},
         ranks=profile.gpus_per_node,
         target_gpus=gpus,
         differs=None,
         memory_given=memory,
         model=profile.model,
-        data=Path("DATA"),
-        settings=TrialSettings(
-            model=profile.model,
-            data=Path("DATA"),
-            steps=0,
-            warmup_steps=0,
-            trial_timeout_s=0.0,
-            stall_timeout_s=None,
-            train_args=(),
-        ),
-        setup=setup,
+        data=settings.data,
+        settings=settings,
+        setup="profile-" + hashlib.sha1(profile.source.encode()).hexdigest()[:12],
         hosts=[],
         plan=plan,
-        notes=[
-            f"planned from {profile.source}: {len(profile.configs)} config(s) measured on {profile.where} "
-            "(measured on the target); nothing measured here",
-            *profile.notes,
-            *(
-                [
-                    "memory per GPU not in the profile: activations unknown, so memory figures hold model states "
-                    "and buckets only"
-                ]
-                if any(math.isnan(c.memory_bytes) for c in profile.configs)
-                else []
-            ),
-        ],
+        notes=profile_notes(profile),
         started=time.monotonic(),
         amount=amount,
         rule=rule,
     )
-    hardware = _hardware(inputs, profile, memory)
-    zero = ZeroSettings.from_config(base)
-    trials = profile_trials(profile, zero, setup)
-    # no fit is checked against held-out trials here: the table has its columns and no row
+
+
+def profile_notes(profile: Profile) -> list[str]:
+    unknown = any(math.isnan(c.memory_bytes) for c in profile.configs)
+    return [
+        f"planned from {profile.source}: {len(profile.configs)} config(s) measured on {profile.where} "
+        "(measured on the target); nothing measured here",
+        *profile.notes,
+        *(
+            [
+                "memory per GPU not in the profile: activations unknown, so memory figures hold model states "
+                "and buckets only"
+            ]
+            if unknown
+            else []
+        ),
+    ]
+
+
+def profile_measured(inputs: AdviseInputs, profile: Profile) -> MeasuredTrials:
+    """The measure stage for a profile: its configs as trial rows, no check trial (an empty
+    validation.csv with its columns), and a runner that refuses to run anything."""
+    zero = ZeroSettings.from_config(profile.base)
+    trials = profile_trials(profile, zero, inputs.setup)
     validation = pd.DataFrame(columns=list(VALIDATION_COLUMNS))
-    write_csv_atomic(validation, out_dir / "validation.csv")
+    write_csv_atomic(validation, inputs.out_dir / "validation.csv")
 
     def no_trials(_specs: list[Any]) -> pd.DataFrame:
         raise UserError("a plan from a profile runs no trial; run sdzero advise to measure more")
 
-    measured = MeasuredTrials(
+    return MeasuredTrials(
         trials=trials,
         search=SearchResult(trials, len(trials), [], [f"read from {profile.source}"]),
         validation=validation,
@@ -478,8 +490,6 @@ def profile_stages(
         per_trial_s=0.0,
         notes=[],
     )
-    inputs.say(f"planning from {profile.source}; nothing measured")
-    return inputs, hardware, measured
 
 
 def _hardware(inputs: AdviseInputs, profile: Profile, memory: tuple[float, str]) -> HardwareFigures:
