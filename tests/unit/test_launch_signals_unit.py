@@ -6,6 +6,7 @@ The 2-rank trainer run through `sdzero train` is tests/dist/test_launch_signals.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from sdzero.cluster.launch_command import REPO_ROOT
 from sdzero.process import launch_signals
@@ -77,14 +80,21 @@ def wait_ready(tmp_path: Path, proc: subprocess.Popen) -> None:
 
 def run_with_signal(tmp_path: Path, sig: int) -> tuple[int, str]:
     proc = start(tmp_path)
+    tree: list[psutil.Process] = []
     try:
         wait_ready(tmp_path, proc)
+        tree = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, sig)  # the command alone, as `kill` or a scheduler's job step sends it
         code = proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
+        # The whole session, whether or not the command itself is still there: ranks the fix failed to
+        # reach (or a command that died of the signal) would otherwise be left running.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        for leftover in tree:  # the launch runs in a session of its own
+            with contextlib.suppress(psutil.Error):
+                leftover.kill()
+        proc.wait()
     return code, proc.stderr.read().decode()
 
 
