@@ -20,6 +20,7 @@ from advisor.target import TARGET_GPUS
 from sdzero import cli as trainer_cli
 from sdzero.config.options import DEFAULTS, cli_option, input_option
 from sdzero.config.output_folder import check_output_folder
+from sdzero.config.output_lock import claim_output_dir
 from sdzero.process.children import ending_children_on_signals as ends_children  # their ranks: on signals too
 
 app = typer.Typer(
@@ -208,6 +209,9 @@ def advise_command(
     out_dir = Path(out or (replan_out(replan) if replan is not None else _ADVISE.out_dir))
     console = Console(stderr=True)
     check_output_folder(out_dir, "--out")  # a folder of the user's: refused before advise.log is in it
+    # sdzero's mark (the run's lock) before advise.log: the inputs stage's claim then finds the folder
+    # ours, not one holding a file sdzero did not write (the lock is this process's; advise releases it)
+    claim_output_dir(out_dir, "--out")
     with library_chatter_to(out_dir / ADVISE_LOG) as log:
 
         def say(message: str) -> None:

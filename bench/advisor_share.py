@@ -1,0 +1,162 @@
+"""How much of `sdzero advise` measures? Its wall time's share spent in measured steps, and configs per minute.
+
+For each model, `sdzero advise --max-nodes 32` runs as a user runs it, timed from start to exit; then,
+from its own files:
+
+- **measured share**: the seconds its trainer processes spent in measured steps (every `step_times_s` the
+  profiles under <out>/profile/trials/ record: a trial's after its warm-up, or a launch's timed steps)
+  over the command's wall time. The rest starts and stops processes, loads models, builds engines, warms
+  up, benchmarks the collectives and fits;
+- **configs per minute**: the distinct configs it measured (ok rows of trials.csv, a repeat counted
+  once) per minute of wall time.
+
+Models: `default`, the embedded default (no --model); `rehearsal`, bench/rehearsal_model.py's SD 1.x UNet
+of 135M parameters at 32x32 latents. `--before COMMIT` runs the same on that commit's code too (a git
+worktree under --work), side by side in this run.
+
+    flock /tmp/sdzero-heavy.lock python bench/advisor_share.py --work W [--models default,rehearsal]
+        [--before 058e46f] [--budget-minutes N]
+
+Each run's terminal answer is kept verbatim in <work>/<code>-<model>.txt; results in <work>/share.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+PYTHON = REPO / ".venv" / "bin" / "python"
+
+
+def source_tree(work: Path, commit: str | None) -> Path:
+    """This checkout, or a worktree of `commit` under `work` (made once)."""
+    if commit is None:
+        return REPO
+    tree = work / f"src-{commit}"
+    if not tree.is_dir():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), commit], check=True)
+    return tree
+
+
+def run_advise(tree: Path, out: Path, model_args: list[str], budget: float | None) -> tuple[float, str]:
+    """`sdzero advise --max-nodes 32` of `tree`'s code; (wall seconds, its terminal output)."""
+    cmd = [str(PYTHON), "-c", "from advisor.cli import main; main()", "advise", "--max-nodes", "32"]
+    cmd += ["--out", str(out), *model_args]
+    if budget:
+        cmd += ["--budget-minutes", f"{budget:g}"]
+    env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "200"}
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env)
+    wall = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"advise failed ({out}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return wall, done.stdout + done.stderr
+
+
+def measured_seconds(out: Path) -> float:
+    """Seconds in measured steps: every step time the run's profiles record."""
+    total = 0.0
+    for path in (out / "profile" / "trials").rglob("profile.json"):
+        profile = json.loads(path.read_text())
+        configs = profile["configs"].values() if "configs" in profile else [profile]
+        total += sum(sum(c.get("step_times_s") or []) for c in configs)
+    return total
+
+
+def configs_measured(out: Path) -> int:
+    table = pd.read_csv(out / "profile" / "trials.csv")
+    return int(table.loc[table["status"] == "ok", "trial_id"].nunique())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--models", default="default,rehearsal")
+    parser.add_argument("--before", default=None, help="a commit to run side by side (e.g. 058e46f)")
+    parser.add_argument("--budget-minutes", type=float, default=None, help="for the rehearsal only")
+    args = parser.parse_args()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    results_path = work / "share.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    results["cpu"] = cpu_name()
+    codes = [("after", None)] + ([("before", args.before)] if args.before else [])
+    for model in args.models.split(","):
+        model_args: list[str] = []
+        budget = None
+        if model == "rehearsal":
+            sys.path.insert(0, str(REPO / "bench"))
+            from rehearsal_model import write_rehearsal
+
+            folder, data, params = write_rehearsal(work / "rehearsal")
+            model_args = ["--model", str(folder), "--data", str(data)]
+            budget = args.budget_minutes
+            results["rehearsal_params"] = params
+        for code, commit in codes:
+            key = f"{code}-{model}"
+            if key in results:
+                continue
+            out = work / key
+            wall, terminal = run_advise(source_tree(work, commit), out, model_args, budget)
+            (work / f"{key}.txt").write_text(terminal)
+            measured = measured_seconds(out)
+            configs = configs_measured(out)
+            results[key] = {
+                "wall_s": wall,
+                "measured_s": measured,
+                "measured_share": measured / wall,
+                "configs": configs,
+                "configs_per_minute": configs / (wall / 60),
+                "answer": next((line for line in terminal.splitlines() if line.startswith("answer:")), ""),
+            }
+            results_path.write_text(json.dumps(results, indent=1))
+            show(key, results[key])
+    print(table(results))
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next(
+            line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")
+        )
+    except (OSError, StopIteration):
+        name = platform.processor()
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def show(key: str, r: dict) -> None:
+    print(
+        f"{key}: {r['wall_s']:.0f} s wall, {r['measured_s']:.0f} s in measured steps ({r['measured_share']:.0%}), "
+        f"{r['configs']} configs ({r['configs_per_minute']:.1f} a minute)",
+        flush=True,
+    )
+
+
+def table(results: dict) -> str:
+    lines = [
+        f"cpu: {results.get('cpu')}",
+        "| run | wall | measured steps | share | configs | configs / min |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        if isinstance(r, dict):
+            lines.append(
+                f"| {key} | {r['wall_s']:.0f} s | {r['measured_s']:.0f} s | {r['measured_share']:.0%} | "
+                f"{r['configs']} | {r['configs_per_minute']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
