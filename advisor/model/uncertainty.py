@@ -104,6 +104,9 @@ class Spread:
     """The same for configs of a stage and precision no trial measured."""
     cross_dof: int = 0
     measured_groups: frozenset[tuple[int, str]] = frozenset()
+    contended: frozenset[ConfigKey] = frozenset()
+    """Configs measured only while other processes took the cores (advisor.measure.launch): left out of
+    the pick while any other config fits."""
     """(stage, precision) pairs some trial measured."""
     fit_points: FitPoints = field(default_factory=FitPoints)
     """The trials of the final fit, for each unmeasured config's relative variance (empty: an older
@@ -193,6 +196,16 @@ def measured_spreads(trials: pd.DataFrame) -> dict[ConfigKey, float]:
         key = config_key(row)
         out[key] = min(out.get(key, math.inf), sigma)
     return out
+
+
+def contended_keys(trials: pd.DataFrame) -> frozenset[ConfigKey]:
+    """Configs whose every ok row was contended (a quiet re-launch's row clears its config)."""
+    if trials.empty or "contended" not in trials:
+        return frozenset()
+    flagged = trials["contended"].map(lambda v: str(v).strip().lower() in {"true", "1"})
+    keys = [config_key(r) for _, r in trials.iterrows()]
+    clean = {k for k, f in zip(keys, flagged, strict=True) if not f}
+    return frozenset(k for k, f in zip(keys, flagged, strict=True) if f and k not in clean)
 
 
 def config_key(row: pd.Series | dict) -> ConfigKey:
@@ -357,6 +370,7 @@ def estimate_spread(
         cross=_fit_sigma(across, typical_own),
         cross_dof=int(across.size),
         measured_groups=groups,
+        contended=contended_keys(ok),
         fit_points=FitPoints.of(trials) if scaled is not None else FitPoints(),
         noise=noise,
         noise_dof=noise_dof,
@@ -399,6 +413,7 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     table["compare_halfwidth"] = compare
     table["link_halfwidth"] = link
     table["interval_source"] = np.where(pinned, "measured", "model")
+    table["contended"] = [k in spread.contended for k in keys]
     if "time_to_train_s" in table and "optimizer_steps" in table:
         steps = table["optimizer_steps"].to_numpy(dtype=float)
         startup = table["time_to_train_s"].to_numpy(dtype=float) - steps * step
@@ -490,7 +505,10 @@ def _memory_scale(rows: pd.DataFrame, least: float) -> float:
 
 def pick_config(rows: pd.DataFrame) -> Pick:
     """The config to run among `rows` (those that fit at one node count): the fastest, unless others tie
-    with it, when TIE_RULE decides among the tied."""
+    with it, when TIE_RULE decides among the tied. A config measured only under contention is left out
+    while another fits: its step was the machine's, not the config's."""
+    if "contended" in rows and not rows["contended"].fillna(False).astype(bool).all():
+        rows = rows[~rows["contended"].fillna(False).astype(bool)]
     fastest = rows.loc[rows["samples_per_s"].astype(float).idxmax()]
     tied = rows[[is_tie(r, fastest) for _, r in rows.iterrows()]]
     if len(tied) < 2:

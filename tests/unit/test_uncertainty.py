@@ -383,3 +383,21 @@ def test_configs_measured_to_tight_intervals_are_told_apart_and_wide_ones_tie():
     assert wide.tied == ["z1-mb8", "z2-mb8"] and wide.broke_tie and wide.row["config_id"] == "z2-mb8"
     tight = pick(0.005)
     assert tight.tied == ["z1-mb8"] and tight.row["config_id"] == "z1-mb8"
+
+
+def test_a_config_measured_only_under_contention_is_left_out_of_the_pick():
+    """ZeRO-1 measured fastest, but only while another process took the cores: the pick is ZeRO-2; a
+    quiet re-launch's row clears it; with every config contended the pick is among them."""
+    rows = [_row("z1-mb8", 1, 8, 150.0, 3.0e9), _row("z2-mb8", 2, 8, 100.0, 3.0e9)]
+
+    def pick(contended: list[bool]):
+        trials = _trials([(1, 8, 0.43, 0.01), (2, 8, 0.64, 0.01)]).assign(contended=contended)
+        spread = estimate_spread(trials, _validation([0.02, 0.03]), None, 0.0, True)
+        table = add_intervals(pd.DataFrame(rows), spread)
+        return pick_config(table).row["config_id"], list(table["contended"])
+
+    assert pick([True, False]) == ("z2-mb8", [True, False])
+    assert pick([False, False])[0] == "z1-mb8"
+    assert pick([True, True])[0] == "z1-mb8"
+    quiet_again = _trials([(1, 8, 0.43, 0.01), (1, 8, 0.43, 0.01)]).assign(contended=[True, False])
+    assert not estimate_spread(quiet_again, _validation([0.02]), None, 0.0, True).contended
