@@ -36,8 +36,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_text_atomic(path: Path | str, text: str) -> Path:
-    """Replace the file at `path` with `text`; returns the path written (a symlink's target)."""
+    """Replace the file at `path` with `text`; returns the path written (a symlink's target).
+
+    Only a regular file is ever replaced: a `.deepspeed_env` that was a symlink to /dev/null once had the
+    device itself replaced by a regular file (the rename went through the link), for every program on the
+    machine. A folder, FIFO, socket or device at `path` is one UserError, nothing written."""
     target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        from sdzero.config.user_file import describe_mode
+
+        raise UserError(
+            f"{path} is {describe_mode(target.stat().st_mode)}, not a regular file; sdzero writes only regular "
+            "files (nothing was written)"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else NEW_FILE_MODE
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,12 @@ def snapshot(folder: Path) -> dict[str, bytes | None]:
     }
 
 
-def train_main(tmp_path: Path, model: Path, config: Path, out: Path, *extra: str, data: Path | None = None):
+def train_main(model: Path, data: Path, config: Path, out: Path, *extra: str):
+    """The trainer's main on real data, one step at most: every input but the one under test is good, so
+    before the fix the run went on to the defect (trained into the folder, reached DeepSpeed, ...)."""
     from sdzero.train import main
 
-    if data is None:
-        data = tmp_path / "data"
-        data.mkdir(exist_ok=True)
-    argv = ["--deepspeed_config", str(config), "--model", str(model), "--data", str(data)]
+    argv = ["--deepspeed_config", str(config), "--model", str(model), "--data", str(data), "--max-steps", "1"]
     return main([*argv, "--output-dir", str(out), *extra])
 
 
@@ -59,7 +59,7 @@ def one_line(capsys) -> str:
 
 
 def test_an_output_dir_of_the_users_files_is_refused_and_left_as_it_was(
-    tmp_path, tiny_model, launched, capsys
+    tmp_path, tiny_model, synth_data, launched, capsys
 ):
     out = tmp_path / "mine"
     out.mkdir()
@@ -67,7 +67,7 @@ def test_an_output_dir_of_the_users_files_is_refused_and_left_as_it_was(
         (out / name).write_text(f"the user's {name}\n")
     before = snapshot(out)
     config = write_config(tmp_path / "ds.json", fp32_config(2))
-    assert train_main(tmp_path, tiny_model, config, out) == EXIT_USER_ERROR
+    assert train_main(tiny_model, synth_data, config, out) == EXIT_USER_ERROR
     err = one_line(capsys)
     assert (
         f"--output-dir {out.resolve()} holds files sdzero did not write" in err
@@ -76,13 +76,13 @@ def test_an_output_dir_of_the_users_files_is_refused_and_left_as_it_was(
     assert snapshot(out) == before  # not even a lock file
 
 
-def test_export_final_never_replaces_a_users_final_folder(tmp_path, tiny_model, launched, capsys):
+def test_export_final_never_replaces_a_users_final_folder(tmp_path, tiny_model, synth_data, launched, capsys):
     out = tmp_path / "run"
     (out / "final").mkdir(parents=True)
     (out / LOCK_NAME).write_text("")  # a run folder sdzero made
     (out / "final" / "my_pipeline.txt").write_text("keep me")
     config = write_config(tmp_path / "ds.json", fp32_config(2))
-    assert train_main(tmp_path, tiny_model, config, out, "--export-final") == EXIT_USER_ERROR
+    assert train_main(tiny_model, synth_data, config, out, "--export-final") == EXIT_USER_ERROR
     assert "final is not a pipeline sdzero exported" in one_line(capsys)
     assert (out / "final" / "my_pipeline.txt").read_text() == "keep me"
 
@@ -99,7 +99,7 @@ def test_write_pipeline_refuses_a_folder_that_is_not_an_export(tmp_path):
 
 
 def test_the_runs_own_ds_config_is_never_an_input_so_the_lr_cannot_compound(
-    tmp_path, tiny_model, launched, capsys
+    tmp_path, tiny_model, synth_data, launched, capsys
 ):
     out = tmp_path / "run"
     out.mkdir()
@@ -108,7 +108,7 @@ def test_the_runs_own_ds_config_is_never_an_input_so_the_lr_cannot_compound(
         out / "ds_config.json", {**fp32_config(2), "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     )
     before = kept.read_bytes()
-    assert train_main(tmp_path, tiny_model, kept, out, "--lr-scaling", "sqrt") == EXIT_USER_ERROR
+    assert train_main(tiny_model, synth_data, kept, out, "--lr-scaling", "sqrt") == EXIT_USER_ERROR
     assert "--deepspeed_config" in one_line(capsys)
     assert kept.read_bytes() == before  # 1e-4 stays 1e-4: no 1.41e-4, then 2e-4
 
@@ -245,13 +245,19 @@ def within(seconds: float, fn) -> Any:
 
 
 def special(tmp_path: Path, kind: str, name: str) -> Path:
+    """A FIFO, or a symlink to a device node. The nodes are the test's own copies of /dev/zero and
+    /dev/null (same device numbers), made in tmp_path: a writer that goes through the link (as sdzero's
+    atomic writer once did, replacing /dev/null itself with a regular file) can only harm the copy."""
     path = tmp_path / name
     if kind == "fifo":
         os.mkfifo(path)
-    elif kind == "dev-zero symlink":
-        path.symlink_to("/dev/zero")
-    else:
-        path.symlink_to("/dev/null")
+        return path
+    node = tmp_path / f"{name}.{'zero' if kind == 'dev-zero symlink' else 'null'}-node"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 5 if kind == "dev-zero symlink" else 3))
+    except PermissionError:
+        pytest.skip("making a device node needs CAP_MKNOD")
+    path.symlink_to(node)
     return path
 
 
@@ -293,11 +299,11 @@ def test_a_special_deepspeed_json_or_hostfile_is_named_as_what_it_is(tmp_path, k
     ids=["resolution 100000", "seed 2^70", "seed -1", "noise offset nan", "snr gamma inf", "warm-up -3"],
 )
 def test_bounds_on_the_options_that_decide_memory_and_numbers(
-    argv, says, tmp_path, tiny_model, launched, capsys
+    argv, says, tmp_path, tiny_model, synth_data, launched, capsys
 ):
     config = write_config(tmp_path / "ds.json", fp32_config(2))
     out = tmp_path / "run"
-    assert train_main(tmp_path, tiny_model, config, out, *argv) == EXIT_USER_ERROR
+    assert train_main(tiny_model, synth_data, config, out, *argv) == EXIT_USER_ERROR
     assert says in one_line(capsys) and not out.exists()
 
 
@@ -369,12 +375,14 @@ BAD_DS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_DS), ids=list(BAD_DS))
-def test_deepspeeds_own_config_errors_come_before_any_output(case, tmp_path, tiny_model, launched, capsys):
+def test_deepspeeds_own_config_errors_come_before_any_output(
+    case, tmp_path, tiny_model, synth_data, launched, capsys
+):
     content, fragment = BAD_DS[case]
     config = tmp_path / "ds.json"
     config.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
     out = tmp_path / "run"
-    assert train_main(tmp_path, tiny_model, config, out) == EXIT_USER_ERROR
+    assert train_main(tiny_model, synth_data, config, out) == EXIT_USER_ERROR
     err = one_line(capsys)
     assert fragment in err and str(config) in err, err
     assert not out.exists()
@@ -505,3 +513,16 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_previous_checkpoint
     root = ck.checkpoint_root(tmp_path / "run")
     assert [m.step for _, m in ck.complete_checkpoints(root)] == [1]
     assert not list(root.glob(f"{ck.STAGING_PREFIX}*"))  # the half save's space is given back
+
+
+def test_the_atomic_writer_never_replaces_a_device_through_a_symlink(tmp_path):
+    """A probe of this round's own: merging keys into a `.deepspeed_env` that was a symlink to /dev/null
+    renamed a regular file over the device itself (every program's /dev/null became a file). The writer
+    now refuses anything but a regular file; the node is the test's own copy."""
+    from sdzero.atomic import write_text_atomic
+
+    link = special(tmp_path, "device node", ".deepspeed_env")
+    node = link.resolve()
+    with pytest.raises(UserError, match="is a character device, not a regular file"):
+        write_text_atomic(link, "X=1\n")
+    assert stat.S_ISCHR(os.stat(node).st_mode) and link.is_symlink()
