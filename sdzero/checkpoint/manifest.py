@@ -7,9 +7,11 @@ imports none of them.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import types
 import typing
 from collections.abc import Iterable
@@ -42,7 +44,11 @@ def checkpoint_root(output_dir: Path) -> Path:
 def describe_file(path: Path, fsync: bool = False) -> dict[str, Any]:
     """Size and sha256 of one file, read in 8 MiB blocks; `fsync` first makes the bytes durable."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    # Non-blocking and checked on the open descriptor: a FIFO or device planted under a listed name is an
+    # error (OSError, as for a missing file), never a read that blocks or does not end.
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         if fsync:
             os.fsync(f.fileno())
         while block := f.read(8 << 20):
@@ -157,6 +163,8 @@ def load_manifest(folder: Path) -> Manifest:
     """
     folder = Path(folder)
     path = folder / MANIFEST
+    if path.exists() and not path.is_file():  # a FIFO would block the read, a device never end it
+        raise ManifestError(f"{path} is not a regular file; not an sdzero manifest")
     try:
         raw = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError as exc:

@@ -114,7 +114,7 @@ def read_secrets(path: str) -> dict[str, str]:
     """The secret values, from a file that only this user can read (anything else is refused: a file
     others can write could plant variables such as LD_PRELOAD into every rank)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a planted FIFO cannot block
     except FileNotFoundError:
         raise UserError(
             f"{path}: the launch's secrets file is not on this host; the folder you launch from must be on "
@@ -124,6 +124,8 @@ def read_secrets(path: str) -> dict[str, str]:
         raise UserError(f"{path}: cannot open the launch's secrets file ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{path}: the launch's secrets file is not a regular file; not used")
         if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
             raise UserError(
                 f"{path}: the secrets file must be this user's with mode 0600, found owner "
