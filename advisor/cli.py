@@ -209,6 +209,7 @@ def advise_command(
     out_dir = Path(out or (replan_out(replan) if replan is not None else _ADVISE.out_dir))
     console = Console(stderr=True)
     check_output_folder(out_dir, "--out")  # a folder of the user's: refused before advise.log is in it
+    user_args = check_train_args(train_args)  # refused before anything is written
     # sdzero's mark (the run's lock) before advise.log: the inputs stage's claim then finds the folder
     # ours, not one holding a file sdzero did not write (the lock is this process's; advise releases it)
     claim_output_dir(out_dir, "--out")
@@ -237,7 +238,7 @@ def advise_command(
             device_memory_gib=device_memory_gib,
             lr_scaling=lr_scaling,
             log=say,
-            train_args=check_train_args(train_args),
+            train_args=user_args,
             min_efficiency=min_efficiency,
             nodes=nodes,
             target_gpu=target_gpu,

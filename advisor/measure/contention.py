@@ -6,11 +6,12 @@ session: the launcher, the ranks, their data-loader workers; /proc/<pid>/stat, r
 and of this process. What is left was spent by someone else: another training on the same cores, a
 neighbour's job, the hypervisor's steal. As a share of the machine's cores it is the `others_cpu_share`
 of the trial; above CONTENDED_SHARE the trial is *contended*: its step times were measured on fewer cores
-than the configuration gets when it runs alone, so they are not fitted as clean (advisor.measure.runner
-runs it again, or flags it).
+than the configuration gets when it runs alone, so they are not fitted as clean (advisor.measure.launch
+launches it again, or flags it).
 
 This cannot see a machine whose every core computes slower for a minute (a shared physical core of a
-virtual machine: bench/testbed_noise.py); the reference brackets measure that (advisor.measure.drift).
+virtual machine: bench/testbed_noise.py); measuring the configs side by side in one launch puts that
+minute on all of them alike.
 Linux only: elsewhere the samples are None and no trial is called contended.
 """
 

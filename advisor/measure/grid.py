@@ -141,10 +141,6 @@ class GridRequest:
         return tuple(sizes)
 
 
-REFERENCE_RUNG = 2
-"""The reference's rung on the first ladder: micro-batch 4 on the default ladder 1, 2, 4, 8."""
-
-
 @dataclass
 class GridPlan:
     """Ladders to climb (each a list of specs, micro-batch ascending) and what was left out, and why."""
@@ -155,18 +151,6 @@ class GridPlan:
     @property
     def max_trials(self) -> int:
         return sum(len(ladder) for ladder in self.ladders)
-
-    @property
-    def reference(self) -> TrialSpec | None:
-        """The config the runner re-measures to follow the machine's drift (advisor.measure.drift): the
-        first ladder's REFERENCE_RUNG. Its step is a few times the smallest micro-batch's: a probe of the
-        compute the fastest configs spend their time in, where the smallest step is mostly fixed
-        per-step costs whose speed swings on its own (the tiny default's micro-batch 1, a 0.1 s step,
-        moved +-20% between brackets while larger configs measured in the same minutes moved far less)."""
-        if not self.ladders or not self.ladders[0]:
-            return None
-        first = self.ladders[0]
-        return first[min(REFERENCE_RUNG, len(first) - 1)]
 
 
 def plan_grid(request: GridRequest, supported: dict[str, bool]) -> GridPlan:

@@ -92,15 +92,13 @@ TRIAL_COLUMNS: tuple[str, ...] = (
 """trials.csv, one row per finished trial. Bytes are per rank (the largest rank's where ranks differ);
 `model_state_bytes_per_rank` holds every rank's bytes by kind as JSON. Times are per optimizer step.
 
-Step times, noise and drift: `step_s_raw` is the median measured step and `step_s_raw_lo`/`_hi` its 95%
-interval (sdzero.telemetry.step_interval); `drift_factor` is how much slower the machine was when the trial
-measured than at the reference's first bracket (1.0: no drift measured), `drift_uncertainty` that
-factor's relative uncertainty and `bracketed` whether a later bracket closed the trial's gap.
-`step_time_median_s` (what the models fit), `step_time_s` and `samples_per_s` are corrected for the drift;
-`step_s_lo`/`_hi` are the corrected median's interval, the correction's uncertainty included. `contended`:
-other processes took more than CONTENDED_SHARE of the cores while it measured (`others_cpu_share`);
-`measured_at`: epoch seconds, the middle of its measured window; `stopped_by`: what ended its measuring
-(`duel` for a row pooled from a duel's legs, advisor.measure.duel)."""
+Step times and noise: `step_s_raw` is the median measured step and `step_s_raw_lo`/`_hi` its 95% interval
+(sdzero.telemetry.step_interval); `drift_factor` is how much slower the machine ran the row's launch's tie
+than the first launch's (advisor.measure.launch; 1.0: none measured), `bracketed` whether it was applied.
+`step_time_median_s` (what the models fit), `step_time_s` and `samples_per_s` are on the first launch's
+machine speed; `step_s_lo`/`_hi` are that median's interval. `contended`: other processes took more than
+CONTENDED_SHARE of the cores while its launch measured (`others_cpu_share`); `measured_at`: epoch seconds,
+the median of its timed steps' ends; `stopped_by`: what ended its measuring (`launch`: its launch's time)."""
 
 TEXT_COLUMNS: tuple[str, ...] = (
     "trial_id",

@@ -117,7 +117,7 @@ class TrialOutcome:
     others_cpu_share: float | None = None
     """Share of the machine's cores other processes took over the trial's window (contention module)."""
     measured_at: float | None = None
-    """Epoch seconds, the middle of the window in which it measured (what the drift correction uses)."""
+    """Epoch seconds, the middle of the window in which it measured."""
 
 
 def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
@@ -452,8 +452,8 @@ def trial_step_times(profile: dict[str, Any] | None, trial_dir: Path, warmup_ste
 
 
 def interval_columns(interval: StepInterval) -> dict[str, Any]:
-    """A trial's median step and its interval as measured (before any drift correction, which
-    advisor.measure.runner applies once the brackets around the trial are known)."""
+    """A trial's median step and its interval as measured (before its launch's tie puts it on the first
+    launch's machine speed, advisor.measure.launch)."""
     if interval.steps == 0:
         return {}
     return {

@@ -7,7 +7,8 @@ take the median, many times; the 2.5% and 97.5% points of those medians bound th
 seeded, so the same steps always give the same interval (a trial's figures can be recomputed exactly).
 
 The interval says how well the steps of *this* run pin their median. It cannot see a machine that is
-slower for a whole minute: that is what the advisor's reference brackets measure (advisor.measure.drift).
+slower for a whole minute: the advisor measures the configs it compares side by side, interleaved in one
+launch, so that such a minute falls on all of them (advisor.measure.launch).
 """
 
 from __future__ import annotations
