@@ -32,6 +32,7 @@ from pathlib import Path
 from jinja2 import Environment, StrictUndefined
 
 from sdzero.cluster.launch_command import TRAIN_SCRIPT
+from sdzero.config.output_folder import LOCK_NAME
 from sdzero.errors import UserError
 
 TIME_LIMIT = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
@@ -56,6 +57,13 @@ cd {{ workdir }}
 
 OUT={{ output_dir }}
 mkdir -p "$OUT"
+# sdzero's output-folder rule (docs/faults.md): a folder of files sdzero did not write is refused, before
+# the hostfile goes in; a folder sdzero uses carries its lock file, the mark the trainer looks for.
+if [ ! -e "$OUT/{{ lock_name }}" ] && [ -n "$(ls -A "$OUT")" ]; then
+  echo "sdzero: error: --output-dir $OUT holds files sdzero did not write; choose a new or empty folder" >&2
+  exit 2
+fi
+touch "$OUT/{{ lock_name }}"
 HOSTFILE="$OUT/hostfile.$SLURM_JOB_ID"
 scontrol show hostnames "$SLURM_JOB_NODELIST" | sed 's/$/ slots={{ ranks_per_node }}/' > "$HOSTFILE"
 export MASTER_ADDR=$(head -n 1 "$HOSTFILE" | cut -d ' ' -f 1)
@@ -226,6 +234,7 @@ def render(job: SlurmJob) -> str:
     return env.from_string(TEMPLATE).render(
         **{k: getattr(job, k) for k in job.__dataclass_fields__ if k != "train_args"},
         output_dir=shlex.quote(str(Path(out).absolute())),
+        lock_name=LOCK_NAME,
         workdir=shlex.quote(str(Path.cwd())),
         # Slurm opens the log before the script runs, so it goes to a folder that exists at submit time.
         log_pattern=sbatch_file_pattern(Path.cwd(), LOG_NAME),
