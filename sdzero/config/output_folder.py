@@ -48,9 +48,23 @@ def _kind(path: Path) -> str:
     return "not a folder"
 
 
+_passed: set[Path] = set()
+"""Folders this process found new, empty or sdzero's: what the run itself writes into one afterwards (its
+library.log, the shared-storage check's tokens) happens before it takes the lock, and is its own."""
+
+
 def check_output_folder(folder: Path | str, flag: str, marks: Iterable[str] = FOLDER_MARKS) -> None:
-    """Refuse `folder` unless it is new, empty or holds one of sdzero's `marks`; nothing is created here."""
+    """Refuse `folder` unless it is new, empty or holds one of sdzero's `marks`; nothing is created here.
+    A folder this process already let through is not judged again (see `_passed`)."""
     folder = Path(folder)
+    key = Path(os.path.realpath(folder))
+    if key in _passed:
+        return
+    _check_output_folder(folder, flag, marks)
+    _passed.add(key)
+
+
+def _check_output_folder(folder: Path, flag: str, marks: Iterable[str]) -> None:
     if not os.path.lexists(folder):
         return
     if not folder.is_dir():
