@@ -59,3 +59,26 @@ def test_instrumented_steps_turn_on_only_what_the_json_asked_for(monkeypatch: py
     engine = _engine(breakdown=False)
     _Instruments(engine).set(True)
     assert ds_comm.comms_logger.enabled is False and engine._config.wall_clock_breakdown is False
+
+
+def test_the_out_of_memory_vote_travels_on_the_backends_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL takes CUDA tensors, gloo CPU ones (stand-ins for the process group and the device)."""
+    import torch
+
+    from sdzero.training import config_sweep
+
+    monkeypatch.setattr(config_sweep.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(config_sweep.torch.cuda, "current_device", lambda: 3)
+    assert config_sweep._collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(config_sweep.dist, "get_backend", lambda: "gloo")
+    assert config_sweep._collective_device() == torch.device("cpu")
+
+
+def test_a_cuda_out_of_memory_is_told_from_other_errors() -> None:
+    import torch
+
+    from sdzero.training.config_sweep import _is_oom
+
+    assert _is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert _is_oom(RuntimeError("[enforce fail] DefaultCPUAllocator: out of memory"))
+    assert not _is_oom(RuntimeError("size mismatch"))
