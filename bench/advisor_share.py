@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--models", default="default,rehearsal")
     parser.add_argument("--before", default=None, help="a commit to run side by side (e.g. 058e46f)")
-    parser.add_argument("--budget-minutes", type=float, default=None, help="for the rehearsal only")
+    parser.add_argument(
+        "--budget-minutes", type=float, default=None, help="the rehearsal's, this code's run only"
+    )
     args = parser.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -107,7 +109,10 @@ def main() -> None:
             if key in results:
                 continue
             out = work / key
-            wall, terminal = run_advise(source_tree(work, commit), out, model_args, budget)
+            # --budget-minutes is this code's: the earlier code runs at its own default budget
+            wall, terminal = run_advise(
+                source_tree(work, commit), out, model_args, budget if commit is None else None
+            )
             (work / f"{key}.txt").write_text(terminal)
             measured = measured_seconds(out)
             configs = configs_measured(out)
