@@ -196,7 +196,16 @@ UNTIMED_STEPS = 6
 """Steps per config a launch takes besides the timed ones: a warm-up, the instrumented step and a round of
 two settling in its first visit, and up to a round of two past the measuring time in its last."""
 END_RESERVE = 0.04
-"""The share of the budget kept for what follows the launches (fit, prediction, report)."""
+END_RESERVE_S = 30.0
+"""The budget kept for what follows the launches (fit, prediction, report: 20-30 s on 2 CPU cores): this
+many seconds and END_RESERVE of the budget."""
+
+
+def _usable(budget_s: float) -> float:
+    """The budget's seconds the launches may take."""
+    return budget_s * (1 - END_RESERVE) - END_RESERVE_S
+
+
 CHECK_TRIALS = 1
 """Check configs per launch: its largest micro-batch at accumulation ACCUMULATION_CHECK, held out of the
 fit that predicts it."""
@@ -229,7 +238,7 @@ def default_budget_s(base_s: float, costs: LaunchCosts, groups: int, configs: in
     launch takes once at the first launch's measured cost (its start-up and MIN_TIMED_STEPS of each
     config), whichever is longer. --budget-minutes replaces it (and caps it)."""
     every_group = spent_s + groups * costs.launch_s(configs, 0.0)
-    return max(base_s, every_group / (1 - END_RESERVE))
+    return max(base_s, (every_group + END_RESERVE_S) / (1 - END_RESERVE))
 
 
 def launch_specs(
@@ -278,9 +287,9 @@ def run_search(
     limit = max_trials if max_trials is not None else math.inf
     trials = pd.DataFrame(columns=["trial_id", "status"])
     costs: LaunchCosts | None = None
-    _hold_to(run_specs, started + budget_s * (1 - END_RESERVE))
+    _hold_to(run_specs, started + _usable(budget_s))
     while groups and len(trials) < limit:
-        left = budget_s * (1 - END_RESERVE) - (time.monotonic() - started)
+        left = _usable(budget_s) - (time.monotonic() - started)
         models = fit_models(trials, numels, zero, measured_net) if (trials["status"] == "ok").any() else None
         group = _next_group(
             groups, plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
@@ -310,7 +319,7 @@ def run_search(
                 if default_base_s is not None:
                     spent = time.monotonic() - started
                     budget_s = default_budget_s(default_base_s, costs, len(plan.ladders), len(specs), spent)
-                    _hold_to(run_specs, started + budget_s * (1 - END_RESERVE))
+                    _hold_to(run_specs, started + _usable(budget_s))
                 line = _budget_line(costs, budget_s, time.monotonic() - started, groups, len(specs))
                 result.log.append(line)
                 say(line)
@@ -377,7 +386,7 @@ def _costs(run_specs: Callable[..., pd.DataFrame], trials: pd.DataFrame) -> Laun
 
 def _budget_line(costs: LaunchCosts, budget_s: float, spent_s: float, groups: list, configs: int) -> str:
     """What the budget covers, said once the first launch measured its cost."""
-    left = budget_s * (1 - END_RESERVE) - spent_s
+    left = _usable(budget_s) - spent_s
     per_launch = costs.launch_s(configs, 0.0)
     covered = min(len(groups), max(0, int(left // per_launch))) if per_launch > 0 else len(groups)
     names = ", ".join(_group_name(g) for g in groups[:covered]) or "none"
