@@ -142,6 +142,8 @@ class LaunchRunner:
                 record.status = "contended, launched again"
                 self._write_launches()
                 finished, _ = self._launch_once([s for s in left if s.trial_id in finished], measure_s)
+            elif record.status == "contended":
+                self.say(self._contended_line(record))
             seen += finished
             left = [s for s in left if s.trial_id not in seen]
             if not finished:
@@ -150,12 +152,14 @@ class LaunchRunner:
 
     def answer_lines(self) -> list[str]:
         """One line per launch left contended: its configs were measured on fewer cores than they get."""
-        return [
-            contention_line(f"launch {r.name}", r.others_cpu_share or 0.0)
+        return [self._contended_line(r) for r in self.launches if r.status == "contended"]
+
+    @staticmethod
+    def _contended_line(record: LaunchRecord) -> str:
+        return (
+            contention_line(f"launch {record.name}", record.others_cpu_share or 0.0)
             + ": its configs are left out of the pick (no budget left to measure them quiet)"
-            for r in self.launches
-            if r.status == "contended"
-        ]
+        )
 
     # ------------------------------------------------------------------------------------ one launch
 

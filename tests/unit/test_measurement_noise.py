@@ -324,10 +324,13 @@ def test_a_contended_launch_is_launched_again_once_when_the_budget_has_room(tmp_
 def test_a_contended_launch_without_room_is_flagged_and_said_in_one_line(tmp_path, no_config_check):
     machine = Machine([1.0], contended=1)
     runner = make_runner(tmp_path, machine, deadline=time.monotonic())  # no room left
+    said: list[str] = []
+    runner.say = said.append
     table = runner(group(1, 1, 2))
     assert len(machine.calls) == 1 and table["contended"].map(bool).all()
     (line,) = runner.answer_lines()
     assert line.startswith("contention: ") and "left out of the pick" in line
+    assert line in said  # said while it runs, too
 
 
 def test_a_resumed_run_launches_nothing_again(tmp_path, no_config_check):
