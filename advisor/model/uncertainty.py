@@ -3,8 +3,9 @@ tell apart.
 
 A predicted step time is uncertain for three reasons, each measured by the run itself:
 
-- **the measurement**: a config a trial ran is pinned by that trial, whose 95% interval (trials.csv
-  `step_s_lo`/`_hi`: the bootstrap over its steps and the drift correction's uncertainty) is its own;
+- **the measurement**: a config a launch measured is pinned by it, whose 95% interval (trials.csv
+  `step_s_lo`/`_hi`: the bootstrap over its timed steps) is its own, beside how far the fit's figure lies
+  from that measurement (the fit's line through its stage's micro-batches, `fit_residuals`);
 - **the fit**: a config nobody ran is as uncertain as the model is on configs it did not see. That is
   the spread of the held-out errors in validation.csv (the check trials and the leave-one-out refits),
   widened for the few errors it rests on (Student's t, not 1.96, with as many degrees of freedom as
@@ -104,6 +105,9 @@ class Spread:
     """The same for configs of a stage and precision no trial measured."""
     cross_dof: int = 0
     measured_groups: frozenset[tuple[int, str]] = frozenset()
+    residual: dict[ConfigKey, float] = field(default_factory=dict)
+    """Each measured config's |ln(fit / measurement)|: the printed figure is the fit's, which a line
+    through its stage's micro-batches can put a few percent off the config's own measurement."""
     contended: frozenset[ConfigKey] = frozenset()
     """Configs measured only while other processes took the cores (advisor.measure.launch): left out of
     the pick while any other config fits."""
@@ -195,6 +199,23 @@ def measured_spreads(trials: pd.DataFrame) -> dict[ConfigKey, float]:
             continue
         key = config_key(row)
         out[key] = min(out.get(key, math.inf), sigma)
+    return out
+
+
+def fit_residuals(validation: pd.DataFrame, trials: pd.DataFrame) -> dict[ConfigKey, float]:
+    """|ln(predicted / measured)| of each config's step time in the fit it was part of (validation.csv's
+    "used in fit" rows), by config."""
+    needed = {"quantity", "held_out", "config_id", "predicted", "measured"}
+    if validation.empty or not needed <= set(validation) or trials.empty or "trial_id" not in trials:
+        return {}
+    keys = {str(r["trial_id"]): config_key(r) for _, r in trials.iterrows()}
+    rows = validation[(validation["quantity"] == "step_time_s") & ~validation["held_out"].astype(bool)]
+    out: dict[ConfigKey, float] = {}
+    for _, row in rows.iterrows():
+        key = keys.get(str(row["config_id"]))
+        predicted, measured = float(row["predicted"]), float(row["measured"])
+        if key is not None and predicted > 0 and measured > 0:
+            out[key] = max(out.get(key, 0.0), abs(math.log(predicted / measured)))
     return out
 
 
@@ -371,6 +392,7 @@ def estimate_spread(
         cross_dof=int(across.size),
         measured_groups=groups,
         contended=contended_keys(ok),
+        residual=fit_residuals(validation, ok),
         fit_points=FitPoints.of(trials) if scaled is not None else FitPoints(),
         noise=noise,
         noise_dof=noise_dof,
@@ -400,7 +422,8 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     # A config between measured ones rests on them: never surer than the typical trial of its group.
     floor = Z95 * np.array([spread.group_measured(k) for k in keys])
     borrowed = np.where(in_group, np.maximum(spread.model_halfwidth * scale, floor), spread.cross_halfwidth)
-    fit = np.where(pinned, Z95 * np.nan_to_num(own), borrowed)
+    residual = np.array([spread.residual.get(k, 0.0) for k in keys])
+    fit = np.where(pinned, np.hypot(Z95 * np.nan_to_num(own), residual), borrowed)
     step = table["step_time_s"].to_numpy(dtype=float)
     inter = table["exposed_inter_s"].to_numpy(dtype=float) if "exposed_inter_s" in table else 0.0 * step
     link = Z95 * spread.link * np.divide(inter, step, out=np.zeros_like(step), where=step > 0)

@@ -401,3 +401,29 @@ def test_a_config_measured_only_under_contention_is_left_out_of_the_pick():
     assert pick([True, True])[0] == "z1-mb8"
     quiet_again = _trials([(1, 8, 0.43, 0.01), (1, 8, 0.43, 0.01)]).assign(contended=[True, False])
     assert not estimate_spread(quiet_again, _validation([0.02]), None, 0.0, True).contended
+
+
+def test_a_measured_configs_interval_holds_how_far_the_fit_lies_from_its_measurement():
+    """The printed figure is the fit's: a measured config whose fit sits 8% off its own +-1% measurement
+    gets an interval that reaches the measurement, and the tie rule still weighs only the measurement."""
+    trials = _trials([(1, 8, 0.64, 0.01)])
+    trials["trial_id"] = ["t-z1"]
+    validation = pd.DataFrame(
+        [
+            {
+                "config_id": "t-z1",
+                "quantity": "step_time_s",
+                "predicted": 0.64 * 1.08,
+                "measured": 0.64,
+                "held_out": False,
+                "check": None,
+            },
+        ]
+    )
+    row = _row("z1-mb8", 1, 8, 100.0, 4.0e9)
+    spread = estimate_spread(trials, validation, None, 0.0, True)
+    table = add_intervals(pd.DataFrame([row]), spread).iloc[0]
+    assert table["step_time_s_hi"] / table["step_time_s"] - 1 == pytest.approx(
+        math.hypot(Z95 * 0.01 / Z95, math.log(1.08)), rel=0.05
+    )
+    assert table["compare_halfwidth"] == pytest.approx(0.01, rel=0.05)
