@@ -137,7 +137,8 @@ def test_one_row_per_trial_with_the_fields(profiled):
     assert list(table["trial_id"]) == IDS and list(table["status"]) == ["ok"] * 3
     assert list(table["zero_stage"]) == [1, 2, 3]
     assert (table["world_size"] == RANKS).all() and (table["global_batch"] == RANKS).all()
-    assert (table["measured_steps"] == STEPS).all() and (table["warmup_steps"] == WARMUP).all()
+    # at least STEPS timed steps, then until the launch's measuring time (6 s a config) is spent
+    assert (table["measured_steps"] >= STEPS).all() and (table["warmup_steps"] == WARMUP).all()
     for column in (
         "samples_per_s",
         "step_time_s",
