@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def synth_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "shapes", images=64, size=40)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _listing_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Image listings the tests' runs remember (sdzero.data.listing) go to the session's temporary
+    folder, inherited by every process a test starts, never to the user's ~/.cache."""
+    os.environ.setdefault("SDZERO_LISTING_DIR", str(tmp_path_factory.mktemp("listings")))
