@@ -272,6 +272,9 @@ def test_command_parses_and_delegates(monkeypatch, tmp_path):
         "off",
         "--train-args",
         "--num-workers 1",
+        # its own folder: the command takes the output lock there (never the checkout's reports/)
+        "--out",
+        str(tmp_path / "profile"),
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
