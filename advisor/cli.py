@@ -145,7 +145,9 @@ Replan = Annotated[
 ]
 TargetTflops = Annotated[
     float | None,
-    typer.Option(help="the target's sustained TFLOP/s per GPU (assumed): its compute when the trials ran elsewhere."),
+    typer.Option(
+        help="the target's sustained TFLOP/s per GPU (assumed): its compute when the trials ran elsewhere."
+    ),
 ]
 SamplesRuleOption = Annotated[
     str,

@@ -132,7 +132,9 @@ def provenance(o: Outcome) -> dict[str, Any]:
         "trials_ran_on": here,
         "target": target,
         "target_differs": o.differs is not None,
-        "compute": compute if o.differs else f"{MEASURED} on {here} (trials); {MODELLED} for other configs and node counts",
+        "compute": compute
+        if o.differs
+        else f"{MEASURED} on {here} (trials); {MODELLED} for other configs and node counts",
         "memory_per_rank": f"{MODELLED} (fitted to the trials' measured peaks)",
         "device_memory": f"{o.memory_bytes / GIB:.3g} GiB, {o.memory_source}",
         "intra_node_link": f"{link_provenance(o.target_net.intra.source)}: {o.target_net.intra.source}",
@@ -248,7 +250,9 @@ def unreachable_notes(o: Outcome, table: pd.DataFrame) -> None:
     for i in table.index[grown]:
         batch = int(table.at[i, "global_batch"])
         lr = choose_lr(o.base_lr, batch, o.lr_reference, o.lr_scaling)
-        table.at[i, "reach_note"] = larger_batch_note(batch, o.target.describe(), lr.describe(), table.at[i, "samples_factor"], o.samples_rule)
+        table.at[i, "reach_note"] = larger_batch_note(
+            batch, o.target.describe(), lr.describe(), table.at[i, "samples_factor"], o.samples_rule
+        )
 
 
 def time_to_train(o: Outcome) -> dict[str, Any]:

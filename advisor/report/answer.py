@@ -167,7 +167,9 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         f"{int(n)} ({', '.join(marks)})" if marks else int(n),
         row["config_id"],
         int(row["grad_accum"]),
-        "withheld" if row.get("samples_per_s") is None else f"{row['samples_per_s']:.4g}{plus_minus(row, 'samples_per_s')}",
+        "withheld"
+        if row.get("samples_per_s") is None
+        else f"{row['samples_per_s']:.4g}{plus_minus(row, 'samples_per_s')}",
         row.get("step_time_s"),
         hours(float(row["time_to_train_s"])) + plus_minus(row, "time_to_train_s")
         if row.get("time_to_train_s") is not None
