@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from unet_fakes import fast_path_options, tiny_unet
 
 from sdzero.training import adam_kernel
 from sdzero.training import fast_paths as speed
@@ -113,29 +114,6 @@ def test_sd3s_schedule_goes_to_the_device_once_not_every_micro_step():
 # 2. --attention with --gradient-checkpointing
 
 
-def _tiny_unet():
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=4,
-        norm_num_groups=8,
-    )
-
-
-def _options(**kw) -> SimpleNamespace:
-    base = {"tf32": True, "channels_last": False, "compile": False, "attention": "auto", "sync_timing": False}
-    return SimpleNamespace(**{**base, **kw})
-
-
 def _grads(unet) -> list[torch.Tensor]:
     torch.manual_seed(1)
     x, t, text = torch.randn(2, 4, 8, 8), torch.tensor([10, 500]), torch.randn(2, 3, 16)
@@ -149,13 +127,13 @@ def test_attention_kernel_holds_in_the_recomputation_of_gradient_checkpointing()
     so a recomputation outside the chosen kernel raises torch.utils.checkpoint.CheckpointError."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    plain = _tiny_unet().train()
+    plain = tiny_unet().train()
     with sdpa_kernel([SDPBackend.MATH]):
         expected = _grads(plain)  # no checkpointing, math everywhere
 
-    unet = _tiny_unet().train()
+    unet = tiny_unet().train()
     unet.enable_gradient_checkpointing()
-    speed.prepare_network(_options(attention="math"), unet)
+    speed.prepare_network(fast_path_options(attention="math"), unet)
     kernels: list[bool] = []
     block = next(m for m in unet.modules() if type(m).__name__ == "Attention")
     attn = block.to_out[0]  # runs inside the block, after SDPA

@@ -12,6 +12,7 @@ import pytest
 import torch
 from step_input_fakes import step_input
 from trainer_fakes import FakeEngine, FakeEvent
+from unet_fakes import fast_path_options, tiny_unet
 
 from sdzero.errors import UserError
 from sdzero.models.families import family_named
@@ -166,29 +167,6 @@ def test_stop_vote_is_acted_on_a_step_late_on_cuda_with_the_line_written(
 # Fast paths
 
 
-def tiny_unet():
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=4,
-        norm_num_groups=8,
-    )
-
-
-def options(**kw) -> SimpleNamespace:
-    base = {"tf32": True, "channels_last": False, "compile": False, "attention": "auto", "sync_timing": False}
-    return SimpleNamespace(**{**base, **kw})
-
-
 def forward_seen(unet, probe_module) -> dict:
     seen = {}
 
@@ -205,7 +183,7 @@ def forward_seen(unet, probe_module) -> dict:
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_channels_last_reaches_the_unets_convolutions(channels_last):
     unet = tiny_unet()
-    handles = speed.prepare_network(options(channels_last=channels_last), unet)
+    handles = speed.prepare_network(fast_path_options(channels_last=channels_last), unet)
     assert len(handles) == int(channels_last)
     conv = unet.down_blocks[0].resnets[0].conv1  # a convolution deep inside, fed by GroupNorm and SiLU
     assert forward_seen(unet, conv)["nhwc"] is channels_last
@@ -213,7 +191,7 @@ def test_channels_last_reaches_the_unets_convolutions(channels_last):
 
 def test_attention_option_restricts_the_kernel_during_the_networks_forward_only():
     unet = tiny_unet()
-    speed.prepare_network(options(attention="math"), unet)
+    speed.prepare_network(fast_path_options(attention="math"), unet)
     attn = next(m for m in unet.modules() if type(m).__name__ == "Attention")
     # inside the attention block's forward (its output projection runs after SDPA, within the block)
     assert forward_seen(unet, attn.to_out[0])["flash_enabled"] is False  # sdpa_kernel([MATH])
@@ -223,12 +201,16 @@ def test_attention_option_restricts_the_kernel_during_the_networks_forward_only(
 def test_attention_kernel_is_probed_and_an_impossible_one_refused():
     unet = tiny_unet()
     assert speed.attention_head_dims(unet) == [8]  # attention at 32 channels in 4 heads (diffusers' naming)
-    found = speed.check_attention(options(), unet, torch.float32, torch.device("cpu"))
+    found = speed.check_attention(fast_path_options(), unet, torch.float32, torch.device("cpu"))
     assert found == {"8": "flash"}  # PyTorch's CPU flash kernel comes first in its order
-    found = speed.check_attention(options(attention="math"), unet, torch.float32, torch.device("cpu"))
+    found = speed.check_attention(
+        fast_path_options(attention="math"), unet, torch.float32, torch.device("cpu")
+    )
     assert found == {"8": "math"}
     with pytest.raises(UserError, match="--attention efficient: that SDPA kernel cannot run here"):
-        speed.check_attention(options(attention="efficient"), unet, torch.float32, torch.device("cpu"))
+        speed.check_attention(
+            fast_path_options(attention="efficient"), unet, torch.float32, torch.device("cpu")
+        )
 
 
 def test_tf32_flag_sets_both_torch_switches_on_cuda_and_leaves_the_cpu_alone():
@@ -240,11 +222,11 @@ def test_tf32_flag_sets_both_torch_switches_on_cuda_and_leaves_the_cpu_alone():
         before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     precision = torch.get_float32_matmul_precision()
     try:
-        speed.apply_backend_flags(options(tf32=True), "cpu")
+        speed.apply_backend_flags(fast_path_options(tf32=True), "cpu")
         assert torch.get_float32_matmul_precision() == precision  # a CPU run's matmuls are untouched
-        speed.apply_backend_flags(options(tf32=True), "cuda")
+        speed.apply_backend_flags(fast_path_options(tf32=True), "cuda")
         assert speed.tf32_in_use() == (True, True)
-        speed.apply_backend_flags(options(tf32=False), "cuda")
+        speed.apply_backend_flags(fast_path_options(tf32=False), "cuda")
         assert speed.tf32_in_use() == (False, False)
     finally:
         if new_api:
@@ -268,9 +250,9 @@ def test_compile_goes_through_deepspeeds_engine_compile_and_wraps_the_module_in_
             self.module.compile(backend=backend)
 
     engine = Engine()
-    speed.compile_engine(options(compile=False), engine)
+    speed.compile_engine(fast_path_options(compile=False), engine)
     assert engine.calls == [] and engine.module._compiled_call_impl is None
-    speed.compile_engine(options(compile=True), engine)
+    speed.compile_engine(fast_path_options(compile=True), engine)
     assert engine.calls == ["inductor"] and engine.module._compiled_call_impl is not None
     assert list(engine.module.state_dict()) == ["weight", "bias"]  # checkpoint names unchanged
 
@@ -278,9 +260,11 @@ def test_compile_goes_through_deepspeeds_engine_compile_and_wraps_the_module_in_
 def test_compile_is_refused_with_zero3_parameter_offload():
     ds = SimpleNamespace(offload_param=True, path="ds.json")
     with pytest.raises(UserError, match="--compile with offload_param"):
-        speed.check_speed_options(options(compile=True), ds)
-    speed.check_speed_options(options(compile=True), SimpleNamespace(offload_param=False, path="ds.json"))
-    speed.check_speed_options(options(), ds)  # offload alone is fine
+        speed.check_speed_options(fast_path_options(compile=True), ds)
+    speed.check_speed_options(
+        fast_path_options(compile=True), SimpleNamespace(offload_param=False, path="ds.json")
+    )
+    speed.check_speed_options(fast_path_options(), ds)  # offload alone is fine
 
 
 def test_optimizer_implementation_is_read_from_the_innermost_optimizer():
