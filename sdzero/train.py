@@ -18,6 +18,7 @@ from typing import NoReturn
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+from sdzero.checkpoint.manifest import MANIFEST, checkpoint_root  # noqa: E402
 from sdzero.checkpoint.output_lock import claim_output_dir, release_output_dir  # noqa: E402
 from sdzero.cluster.launch_command import decode_argv  # noqa: E402
 from sdzero.config.output_folder import (  # noqa: E402
@@ -36,12 +37,19 @@ RUN_RECORDS = ("ds_config.json", "run_config.json", "environment.json", "metrics
 """Files a run (re)writes at the top of its --output-dir (sdzero.training.run_output)."""
 
 
+def holds_committed_checkpoints(out: Path) -> bool:
+    """`out/checkpoints` holds a checkpoint sdzero committed (its manifest): a run's checkpoints copied or
+    moved into a fresh folder to resume from there are sdzero's own, though the folder has no lock yet."""
+    root = checkpoint_root(out)
+    return root.is_dir() and any((step / MANIFEST).is_file() for step in root.glob("step_*"))
+
+
 def check_run_outputs(cfg: TrainConfig) -> None:
     """Rank 0, before anything is created: the output folder rule (sdzero.config.output_folder), a user's
     `final/` that --export-final would replace, and inputs that are files the run rewrites (the run's own
     ds_config.json passed back as --deepspeed_config held the scaled LR, which then compounded per rerun)."""
     out = cfg.output_dir
-    check_output_folder(out, "--output-dir")
+    check_output_folder(out, "--output-dir", made_by_sdzero=holds_committed_checkpoints)
     if getattr(cfg, "export_final", False):  # (tests hand main a bare namespace of the fields they need)
         check_replaceable_folder(out / "final", EXPORT_MARKER, "a pipeline sdzero exported (--export-final)")
     inputs: dict[str, Path | None] = {"--deepspeed_config": getattr(cfg, "deepspeed_config", None)}

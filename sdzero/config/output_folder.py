@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from sdzero.errors import UserError
@@ -53,14 +53,22 @@ _passed: set[Path] = set()
 library.log, the shared-storage check's tokens) happens before it takes the lock, and is its own."""
 
 
-def check_output_folder(folder: Path | str, flag: str, marks: Iterable[str] = FOLDER_MARKS) -> None:
+def check_output_folder(
+    folder: Path | str,
+    flag: str,
+    marks: Iterable[str] = FOLDER_MARKS,
+    made_by_sdzero: Callable[[Path], bool] | None = None,
+) -> None:
     """Refuse `folder` unless it is new, empty or holds one of sdzero's `marks`; nothing is created here.
-    A folder this process already let through is not judged again (see `_passed`)."""
+    `made_by_sdzero` recognises other contents of sdzero's own that a caller knows (the trainer: committed
+    checkpoints copied into a fresh folder to resume from). A folder this process already let through is
+    not judged again (see `_passed`)."""
     folder = Path(folder)
     key = Path(os.path.realpath(folder))
     if key in _passed:
         return
-    _check_output_folder(folder, flag, marks)
+    if made_by_sdzero is None or not (folder.is_dir() and made_by_sdzero(folder)):
+        _check_output_folder(folder, flag, marks)
     _passed.add(key)
 
 

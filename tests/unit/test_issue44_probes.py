@@ -526,3 +526,27 @@ def test_the_atomic_writer_never_replaces_a_device_through_a_symlink(tmp_path):
     with pytest.raises(UserError, match="is a character device, not a regular file"):
         write_text_atomic(link, "X=1\n")
     assert stat.S_ISCHR(os.stat(node).st_mode) and link.is_symlink()
+
+
+def test_checkpoints_copied_into_a_fresh_folder_are_sdzeros_own_but_a_bare_checkpoints_folder_is_not(
+    tmp_path,
+):
+    """Resuming from a run's committed checkpoints copied into a new folder (no lock yet) is allowed: a
+    checkpoint's manifest is sdzero's mark. A folder named checkpoints without one stays the user's."""
+    from types import SimpleNamespace
+
+    from sdzero.train import check_run_outputs
+
+    def cfg(out: Path) -> SimpleNamespace:
+        return SimpleNamespace(output_dir=out, export_final=False, deepspeed_config=None)
+
+    copied = tmp_path / "copied"
+    (copied / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (copied / "checkpoints" / "step_00000004" / "manifest.json").write_text("{}")
+    check_run_outputs(cfg(copied))  # no refusal
+
+    users = tmp_path / "users"
+    (users / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (users / "checkpoints" / "step_00000004" / "weights.pt").write_text("mine")
+    with pytest.raises(UserError, match="holds files sdzero did not write"):
+        check_run_outputs(cfg(users))
