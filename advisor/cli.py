@@ -4,6 +4,7 @@ here and become one advisor.request.AdviseRequest, which advisor.advise.run_advi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from advisor.fine_tune import check_train_args
 from advisor.model.network import MACHINES, PRESETS
 from advisor.plan import replan_out
 from advisor.request import AdviseRequest
+from advisor.stages.inputs import check_request_options
 from advisor.target import TARGET_GPUS
 from sdzero import cli as trainer_cli
 from sdzero.config.options import DEFAULTS, cli_option, input_option
@@ -212,6 +214,40 @@ def advise_command(
     console = Console(stderr=True)
     check_output_folder(out_dir, "--out")  # a folder of the user's: refused before advise.log is in it
     user_args = check_train_args(train_args)  # refused before anything is written
+    request = AdviseRequest(
+        max_nodes=max_nodes,
+        model=model,
+        data=data,
+        deepspeed_config=deepspeed_config,
+        out_dir=out_dir,
+        budget_minutes=budget_minutes,
+        hostfile=hostfile,
+        gpus_per_node=gpus_per_node,
+        inter_node_gbps=inter_node_gbps,
+        inter_node_latency_us=inter_node_latency_us,
+        preset=preset,
+        nics_per_node=nics_per_node,
+        tune_buckets=tune_buckets,
+        global_batch=global_batch,
+        headroom=headroom,
+        device_memory_gib=device_memory_gib,
+        lr_scaling=lr_scaling,
+        train_args=user_args,
+        min_efficiency=min_efficiency,
+        nodes=nodes,
+        target_gpu=target_gpu,
+        lr_reference_batch=lr_reference_batch,
+        samples=samples,
+        epochs=epochs,
+        gpu_hour_price=gpu_hour_price,
+        deadline_hours=deadline_hours,
+        max_gpu_hours=max_gpu_hours,
+        replan=replan,
+        target_tflops=target_tflops,
+        samples_rule=samples_rule,
+    )
+    if replan is None:  # a bad value is refused before the folder or its log exists
+        check_request_options(request)
     # sdzero's mark (the run's lock) before advise.log: the inputs stage's claim then finds the folder
     # ours, not one holding a file sdzero did not write (the lock is this process's; advise releases it)
     claim_output_dir(out_dir, "--out")
@@ -221,39 +257,7 @@ def advise_command(
             log.write(message)
             console.print(f"[dim]{message}[/dim]", highlight=False)
 
-        request = AdviseRequest(
-            max_nodes=max_nodes,
-            model=model,
-            data=data,
-            deepspeed_config=deepspeed_config,
-            out_dir=out_dir,
-            budget_minutes=budget_minutes,
-            hostfile=hostfile,
-            gpus_per_node=gpus_per_node,
-            inter_node_gbps=inter_node_gbps,
-            inter_node_latency_us=inter_node_latency_us,
-            preset=preset,
-            nics_per_node=nics_per_node,
-            tune_buckets=tune_buckets,
-            global_batch=global_batch,
-            headroom=headroom,
-            device_memory_gib=device_memory_gib,
-            lr_scaling=lr_scaling,
-            log=say,
-            train_args=user_args,
-            min_efficiency=min_efficiency,
-            nodes=nodes,
-            target_gpu=target_gpu,
-            lr_reference_batch=lr_reference_batch,
-            samples=samples,
-            epochs=epochs,
-            gpu_hour_price=gpu_hour_price,
-            deadline_hours=deadline_hours,
-            max_gpu_hours=max_gpu_hours,
-            replan=replan,
-            target_tflops=target_tflops,
-            samples_rule=samples_rule,
-        )
+        request = dataclasses.replace(request, log=say)
         result = run_advise(request)
         print_advice(
             result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report

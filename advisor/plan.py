@@ -37,8 +37,8 @@ from advisor.model.time_to_train import train_amount
 from advisor.request import CPU_GRID, AdviseRequest
 from advisor.stages.inputs import (
     AdviseInputs,
-    _checked_options,
     _refuse_unreachable,
+    check_request_options,
     claim_out,
     counted_cost,
     dataset_size,
@@ -174,7 +174,7 @@ def refuse_unmatched(request: AdviseRequest, record: dict[str, Any], folder: Pat
 def replan_inputs(request: AdviseRequest, record: dict[str, Any], folder: Path) -> AdviseInputs:
     """The inputs stage of a replan: the request checked against the record, nothing asked of the device."""
     r = request
-    node_list, _, asked, rule = _checked_options(r)
+    node_list, _, asked, rule = check_request_options(r)
     refuse_unmatched(r, record, folder)
     device, ranks, base = record["device"], int(record["ranks"]), record["base"]
     gpus_per_node, target_gpu = machine_target(r.preset, r.gpus_per_node, r.target_gpu)

@@ -115,6 +115,8 @@ def machine_target(
     its 72-GPU NVLink domain), else None."""
     from advisor.model.network import MACHINES
 
+    if gpus_per_node is not None and gpus_per_node < 1:  # before anything reads it as "not given"
+        raise UserError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
     machine = MACHINES.get(preset or "")
     if machine is None:
         return gpus_per_node, target_gpu

@@ -114,7 +114,7 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
 
     r = request
     say = r.log or (lambda message: None)
-    node_list, user_args, asked, rule = _checked_options(r)
+    node_list, user_args, asked, rule = check_request_options(r)
     base = load_base_config(
         Path(r.deepspeed_config) if r.deepspeed_config else shipped_config("zero2_bf16.json")
     )
@@ -206,7 +206,7 @@ def dataset_size(r: AdviseRequest, data: Path, embedded: bool) -> tuple[int, str
     return dataset_images(data), f"the images in {data}"
 
 
-def _checked_options(
+def check_request_options(
     r: AdviseRequest,
 ) -> tuple[list[int], tuple[str, ...], BatchTarget | None, NodeRule]:
     """The checks that need nothing but the request: (node counts, --train-args, --global-batch, the

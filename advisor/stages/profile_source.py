@@ -56,7 +56,7 @@ from advisor.model.target_compute import (
 )
 from advisor.model.time_to_train import train_amount
 from advisor.request import AdviseRequest
-from advisor.stages.inputs import AdviseInputs, _checked_options, _refuse_unreachable, claim_out
+from advisor.stages.inputs import AdviseInputs, _refuse_unreachable, check_request_options, claim_out
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.target import TARGET_GPUS
 from sdzero.atomic import write_csv_atomic
@@ -387,7 +387,7 @@ def profile_stages(
 def profile_inputs(r: AdviseRequest, path: Path, profile: Profile) -> AdviseInputs:
     """The inputs stage for a profile: the request checked, the grid of the measured configs, the target's
     batch (the profile's on one node unless --global-batch) and its memory (the profile's GPU's)."""
-    node_list, _, asked, rule = _checked_options(r)
+    node_list, _, asked, rule = check_request_options(r)
     gpus = r.gpus_per_node or profile.gpus_per_node
     base_batch = lr_reference_batch_of(profile.base, gpus)
     target = asked or BatchTarget(base_batch, base_batch)
