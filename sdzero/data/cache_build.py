@@ -13,7 +13,6 @@ layout and docs/caching.md for the user's view.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from sdzero.data.cache import (
     CacheSpec,
     differences,
     file_sha256,
+    read_build_record,
     read_index,
     run_spec,
     shard_name,
@@ -320,8 +320,8 @@ def _finished_build(out: Path, spec: CacheSpec, rows: list[list[Any]], rank: int
                 if any(problem.startswith(f"{out / shard_name(k)} ") for problem in problems):
                     (out / shard_name(k)).unlink(missing_ok=True)
         return None
-    if (out / BUILD_NAME).is_file():
-        build = json.loads((out / BUILD_NAME).read_text())
+    build = read_build_record(out)  # one line for a damaged or special build.json, never a traceback
+    if build is not None:
         _refuse_other(out, spec_from(build["spec"]), build["data_files"], spec, rows)
     return None
 

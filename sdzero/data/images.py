@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from sdzero.config.user_file import check_regular_file
 from sdzero.errors import AgreedError, UserError
 from sdzero.models.objectives import FlowSettings
 from sdzero.models.step_input import StepInput
@@ -60,7 +62,9 @@ def read_metadata(folder: Path) -> list[Record]:
     folder = Path(folder)
     for name in METADATA_NAMES:
         meta = folder / name
-        if meta.is_file():
+        if os.path.lexists(meta):
+            # a FIFO, a device node or a link to one is named as what it is, never "no metadata file"
+            check_regular_file(meta, "--data")
             break
     else:
         raise UserError(

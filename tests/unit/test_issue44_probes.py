@@ -550,3 +550,20 @@ def test_checkpoints_copied_into_a_fresh_folder_are_sdzeros_own_but_a_bare_check
     (users / "checkpoints" / "step_00000004" / "weights.pt").write_text("mine")
     with pytest.raises(UserError, match="holds files sdzero did not write"):
         check_run_outputs(cfg(users))
+
+
+def test_a_fifo_or_device_as_metadata_is_named_as_what_it_is_not_as_missing(tmp_path):
+    """A FIFO named metadata.jsonl (or a link to /dev/zero) was reported as "no metadata.jsonl"."""
+    from sdzero.data.images import read_metadata
+
+    fifo_folder = tmp_path / "fifo"
+    fifo_folder.mkdir()
+    os.mkfifo(fifo_folder / "metadata.jsonl")
+    with pytest.raises(UserError, match=r"metadata\.jsonl is a FIFO \(named pipe\), not a regular file"):
+        read_metadata(fifo_folder)
+
+    zero_folder = tmp_path / "zero"
+    zero_folder.mkdir()
+    (zero_folder / "metadata.jsonl").symlink_to("/dev/zero")
+    with pytest.raises(UserError, match="is a character device, not a regular file"):
+        read_metadata(zero_folder)
