@@ -32,7 +32,9 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	@# 30 minutes, so an older lock is a dead one.
 	@mkdir -p "$(TORCH_EXTENSIONS_DIR)"
 	@find "$(TORCH_EXTENSIONS_DIR)" -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed stale build lock: /' || true
-	$(BIN)/python -m sdzero.training.adam_kernel 2>/dev/null | tail -n 1
+	@# Its output goes to a log, shown when the build fails: a pipe into tail would hide the failure.
+	@$(BIN)/python -m sdzero.training.adam_kernel > $(VENV)/prebuild.log 2>&1 || { tail -n 20 $(VENV)/prebuild.log; exit 1; }
+	@tail -n 1 $(VENV)/prebuild.log
 	touch $@
 
 demo: venv
