@@ -197,8 +197,8 @@ UNTIMED_STEPS = 6
 two settling in its first visit, and up to a round of two past the measuring time in its last."""
 END_RESERVE = 0.04
 END_RESERVE_S = 30.0
-"""The budget kept for what follows the launches (fit, prediction, report: 20-30 s on 2 CPU cores): this
-many seconds and END_RESERVE of the budget."""
+"""The budget kept for what follows the launches (fit, prediction, report; their time is in
+docs/calibration/advisor-launches.md): this many seconds and END_RESERVE of the budget."""
 
 
 def _usable(budget_s: float) -> float:
