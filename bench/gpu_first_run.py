@@ -168,19 +168,13 @@ def rerun_with_site(site: str) -> None:
 def throughput(a: argparse.Namespace, device: Any, peak: float | None, results: dict[str, Any], left) -> None:
     import gpu_throughput as gt
     import torch
-    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
     config = gt.unet_config(small=a.cpu_rehearsal)
     base_unet = UNet2DConditionModel(**config)
     side, width = a.resolution // 8, config["cross_attention_dim"]
-    scheduler = DDPMScheduler(
-        num_train_timesteps=1000,
-        beta_schedule="scaled_linear",
-        beta_start=0.00085,
-        beta_end=0.012,
-        clip_sample=False,
-    )
+    scheduler = gt.sd15_scheduler()
     flops = gt.flops_per_sample(base_unet, side, width, device)
     results["unet_params"] = sum(p.numel() for p in base_unet.parameters())
     results["flops_per_sample"] = flops

@@ -346,6 +346,19 @@ def rows_to_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sd15_scheduler():
+    """Stable Diffusion 1.5's training noise schedule (its scheduler_config.json), for every row."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+    )
+
+
 def main() -> int:
     a = parse()
     import torch
@@ -359,7 +372,7 @@ def main() -> int:
         return 2
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(name, "1")  # nothing is downloaded; offline machines must not wait on the hub
-    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
 
     began = time.monotonic()
     device = torch.device("cuda" if not a.cpu_rehearsal else "cpu")
@@ -369,13 +382,7 @@ def main() -> int:
     config = unet_config(small=a.cpu_rehearsal)
     base_unet = UNet2DConditionModel(**config)
     side, width = a.resolution // 8, config["cross_attention_dim"]
-    scheduler = DDPMScheduler(
-        num_train_timesteps=1000,
-        beta_schedule="scaled_linear",
-        beta_start=0.00085,
-        beta_end=0.012,
-        clip_sample=False,
-    )
+    scheduler = sd15_scheduler()
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU rehearsal"
     peak = peak_flops(name, a.peak_tflops)
     results: dict[str, Any] = {

@@ -140,9 +140,8 @@ def profile_command(
     )
     from sdzero.config.output_lock import claim_output_dir, release_output_dir
 
-    claim_output_dir(
-        out, flag="--out"
-    )  # every writer of a folder takes its lock (#44): one profile at a time
+    # every writer of a folder takes its lock: one profile at a time in a folder
+    claim_output_dir(out, flag="--out")
     try:
         result = run_profile(
             model=model,
