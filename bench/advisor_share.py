@@ -10,12 +10,21 @@ from its own files:
 - **configs per minute**: the distinct configs it measured (ok rows of trials.csv, a repeat counted
   once) per minute of wall time.
 
+- **within its budget**: the budget the run announced (its "budget:" line, the default rule's unless
+  --budget-minutes is given) against its wall time;
+- **intervals**: the 95% half-widths of the configs it measured, at its own node count (predictions.csv).
+
 Models: `default`, the embedded default (no --model); `rehearsal`, bench/rehearsal_model.py's SD 1.x UNet
 of 135M parameters at 32x32 latents. `--before COMMIT` runs the same on that commit's code too (a git
 worktree under --work), side by side in this run.
 
+`--grid` then measures the rehearsal's whole grid in the same bench (every ZeRO stage x micro-batch at
+the advise run's global batch, each at the accumulation that reaches it, through `sdzero profile`'s
+interleaved launches) and compares the advise run's pick with the grid's fastest config: their ratio, and
+whether the difference lies within the two measurements' 95% half-widths in quadrature.
+
     flock /tmp/sdzero-heavy.lock python bench/advisor_share.py --work W [--models default,rehearsal]
-        [--before 058e46f] [--budget-minutes N]
+        [--before 058e46f] [--budget-minutes N] [--grid]
 
 Each run's terminal answer is kept verbatim in <work>/<code>-<model>.txt; results in <work>/share.json.
 """
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -86,6 +96,7 @@ def main() -> None:
     parser.add_argument(
         "--budget-minutes", type=float, default=None, help="the rehearsal's, this code's run only"
     )
+    parser.add_argument("--grid", action="store_true", help="the rehearsal's full grid, after its advise run")
     args = parser.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -123,10 +134,100 @@ def main() -> None:
                 "configs": configs,
                 "configs_per_minute": configs / (wall / 60),
                 "answer": next((line for line in terminal.splitlines() if line.startswith("answer:")), ""),
+                "budget_s": announced_budget_s(out),
+                "measured_halfwidths": measured_halfwidths(out),
             }
             results_path.write_text(json.dumps(results, indent=1))
             show(key, results[key])
+        if model == "rehearsal" and args.grid and "grid-rehearsal" not in results:
+            results["grid-rehearsal"] = grid_check(
+                work / "after-rehearsal", model_args, work / "grid-rehearsal"
+            )
+            results_path.write_text(json.dumps(results, indent=1))
     print(table(results))
+    if "grid-rehearsal" in results:
+        print(grid_lines(results["grid-rehearsal"]))
+
+
+def announced_budget_s(out: Path) -> float | None:
+    """The budget the run announced in its "budget:" line (recommendation.json's search log)."""
+    rec = json.loads((out / "recommendation.json").read_text())
+    for line in rec.get("search_log", []):
+        if line.startswith("budget: "):
+            return float(line.split()[1]) * 60
+    return None
+
+
+def measured_halfwidths(out: Path) -> list[float]:
+    """The relative 95% half-widths of the step time of every config the run measured, at the node count
+    it measured them on (one node)."""
+    table = pd.read_csv(out / "predictions.csv")
+    rows = table[(table["interval_source"] == "measured") & (table["node_count"] == 1)]
+    half = (rows["step_time_s_hi"] - rows["step_time_s_lo"]) / 2 / rows["step_time_s"]
+    return sorted(float(h) for h in half)
+
+
+def batch_shapes(global_batch: int, ranks: int, micro_batches: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs that reach `global_batch` on `ranks` ranks exactly."""
+    shapes = []
+    for mb in micro_batches:
+        accum, rest = divmod(global_batch, mb * ranks)
+        if accum >= 1 and rest == 0:
+            shapes.append((mb, accum))
+    return shapes
+
+
+def grid_check(advise_dir: Path, model_args: list[str], work: Path) -> dict:
+    """Measure every config the advise run chose among at its batch shape; its pick against the fastest."""
+    from advisor.measure.grid import GridRequest
+    from advisor.measure.profile import run_profile
+    from advisor.request import CPU_GRID
+    from sdzero.cluster.launch_command import shipped_config
+
+    rec = json.loads((advise_dir / "recommendation.json").read_text())
+    ranks = int(rec["gpus_per_node"])
+    model, data = Path(model_args[1]), Path(model_args[3])
+    started = time.monotonic()
+    rows = []
+    for mb, accum in batch_shapes(int(rec["global_batch"]), ranks, CPU_GRID.micro_batches):
+        grid = GridRequest(
+            stages=CPU_GRID.stages,
+            precisions=CPU_GRID.precisions,
+            micro_batches=(mb,),
+            ranks_per_node=(ranks,),
+            grad_accums=(accum,),
+        )
+        result = run_profile(
+            model, data, work / f"mb{mb}-ga{accum}", grid=grid, base_config=shipped_config("zero2_bf16.json")
+        )
+        rows.append(result.table[result.table["status"] == "ok"])
+    grid_table = pd.concat(rows, ignore_index=True)
+    grid_table["config_id"] = grid_table["trial_id"].str.replace(r"-r\d+$", "", regex=True)
+    grid_table["rate"] = grid_table["global_batch"] / grid_table["step_time_s"]
+    grid_table["half"] = (grid_table["step_s_hi"] - grid_table["step_s_lo"]) / 2 / grid_table["step_time_s"]
+    best = grid_table.loc[grid_table["rate"].idxmax()]
+    pick = grid_table[grid_table["config_id"].str.startswith(str(rec["config_id"]))]
+    pick = pick[pick["grad_accum"] == int(rec["grad_accum"])].iloc[0]
+    ratio = float(pick["rate"] / best["rate"])
+    noise = math.hypot(float(pick["half"]), float(best["half"]))
+    return {
+        "wall_s": time.monotonic() - started,
+        "configs": int(len(grid_table)),
+        "pick": str(pick["trial_id"]),
+        "best": str(best["trial_id"]),
+        "pick_over_best": ratio,
+        "noise": noise,
+        "within_noise": bool(1 - ratio <= noise),
+        "rates": {str(r.trial_id): float(r.rate) for r in grid_table.itertuples()},
+    }
+
+
+def grid_lines(g: dict) -> str:
+    return (
+        f"grid (rehearsal): {g['configs']} configs in {g['wall_s']:.0f} s; advise's pick {g['pick']} measures "
+        f"{g['pick_over_best']:.3f} of the fastest, {g['best']} "
+        f"({'within' if g['within_noise'] else 'outside'} the noise of +-{g['noise']:.1%})"
+    )
 
 
 def cpu_name() -> str:
@@ -143,7 +244,9 @@ def cpu_name() -> str:
 def show(key: str, r: dict) -> None:
     print(
         f"{key}: {r['wall_s']:.0f} s wall, {r['measured_s']:.0f} s in measured steps ({r['measured_share']:.0%}), "
-        f"{r['configs']} configs ({r['configs_per_minute']:.1f} a minute)",
+        f"{r['configs']} configs ({r['configs_per_minute']:.1f} a minute); budget announced "
+        f"{(r.get('budget_s') or float('nan')):.0f} s; measured configs' intervals "
+        f"+-{max(r.get('measured_halfwidths') or [float('nan')]):.1%} at most",
         flush=True,
     )
 
@@ -155,7 +258,7 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
-        if isinstance(r, dict):
+        if isinstance(r, dict) and "measured_share" in r:
             lines.append(
                 f"| {key} | {r['wall_s']:.0f} s | {r['measured_s']:.0f} s | {r['measured_share']:.0%} | "
                 f"{r['configs']} | {r['configs_per_minute']:.1f} |"
