@@ -195,8 +195,7 @@ def op_seconds(op: CommOp, ranks_per_node: int, nodes: int, net: Network) -> tup
     waits for its slowest hop, one across nodes, so the whole op is a W-rank ring on the link across
     nodes: its W-rank ring's steps at that link's latency, and 2(W-1)/W of the buffer for an all-reduce
     through each node's link, not the hierarchy's 2(N-1)/N. Nothing of it runs at the within-node speed.
-    (An earlier account kept the latency per level, from 2x2 ZeRO-3 runs whose two ranks shared one CPU
-    quota; with a CPU group per rank the W-rank ring's latency matched, docs/multinode.md round 3.)"""
+    (The scale-out runs behind this account: docs/calibration/scaleout-rounds.md.)"""
     kind, size, count = op.collective, op.full_bytes, op.count
     tree = net.algorithm.tree_latency
     if net.algorithm.hierarchical or nodes <= 1 or ranks_per_node <= 1:
@@ -219,9 +218,8 @@ def _flat_ring_latency_s(kind: str, ranks: int, nodes: int, net: Network, count:
     order, N of every W consecutive hops cross hosts, so the longest such chain crosses ceil(steps N / W)
     times (at 2 hosts x 2: 3 of an all-reduce's 6 hops, 2 of an all-gather's 3). The bytes are another
     matter: a pipelined ring moves at its slowest hop's rate, so they are all costed on the link across
-    nodes (`_bytes_s`). (Round 3 costed every hop at the cross-host latency; round 4's 2x2 runs, where
-    every rank now records its own time in collectives, measured 2x2 ZeRO-2's four ops at 218 ms a step
-    at 200 Mbit/s and 83 ms at 1 Gbit/s where that costed 269 and 100: docs/multinode.md "Round 4".)"""
+    nodes (`_bytes_s`). Costing every hop at the cross-host latency overstates a ring with several ranks
+    per host: docs/calibration/scaleout-rounds.md has the runs that showed it."""
     steps = 2 * (ranks - 1) if net.inter.figures(kind).costed_as == "all_reduce" else ranks - 1
     crossing = min(math.ceil(steps * nodes / ranks), steps)
     across = _latency_s(kind, ranks, net.inter, count, tree=False)

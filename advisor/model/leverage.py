@@ -6,10 +6,8 @@ offload) as a line in the micro-batch: a line of its own where the group ran at 
 else the group's trials and the slope the other groups share. A prediction between two measured
 micro-batches is about as sure as one of their trials; one beyond them carries the slope's error once more
 for every span it reaches out: micro-batch 8 from trials at 1 and 4 is 3-4x as uncertain (in variance) as
-one of those trials. On the test machine that was the whole story of the advisor's harsh held-out errors
-(calibration rounds 7-9, docs/advisor.md): the check trials at micro-batch 8 were predicted from lines
-through 1 and 4, and their errors (17-43%) sized the intervals of configs that, after the checks, sat
-between measured points, where the final fit's error was 3-10% and the intervals +-30-70%.
+one of those trials. Unscaled, an extrapolated check's large error would size the intervals of configs
+that sit between measured points, where the fit is much surer (docs/calibration/advisor-rounds.md).
 
 So each held-out error is scaled by the variance its prediction had (`relative_variance` of the fit it
 came from, plus one for the held-out trial's own noise) before the errors size the fit's spread, and each

@@ -92,7 +92,7 @@ class Machine:
 
 
 NVLINK_EFFICIENCY = 230.0 / 300.0
-"""nccl-tests reach about 230 GB/s busbw on 8 x A100 (docs/advisor.md, pitfalls notes) of NVLink 3's 300 GB/s
+"""nccl-tests reach about 230 GB/s busbw on 8 x A100 (docs/advisor.md, section 2d) of NVLink 3's 300 GB/s
 per direction; the same share is assumed for the later NVLink generations, whose switches work alike."""
 # Sources (vendor pages, checked 2026-12):
 # [dgx-a100] NVIDIA DGX A100 user guide: 8 x A100 SXM4, NVLink 3 600 GB/s per GPU through 6 NVSwitches,
@@ -238,12 +238,10 @@ class Link:
         gloo's all-gather probed at 2 ranks and costed in a ring of 3 or more, which gets the link's rate.
 
         At 2 ranks gloo's all-gather (gloo/allgather.cc: both halves of the one chunk posted at once, to
-        and from the same peer) reads 62-65% of the rate the all-reduce, gloo's pipelined ring, reads on the
-        same link (128 and 608 Mbit/s against 168-197 and 880-953 through 200 Mbit/s and 1 Gbit/s links,
-        docs/multinode.md round 3), while at 4 ranks all three collectives read the link's rate (193-200
-        and 941-1043 Mbit/s), and a 4-rank ring over 2 hosts x 2 ranks moved ZeRO-2's 2 MB all-gather at it
-        (63-65 ms a step at 200 Mbit/s, 20-22 at 1 Gbit/s, where the 2-rank fit costs 101 and 27; round 4).
-        The slower reading is the 2-rank exchange's, not the link's: it holds at its own group size only."""
+        and from the same peer) reads well below the rate the all-reduce, gloo's pipelined ring, reads on
+        the same link, while at 4 ranks all three collectives read the link's rate, and so does a 4-rank
+        ring over 2 hosts x 2 ranks (docs/calibration/scaleout-rounds.md). The slower reading is the 2-rank
+        exchange's, not the link's: it holds at its own group size only."""
         own = self.figures(collective)
         if (
             self.library.startswith("gloo")

@@ -5,9 +5,8 @@ precision and offload (the stage changes hooks, gathers and the optimizer's shar
 optimizer to the CPU) and a slope per precision, shared by the groups measured at one micro-batch (the
 network's work per sample is the same at every stage). A group measured at two or more micro-batches
 gets a line of its own (`group_slopes`): what the stage adds per micro-step grows with the micro-batch
-too (docs/advisor.md, calibration round 1: from micro-batch 1 to 4 ZeRO-3's step grew by 0.11 s,
-ZeRO-1's by 0.04 s), and a shared slope would put the average growth on every stage's unmeasured
-micro-batches. A trial's compute is its step time minus the
+too (ZeRO-3's step grows faster with the micro-batch than ZeRO-1's: docs/calibration/advisor-rounds.md),
+and a shared slope would put the average growth on every stage's unmeasured micro-batches. A trial's compute is its step time minus the
 time its ranks spent inside collectives (DeepSpeed's comms_logger, plus the time they then waited for
 async calls, which the trial times itself: sdzero.training.probe.WaitMeter).
 
@@ -494,8 +493,8 @@ def _transport_and_wait(comm: float, least: object, costed: float) -> tuple[floa
     A collective ends for all ranks when the last arrives, so the rank that spent least in collectives
     waited least: its time is the transport as the trial ran it, and rank 0's excess over it is rank 0's
     wait. Measured so, the ratio is the transport's alone, above 1 where the trial's collectives ran slower
-    than the probe's (a 2x2 trial's four ranks: 45-74 ms a step against 37 ms costed, docs/multinode.md
-    round 4), and the wait is the ranks' spread only (0-13 ms there, where the rule below read 29 ms).
+    than the probe's (docs/calibration/scaleout-rounds.md), and the wait is the ranks' spread only (the
+    rule below, without per-rank figures, reads more).
     Without per-rank figures the two cannot be told apart: below the cost the ratio is the transport (at
     most 1) and above it the excess is taken as the wait (advisor.model.sync_wait)."""
     least_s = pd.to_numeric(pd.Series([least]), errors="coerce").iloc[0]

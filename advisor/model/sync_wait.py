@@ -8,16 +8,15 @@ was waiting.
 
 That wait does not depend on the link, so it must not be scaled with it: the transport ratio of the
 1-node trials (measured / costed communication, `TimeModel.comm_factor`) multiplies the within-node part
-only, which is zero at one rank per node, and a wait folded into it vanished from every hosts x 1
-prediction (docs/multinode.md, 3x1 ZeRO-2: 35-45 ms a step missing). It is instead split off here and
-carried as its own term:
+only, which is zero at one rank per node, and a wait folded into it would vanish from every hosts x 1
+prediction (docs/calibration/scaleout-rounds.md). It is instead split off here and carried as its own
+term:
 
 - **What a trial shows.** Where every rank recorded its time in collectives (per step), rank 0's time
   less the least any rank spent: the rank that spent least waited least, so its time is the transport
   (advisor.model.step_time._transport_and_wait). Without those figures, the logged communication less what
   its ops cost on the measured link, where positive: the wait, plus any transport slower than the probe's
-  (at 2 hosts x 2 ranks that rule read 29 ms a step where the ranks' spread was 0-13 ms: docs/multinode.md
-  round 4). Where the logged time is below the cost (a faster transport than the probe's), there is no
+  (so it reads more wait than the ranks' spread shows). Where the logged time is below the cost (a faster transport than the probe's), there is no
   wait to tell, and the ratio stays a transport ratio.
 - **How it grows with ranks.** If each rank's compute between two synchronising collectives varies
   independently by sigma, a synchronisation ends with the slowest of W ranks and a typical rank waits
