@@ -187,20 +187,23 @@ def torch_launch(
     """The torch ranks' launch under DeepSpeed's runner: this host's alone, or the hostfile's through
     sdzero.cluster.remote_launch, each remote rank in `work_dir` (whatever its name) with the values
     of this folder's env file exactly and its secrets by file, never on a pdsh command line."""
+    from advisor.measure.trials import on_the_hosts
     from sdzero.cluster.launch_command import deepspeed_command
     from sdzero.cluster.remote_launch import launch_from_here, local_launch
 
     argv = [*args, "--torch-backend", torch_backend]
-    if plan.hostfile is not None:
-        return launch_from_here(
-            argv,
-            ["-m", "advisor.measure.collectives_rank"],
-            work_dir,
-            hostfile=plan.hostfile,
-            num_gpus=plan.ranks_per_node,
-            master_port=free_port(),
-            local_rank=False,  # the rank reads LOCAL_RANK from the environment
-            environ=rank_environment(),
+    if plan.hostfile is not None:  # on its hosts, one host's too (the within-host link there)
+        return on_the_hosts(
+            launch_from_here(
+                argv,
+                ["-m", "advisor.measure.collectives_rank"],
+                work_dir,
+                hostfile=plan.hostfile,
+                num_gpus=plan.ranks_per_node,
+                master_port=free_port(),
+                local_rank=False,  # the rank reads LOCAL_RANK from the environment
+                environ=rank_environment(),
+            )
         )
     # DeepSpeed reads /job/hostfile when no --hostfile is given; a path that does not exist keeps a local
     # run local, as mpirun's is.

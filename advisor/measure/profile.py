@@ -74,24 +74,100 @@ class ProfileResult:
 # Device and inputs
 
 
+DEVICE_QUERY = (
+    "import json, os; from deepspeed.accelerator import get_accelerator as g; a = g(); "
+    "print('SDZERO_DEVICE ' + json.dumps({'device': a.device_name(), 'count': a.device_count(), "
+    "'bf16': bool(a.is_bf16_supported()), 'fp16': bool(a.is_fp16_supported()), "
+    "'host': os.uname().nodename{more}}))"
+)
+"""The question a trial's rank asks DeepSpeed's accelerator; its answer is one `SDZERO_DEVICE {json}` line."""
+REMOTE_MORE = ", 'memory_bytes': int(a.total_memory())"
+"""Asked on another host too: its device 0's memory (a CPU's: the host's), which this machine cannot read
+(advisor.target.device_memory_bytes asks here)."""
+MARK = "SDZERO_DEVICE "
+
+
 def device_support(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Ask DeepSpeed's accelerator, in a process started like a trial's ranks, what this device runs.
 
     A separate process sees exactly what the ranks will see (the same environment, the same
     sitecustomize), and keeps CUDA uninitialised in this one.
     """
-    code = (
-        "import json; from deepspeed.accelerator import get_accelerator as g; a = g(); "
-        "print('SDZERO_DEVICE ' + json.dumps({'device': a.device_name(), 'count': a.device_count(), "
-        "'bf16': bool(a.is_bf16_supported()), 'fp16': bool(a.is_fp16_supported())}))"
-    )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(env or os.environ), timeout=300
+        [sys.executable, "-c", DEVICE_QUERY.replace("{more}", "")],
+        capture_output=True,
+        text=True,
+        env=dict(env or os.environ),
+        timeout=300,
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("SDZERO_DEVICE "):
-            return dict(json.loads(line.removeprefix("SDZERO_DEVICE ")))
-    raise UserError(f"could not query the device through DeepSpeed: {proc.stderr.strip()[-300:]}")
+    answer = device_answer(proc.stdout)
+    if answer is None:
+        raise UserError(f"could not query the device through DeepSpeed: {proc.stderr.strip()[-300:]}")
+    return answer
+
+
+def device_answer(output: str) -> dict[str, Any] | None:
+    """The SDZERO_DEVICE line's answer in a process's output (the launcher prefixes a remote line with
+    its host), or None."""
+    for line in output.splitlines():
+        if MARK in line:
+            return dict(json.loads(line.split(MARK, 1)[1]))
+    return None
+
+
+@dataclass(frozen=True)
+class TrialsHost:
+    """The host the trials run on when it is not this machine, and what it runs."""
+
+    host: str
+    slots: int
+    """Ranks per trial there: the hostfile line's slots=, what DeepSpeed starts on that host."""
+    hostfile: Path
+    """A hostfile of that host alone: TrialSettings.hostfile for every trial."""
+    device: dict[str, Any]
+    """Its device as DeepSpeed's accelerator reports it there, `count` set to `slots`."""
+
+
+def trials_on_first_host(hostfile: Path, out_dir: Path, env: Mapping[str, str] | None = None) -> TrialsHost:
+    """Write a hostfile of `hostfile`'s first host into `out_dir` and ask that host's accelerator, through
+    the launcher the trials use (the same forwarded values and environment), what it runs.
+
+    The question runs as one rank (`--num_gpus 1`): the launcher shows that rank one device, so the
+    device count is not asked there; the host's slots= is what the hostfile gives DeepSpeed to start, and
+    it is the ranks per trial."""
+    from advisor.measure.trials import first_host_hostfile, on_the_hosts
+    from sdzero.cluster.remote_launch import launch_from_here
+
+    one_host = out_dir / "trials-hostfile"
+    first = first_host_hostfile(hostfile, one_host)
+    launch = on_the_hosts(
+        launch_from_here(
+            [],
+            ["-c", DEVICE_QUERY.replace("{more}", REMOTE_MORE)],
+            out_dir,
+            hostfile=one_host,
+            num_gpus=1,
+            local_rank=False,  # `python -c CODE` has no place for --local_rank=N
+            environ=env,
+        )
+    )
+    with launch.secrets_written():
+        proc = subprocess.run(
+            launch.command,
+            cwd=launch.runner_cwd,
+            env=launch.runner_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    answer = device_answer(proc.stdout)
+    if answer is None:
+        tail = (proc.stdout + proc.stderr).strip()[-300:]
+        raise UserError(
+            f"could not query the device of {first.host} (the hostfile's first host, where the trials run) "
+            f"through the deepspeed launcher: {tail}"
+        )
+    return TrialsHost(first.host, first.slots, one_host, {**answer, "count": first.slots})
 
 
 def default_ranks(device: dict[str, Any]) -> int:

@@ -10,8 +10,14 @@ A trial runs `sdzero/train.py --profile-out` (see sdzero.training.probe) in its 
 
 A trial measures at least `steps` steps and, with `target_rel_halfwidth`, goes on until the 95% interval
 of its median step is that tight (sdzero.telemetry.step_interval), or `max_steps` / `max_measure_s` is
-reached: the trainer's probe votes to stop (sdzero.training.probe). While it runs, the watcher samples the
-machine's CPU time and the trial's own (advisor.measure.contention): what others took over its window.
+reached: the trainer's probe votes to stop (sdzero.training.probe). While a trial runs on this machine, the
+watcher samples the machine's CPU time and the trial's own (advisor.measure.contention): what others took
+over its window.
+
+Where trials run: on this machine, or through the launcher on the hosts of `TrialSettings.hostfile`. A
+machine without an accelerator that is given a hostfile (a cluster's login node) runs its trials on the
+hostfile's first host, through a one-host hostfile (`first_host_hostfile`): the trials measure the
+hardware the recommendation is for, not the login node's CPU.
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from advisor.measure.contention import CpuSample, others_cpu_share, sample
 from advisor.measure.grid import TrialSpec
+from sdzero.atomic import write_text_atomic
 from sdzero.checkpoint.checkpointer import CHECKPOINTS
+from sdzero.cluster.hostfile import HostEntry, parse_hostfile
 from sdzero.cluster.launch_command import TRAIN_SCRIPT, one_host_command
 from sdzero.cluster.remote_launch import RemoteLaunch, launch_from_here, local_launch
 from sdzero.constants import GIB
@@ -120,6 +128,22 @@ class TrialOutcome:
     """Epoch seconds, the middle of the window in which it measured."""
 
 
+def first_host_hostfile(hostfile: Path, path: Path) -> HostEntry:
+    """Write a hostfile of `hostfile`'s first host alone (its line's host and slots) to `path`; return that
+    host. Trials and 1-host legs launched through it run on that host with its slots as ranks."""
+    first = parse_hostfile(Path(hostfile))[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, f"{first.host} slots={first.slots}\n")
+    return first
+
+
+def on_the_hosts(launch: RemoteLaunch) -> RemoteLaunch:
+    """A hostfile launch whose ranks start on the hostfile's hosts even when it names one host alone:
+    DeepSpeed's runner starts a one-host hostfile's ranks on this machine, without ssh, unless told
+    `--force_multi` (harmless with several hosts, which it starts through pdsh anyway)."""
+    return replace(launch, command=[launch.command[0], "--force_multi", *launch.command[1:]])
+
+
 def trainer_args(settings: TrialSettings, ds_config: Path, trial_dir: Path) -> list[str]:
     """The trainer's own options for one trial; user options come last so they can add to them."""
     return [
@@ -184,13 +208,15 @@ def trial_launch(
     args = trainer_args(settings, ds_config, trial_dir)
     if settings.hostfile is None:
         return local_launch(one_host_command(args, spec.ranks_per_node), environ)
-    return launch_from_here(
-        args,
-        TRAIN_SCRIPT,
-        trial_dir,
-        hostfile=settings.hostfile,
-        num_gpus=spec.ranks_per_node,
-        environ=environ,
+    return on_the_hosts(
+        launch_from_here(
+            args,
+            TRAIN_SCRIPT,
+            trial_dir,
+            hostfile=settings.hostfile,
+            num_gpus=spec.ranks_per_node,
+            environ=environ,
+        )
     )
 
 
@@ -292,7 +318,10 @@ def run_trial(
         # Own session: the launcher, its ranks and their data-loader workers share one process group,
         # which is what gets killed when the trial hangs.
         process = launch.popen(stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        watch = _Watch(log_path, metrics, profile_path, session=process.pid)
+        # Contention is read on this machine: a hostfile's ranks run outside the launcher's session (under
+        # each host's sshd), on hosts whose load this machine's /proc/stat does not show.
+        session = process.pid if settings.hostfile is None else None
+        watch = _Watch(log_path, metrics, profile_path, session=session)
         try:
             killed_for = _wait(process, settings, watch, started)
         finally:

@@ -1,12 +1,13 @@
-"""The inputs stage: the request checked, the base config read, this device asked what it runs, the model
-and data in place, and the trial grid planned. Bad input raises UserError here, before any trial starts
+"""The inputs stage: the request checked, the base config read, the trials' device asked what it runs
+(this machine's, or with --hostfile on a machine without an accelerator the hostfile's first host's), the
+model and data in place, and the trial grid planned. Bad input raises UserError here, before any trial starts
 and before anything but the default model and data is written."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from advisor.fine_tune import (
     embedded_base,
 )
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config
+from advisor.measure.profile import TrialsHost
 from advisor.measure.scaleout_check import prepare_hostfile
 from advisor.measure.trials import TrialSettings
 from advisor.model.batch_growth import samples_rule
@@ -55,9 +57,10 @@ class AdviseInputs:
     base_batch: int
     """The base config's global batch on one target node: the default target and LR reference."""
     device: dict[str, Any]
-    """This machine's device as DeepSpeed's accelerator reports it (advisor.measure.profile.device_support)."""
+    """The trials' device as DeepSpeed's accelerator reports it (advisor.measure.profile.device_support):
+    this machine's, or the trials host's."""
     ranks: int
-    """Ranks per trial on this machine."""
+    """Ranks per trial: this machine's default, or the trials host's slots=."""
     target_gpus: int
     """Ranks (GPUs) per target node."""
     differs: str | None
@@ -86,6 +89,9 @@ class AdviseInputs:
     no --deepspeed-config."""
     model_cost: ModelCost | None = None
     """The trained network's FLOPs per sample, counted here (advisor.model.model_cost); None: not counted."""
+    trials_host: TrialsHost | None = None
+    """Where the trials run when not on this machine: the hostfile's first host (this machine has no
+    accelerator); None: here."""
 
     @property
     def lr_reference(self) -> int:
@@ -109,7 +115,7 @@ def grid_micro_batches(plan: GridPlan) -> list[int]:
 def read_inputs(request: AdviseRequest) -> AdviseInputs:
     """Check the request, then read and write what the measurements need; refuse a target out of reach."""
     # Late imports: tests stand in for these (a CPU device) on their modules.
-    from advisor.measure.profile import default_ranks, device_support, plan_for_device, trial_setup_id
+    from advisor.measure.profile import default_ranks, device_support, trial_setup_id, trials_on_first_host
     from sdzero.cluster.launch_command import shipped_config
 
     r = request
@@ -123,8 +129,23 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     if embedded:
         base = embedded_base(base)
     device = device_support()
+    out_dir = Path(r.out_dir).resolve()
+    hosts: list[Any] = []
+    trials_host = None
+    if r.hostfile is not None and device["device"] == "cpu":
+        # A login node: the trials run where the GPUs are, the hostfile's first host, so the device the
+        # plan describes is that host's. Its check and env file come first: the question travels through
+        # the launcher as the trials will.
+        claim_out(out_dir)
+        hosts = prepare_hostfile(r.hostfile, say)
+        trials_host = trials_on_first_host(Path(r.hostfile), out_dir)
+        device = trials_host.device
+        say(
+            f"trials run on {trials_host.host} ({trials_host.slots} ranks) through the launcher: this "
+            "machine has no accelerator"
+        )
     on_cpu = device["device"] == "cpu"
-    ranks = default_ranks(device)
+    ranks = trials_host.slots if trials_host else default_ranks(device)
     gpus_per_node, target_gpu = machine_target(r.preset, r.gpus_per_node, r.target_gpu)
     differs = target_differs(device, ranks, gpus_per_node, target_gpu)
     memory_given = target_memory(differs, r.device_memory_gib, target_gpu)  # refuses before any trial
@@ -132,15 +153,15 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     # Strong scaling unless asked: the base JSON's batch on one target node, the LR's reference too.
     base_batch = lr_reference_batch_of(base, target_gpus)
     target = asked or BatchTarget(base_batch, base_batch)
-    out_dir = Path(r.out_dir).resolve()
     claim_out(out_dir)  # one live run per folder, as the trainer's (issue #27); released at the end
     model, data = default_inputs(out_dir, r.model, r.data)
     amount = amount_for(r, data, embedded)
-    # With a hostfile the trials run on this host only; the hosts' link is measured by the benchmark, and
-    # the recommended config is then run across the hosts to check the scale-out prediction.
-    hosts = prepare_hostfile(r.hostfile, say)
-    settings = _trial_settings(model, data, on_cpu, user_args)
-    plan = plan_for_device(r.grid or (CPU_GRID if on_cpu else GridRequest()), device)
+    # With a hostfile the trials run on one host: this one, or (no accelerator here) the first host; the
+    # hosts' link is measured by the benchmark, and the recommended config is then run across the hosts
+    # to check the scale-out prediction.
+    hosts = hosts or prepare_hostfile(r.hostfile, say)
+    settings = _trial_settings(model, data, on_cpu, user_args, trials_host)
+    plan = trial_plan(r.grid or (CPU_GRID if on_cpu else GridRequest()), device, ranks)
     _refuse_unreachable(plan, target_gpus, node_list, target, asked is not None, base_batch)
     cost, cost_note = counted_cost(model, user_args)
     return AdviseInputs(
@@ -170,6 +191,7 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
         rule=rule,
         embedded=embedded,
         model_cost=cost,
+        trials_host=trials_host,
     )
 
 
@@ -242,14 +264,28 @@ def check_request_options(
     return node_list, user_args, BatchTarget.parse(r.global_batch), rule
 
 
-def _trial_settings(model: str, data: Path, on_cpu: bool, user_args: tuple[str, ...]) -> TrialSettings:
-    """Short trials on this host: 5 measured steps after 1 warm-up step on a CPU, 2 on GPUs."""
+def _trial_settings(
+    model: str, data: Path, on_cpu: bool, user_args: tuple[str, ...], trials_host: TrialsHost | None = None
+) -> TrialSettings:
+    """Short trials on one host (this one, or `trials_host` through its one-host hostfile): 5 measured
+    steps after 1 warm-up step on a CPU, 2 on GPUs."""
     from advisor.measure.profile import trial_settings
 
     steps, warmup = (5, 1) if on_cpu else (5, 2)
     # The user's options last: they override the CPU default (argparse keeps the last value).
     train_args = (*(("--num-workers", "1") if on_cpu else ()), *user_args)
-    return trial_settings(model, data, steps, warmup, 900.0, 300.0, None, None, train_args)
+    hostfile = trials_host.hostfile if trials_host else None
+    return trial_settings(model, data, steps, warmup, 900.0, 300.0, None, hostfile, train_args)
+
+
+def trial_plan(grid: GridRequest, device: dict[str, Any], ranks: int) -> GridPlan:
+    """The grid at `ranks` per trial unless it names its own (the trials host's slots= where trials run
+    there; plan_for_device's default, this machine's count, otherwise)."""
+    from advisor.measure.profile import plan_for_device
+
+    if not grid.ranks_per_node:
+        grid = replace(grid, ranks_per_node=(ranks,))
+    return plan_for_device(grid, device)
 
 
 def _refuse_unreachable(

@@ -92,8 +92,9 @@ class MeasuredTrials:
 
 
 def measure_hardware(inputs: AdviseInputs) -> HardwareFigures:
-    """Benchmark the collectives over this machine's ranks (or the hostfile's hosts), build the measured and
-    the target networks from the fit, and find the target's device memory."""
+    """Benchmark the collectives over this machine's ranks, or with a hostfile the trials' ranks per host on
+    every host (the within-host fit then comes from the hosts, the trials host among them), build the
+    measured and the target networks from the fit, and find the target's device memory."""
     # Late import: tests stand in for the benchmark on its module.
     from advisor.measure.collectives_launch import CommRunError, run_comm
 
@@ -121,6 +122,8 @@ def measure_hardware(inputs: AdviseInputs) -> HardwareFigures:
     notes += [n for n in target_notes if n not in so_far]
     if inputs.memory_given:
         memory_bytes, memory_source = inputs.memory_given[0] * GIB, inputs.memory_given[1]
+    elif inputs.trials_host is not None:
+        memory_bytes, memory_source = trials_host_memory(inputs.device, inputs.ranks, inputs.trials_host.host)
     else:
         memory_bytes, memory_source = device_memory_bytes(inputs.device, inputs.ranks)
         memory_source = f"measured ({memory_source})"
@@ -134,6 +137,15 @@ def measure_hardware(inputs: AdviseInputs) -> HardwareFigures:
         usable_bytes=memory_bytes * (1 - r.headroom),
         notes=notes,
     )
+
+
+def trials_host_memory(device: dict[str, Any], ranks: int, host: str) -> tuple[float, str]:
+    """The trials host's device memory per rank, as its accelerator reported it there
+    (advisor.measure.profile.trials_on_first_host): a GPU's own, or a CPU host's shared by its ranks."""
+    total = float(device["memory_bytes"])
+    if device["device"] != "cpu":
+        return total, f"measured ({device['device']} device 0 total memory on {host})"
+    return total / ranks, f"measured (host memory of {host} / {ranks} ranks, no accelerator)"
 
 
 def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredTrials:

@@ -139,6 +139,7 @@ def write_recommendation(
             hardware.fit_path,
             inputs.out_dir,
             inputs.say,
+            measured.numels,
         )
     write_json_atomic(inputs.out_dir / "recommendation.json", recommendation)
     return recommendation
