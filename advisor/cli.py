@@ -158,6 +158,14 @@ SamplesRuleOption = Annotated[
         help="samples a larger global batch needs for the same quality: same, flux (8x batch: 2.1x samples), sd2.",
     ),
 ]
+Explain = Annotated[
+    bool,
+    typer.Option(
+        "--explain",
+        help="after the short answer, the full detail: node-count rule, LR, errors, where the intervals come "
+        "from, runners-up, config and launch (the report holds the same; with --replan OUT: in seconds).",
+    ),
+]
 TrainArgs = Annotated[
     str, cli_option("train_args", note="also in the recommended launch; checked by the trainer's parser")
 ]
@@ -199,6 +207,7 @@ def advise_command(
     replan: Replan = _ADVISE.replan,
     target_tflops: TargetTflops = _ADVISE.target_tflops,
     samples_rule: SamplesRuleOption = _ADVISE.samples_rule,
+    explain: Explain = False,
 ) -> None:
     """Measure a few trials and the network, predict 1..--max-nodes nodes with the time and GPU-hours to
     train, recommend a runnable config (--replan: answer again from an earlier run's measurements)."""
@@ -260,7 +269,12 @@ def advise_command(
         request = dataclasses.replace(request, log=say)
         result = run_advise(request)
         print_advice(
-            result.recommendation, result.trials_run, result.full_grid, result.out_dir, result.report
+            result.recommendation,
+            result.trials_run,
+            result.full_grid,
+            result.out_dir,
+            result.report,
+            explain=explain,
         )
     if replan is not None:
         console.print(

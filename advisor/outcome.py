@@ -33,6 +33,7 @@ from advisor.model.scaling_table import (
 from advisor.model.search import CHECK_TRIALS, SearchResult
 from advisor.model.target_compute import ComputeBasis
 from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
+from advisor.report.answer import NOT_MEASURED_WELL, TOO_WIDE, duration_range, range_text, too_wide
 from advisor.report.withheld import larger_batch_note, withhold_timing
 from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
@@ -178,18 +179,29 @@ def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
     }
 
 
-def stages_without_trials(o: Outcome) -> str:
-    """Which ZeRO stage and precision of the candidates no trial measured (its costs are borrowed from
-    the nearest measured group, advisor.model.step_time._closest), and the budget that would measure each
-    once; '' when every group ran."""
+def groups_without_trials(o: Outcome) -> dict[str, Any]:
+    """{"stages": the candidates' ZeRO stage and precision no trial measured, "budget_minutes": the
+    --budget-minutes that would measure each once}; stages empty when every group ran."""
     ok = o.trials[o.trials["status"] == "ok"] if not o.trials.empty else o.trials
     ran = {(int(r["zero_stage"]), str(r["precision"])) for _, r in ok.iterrows()}
     wanted = {(int(r["zero_stage"]), str(r["dtype"])) for _, r in o.predictions.iterrows()}
     missing = sorted(wanted - ran)
+    minutes = math.ceil((o.elapsed_s + o.per_trial_s * len(missing)) / 60)
+    return {
+        "stages": [f"ZeRO-{stage} {precision}" for stage, precision in missing],
+        "budget_minutes": minutes,
+    }
+
+
+def stages_without_trials(o: Outcome) -> str:
+    """Which ZeRO stage and precision of the candidates no trial measured (its costs are borrowed from
+    the nearest measured group, advisor.model.step_time._closest), and the budget that would measure each
+    once; '' when every group ran."""
+    groups = groups_without_trials(o)
+    missing, minutes = groups["stages"], groups["budget_minutes"]
     if not missing:
         return ""
-    minutes = math.ceil((o.elapsed_s + o.per_trial_s * len(missing)) / 60)
-    names = ", ".join(f"ZeRO-{stage} {precision}" for stage, precision in missing)
+    names = ", ".join(missing)
     return (
         f"no trial measured {names}: its costs are borrowed from the measured stages; --budget-minutes "
         f"{minutes} with the same --out would measure {'it' if len(missing) == 1 else 'each'} once"
@@ -226,11 +238,18 @@ def best_intervals(best: pd.Series) -> dict[str, list[float]]:
     return out
 
 
-def span(value: float, bounds: list[float] | None, show: Callable[[float], str]) -> str:
-    """'4.1 h (3.6-4.7 h)': a figure and its interval in one format."""
+def span(
+    value: float, bounds: list[float] | None, show: Callable[[float], str], duration: bool = False
+) -> str:
+    """'4.1 h (3.6-4.7 h)': a figure and its 95% interval as a range (seconds in the figure's own unit
+    where `duration`); the figure alone without an interval; NOT_MEASURED_WELL where the interval spans
+    more than the figure (advisor.report.answer)."""
     if not bounds:
         return show(value)
-    return f"{show(value)} ({show(bounds[0])}-{show(bounds[1])})"
+    lo, hi = bounds
+    if too_wide(value, lo, hi):
+        return NOT_MEASURED_WELL
+    return f"{show(value)} ({duration_range(value, lo, hi) if duration else range_text(lo, hi)})"
 
 
 def unreachable_notes(o: Outcome, table: pd.DataFrame) -> None:
@@ -301,13 +320,16 @@ def verdict(o: Outcome, rec: dict[str, Any]) -> str:
     )
     held = rec["error"].get("step_time_mape")
     error = f", held-out error {held:.0%}" if held is not None else ""
-    took = span(t["seconds"], t.get("seconds_interval"), hours)
+    took = span(t["seconds"], t.get("seconds_interval"), hours, duration=True)
     spent = span(t["gpu_hours"], t.get("gpu_hours_interval"), lambda v: f"{v:.3g}")
+    if NOT_MEASURED_WELL in (took, spent):  # no figure to give: say what it is instead
+        figures = f"time and {GPU_HOURS} to train {t['samples']:,} samples {TOO_WIDE}"
+    else:
+        figures = f"{took}, {spent} {GPU_HOURS}{cost} to train {t['samples']:,} samples"
     return (
         f"{n} node{'s' if n != 1 else ''} x {rec['gpus_per_node']} ranks, {rec['config_id']} "
         f"(micro-batch {rec['micro_batch']} x accumulation {rec['grad_accum']}, global batch "
-        f"{rec['global_batch']}): {took}, {spent} {GPU_HOURS}{cost} to train "
-        f"{t['samples']:,} samples ({MODELLED} from {rec['trials_run']} trials on "
+        f"{rec['global_batch']}): {figures} ({MODELLED} from {rec['trials_run']} trials on "
         f"{rec['provenance']['trials_ran_on']}, {measured}{link}{error}; node count by "
         f"{'--nodes' if o.rule.name == 'nodes' else o.rule.name.replace('_', ' ') + ' rule'})"
     )
@@ -377,6 +399,7 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "interval_notes": list(o.interval_notes),
         "tie": str(best.get("tie_note", "") or ""),
         "unmeasured_stages": stages_without_trials(o),
+        "unmeasured_groups": groups_without_trials(o),
     }
     rec["verdict"] = verdict(o, rec)
     rec["compute_basis"] = {"kind": o.compute.kind if o.compute else MEASURED, "line": compute_line(o)}

@@ -41,7 +41,9 @@ launches are put on one machine speed by their tie (advisor.measure.launch). The
 tighter than asking whether two intervals overlap, which calls ties up to 1.4x the difference's own
 half-width.
 
-Relative spreads are one-sigma fractions of the figure; halfwidths are the 95% ones.
+Relative spreads are one-sigma fractions of the figure; halfwidths are the 95% ones. An interval is
+multiplicative: a half-width h puts the figure's bounds at the figure / (1 + h) and x (1 + h)
+(`interval_ratio`), so no bound reaches zero.
 """
 
 from __future__ import annotations
@@ -429,7 +431,7 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     link = Z95 * spread.link * np.divide(inter, step, out=np.zeros_like(step), where=step > 0)
     compare = np.sqrt(noise**2 + link**2)
     half = np.sqrt(fit**2 + link**2 + spread.noise_halfwidth**2)
-    lo_step, hi_step = step * np.maximum(1 - half, 0.05), step * (1 + half)
+    lo_step, hi_step = ratio_bounds(step, half)
     batch = table["global_batch"].to_numpy(dtype=float)
     table["step_time_s_lo"], table["step_time_s_hi"] = lo_step, hi_step
     table["samples_per_s_lo"], table["samples_per_s_hi"] = batch / hi_step, batch / lo_step
@@ -448,11 +450,22 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
         table["gpu_hours_hi"] = table["time_to_train_s_hi"] * scale
     mem_half = t_quantile(spread.memory_dof) * spread.memory if spread.memory_dof else Z95 * spread.memory
     mem = table["mem_per_rank_bytes"].to_numpy(dtype=float)
-    table["mem_per_rank_bytes_lo"], table["mem_per_rank_bytes_hi"] = (
-        mem * (1 - mem_half),
-        mem * (1 + mem_half),
-    )
+    table["mem_per_rank_bytes_lo"], table["mem_per_rank_bytes_hi"] = ratio_bounds(mem, mem_half)
     return table
+
+
+def interval_ratio(half: np.ndarray | float) -> np.ndarray | float:
+    """A relative 95% half-width `h` stated as a ratio `r = 1 + h`: the interval runs from the figure / r
+    to the figure x r. Its high end is the symmetric interval's; its low end never reaches zero however
+    wide `h` is, so a reciprocal's (samples/s = batch / step: the step's bounds, swapped, with the same
+    ratio) stays finite."""
+    return 1 + np.abs(half)
+
+
+def ratio_bounds(value: np.ndarray, half: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) = (value / r, value x r) for r = interval_ratio(half)."""
+    ratio = interval_ratio(half)
+    return value / ratio, value * ratio
 
 
 def _fitted_share(table: pd.DataFrame) -> np.ndarray:

@@ -3,17 +3,19 @@ figures come from, the scaling table, how the config was chosen and the one held
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pandas as pd
 
 from advisor.model.scaling_table import short_provenance
-from advisor.model.time_to_train import hours, money
+from advisor.model.time_to_train import HOUR_S, hours, money
 from advisor.report.page import FigureItem, Item, NoteItem, Section, frame_table, mapping_table
 
 SCALING_CAPTION = (
-    "Per node count, the fastest config that fits and keeps the global batch (± its 95% interval, "
-    "advisor.model.uncertainty); efficiency is "
+    "Per node count, the fastest config that fits and keeps the global batch (in brackets its 95% "
+    "interval, advisor.model.uncertainty; 'not measured well enough' where that interval spans more than "
+    "the figure itself: run again on a quiet machine or raise --budget-minutes); efficiency is "
     "samples/s per node against the smallest node count; comm is the share of the step spent in "
     "communication not hidden behind compute, and link the limiting link (intra- or inter-node): the one that "
     "share mostly waits on. The knee is the largest node count keeping the minimum efficiency. Provenance: every "
@@ -169,12 +171,12 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         int(row["grad_accum"]),
         "withheld"
         if row.get("samples_per_s") is None
-        else f"{row['samples_per_s']:.4g}{plus_minus(row, 'samples_per_s')}",
-        row.get("step_time_s"),
-        hours(float(row["time_to_train_s"])) + plus_minus(row, "time_to_train_s")
+        else figure_cell(row, "samples_per_s", lambda v: f"{v:.4g}"),
+        row.get("step_time_s") if interval_text(row, "step_time_s") != NOT_MEASURED_WELL else "",
+        figure_cell(row, "time_to_train_s", lambda v: hours(float(v)))
         if row.get("time_to_train_s") is not None
         else "",
-        row.get("gpu_hours", ""),
+        row.get("gpu_hours", "") if interval_text(row, "gpu_hours") != NOT_MEASURED_WELL else "",
         _percent(row.get("efficiency")),
         _percent(row.get("exposed_comm_share")),
         row.get("limiting_link", ""),
@@ -182,13 +184,94 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
     ]
 
 
+NOT_MEASURED_WELL = "not measured well enough"
+"""What a figure is whose 95% interval spans more than the figure itself: no figure a person can act on."""
+MEASURE_AGAIN = "run again on a quiet machine or raise --budget-minutes"
+TOO_WIDE = f"{NOT_MEASURED_WELL}: {MEASURE_AGAIN}"
+
+
+def bounds(row: dict[str, Any] | None, figure: str) -> tuple[float, float, float] | None:
+    """(value, lo, hi) of a figure and its 95% interval (`figure`_lo, `figure`_hi); None where the row has
+    no positive figure or no interval for it."""
+    values = [(row or {}).get(k) for k in (figure, f"{figure}_lo", f"{figure}_hi")]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+        return None
+    value, lo, hi = (float(v) for v in values)  # type: ignore[arg-type]
+    return (value, lo, hi) if value > 0 else None
+
+
+def too_wide(value: float, lo: float, hi: float) -> bool:
+    """Whether an interval spans more than its figure (or reaches zero): the figure is then no figure."""
+    return not lo > 0 or hi - lo > value
+
+
+def significant(value: float, digits: int) -> str:
+    """`value` to `digits` significant figures, in plain decimals (1200, 3.4, 0.052; never 1.2e+03)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    places = digits - 1 - math.floor(math.log10(abs(value)))
+    rounded = round(value, places)
+    return f"{rounded:,.{max(places, 0)}f}"
+
+
+def range_text(lo: float, hi: float, unit: str = "") -> str:
+    """'2.9-3.4 min': two bounds in one unit, to the fewest significant figures (2 to 4) that tell them
+    apart."""
+    for digits in (2, 3, 4):
+        a, b = significant(lo, digits), significant(hi, digits)
+        if a != b:
+            break
+    shown = a if a == b else f"{a}-{b}"  # an interval of no width (nothing to spread it): the figure
+    return shown + (f" {unit}" if unit else "")
+
+
+def duration_unit(seconds: float) -> tuple[str, float]:
+    """The unit advisor.model.time_to_train.hours gives `seconds`, and seconds per unit."""
+    if seconds < HOUR_S:
+        return "min", 60.0
+    if seconds < 96 * HOUR_S:
+        return "h", HOUR_S
+    return "days", 24 * HOUR_S
+
+
+def duration_range(seconds: float, lo: float, hi: float) -> str:
+    """'2.9-3.4 min': a time's interval in the unit the time itself reads in."""
+    unit, per = duration_unit(seconds)
+    return range_text(lo / per, hi / per, unit)
+
+
+DURATIONS = frozenset({"time_to_train_s"})
+"""Figures in seconds that read as a duration (minutes, hours, days: advisor.model.time_to_train.hours)."""
+
+
+def interval_text(row: dict[str, Any] | None, figure: str, unit: str = "") -> str | None:
+    """A figure's 95% interval as a range ('41-47', '2.9-3.4 min' for seconds), TOO_WIDE's words where
+    it spans more than the figure, None where the row has no interval for it."""
+    known = bounds(row, figure)
+    if known is None:
+        return None
+    value, lo, hi = known
+    if too_wide(value, lo, hi):
+        return NOT_MEASURED_WELL
+    if figure in DURATIONS:
+        return duration_range(value, lo, hi)
+    return range_text(lo, hi, unit)
+
+
 def plus_minus(row: dict[str, Any], figure: str) -> str:
-    """' ±12%': a figure's 95% interval as its half-width relative to the figure, '' where the row has none
-    (the terminal's format; the exact bounds are in recommendation.json and predictions.csv)."""
-    value, lo, hi = row.get(figure), row.get(f"{figure}_lo"), row.get(f"{figure}_hi")
-    if not all(isinstance(v, (int, float)) for v in (value, lo, hi)) or not float(value) > 0:
-        return ""
-    return f" ±{(float(hi) - float(lo)) / 2 / float(value):.0%}"
+    """' (41-47)': a figure's 95% interval beside it, as a range; '' where the row has none (the exact
+    bounds are in recommendation.json and predictions.csv). A figure whose interval spans more than the
+    figure is not printed beside it: see `figure_cell`."""
+    text = interval_text(row, figure)
+    return "" if text is None or text == NOT_MEASURED_WELL else f" ({text})"
+
+
+def figure_cell(row: dict[str, Any], figure: str, show: Any) -> str:
+    """A table cell: the figure shown by `show` and its range, or NOT_MEASURED_WELL where the interval
+    spans more than the figure."""
+    if interval_text(row, figure) == NOT_MEASURED_WELL:
+        return NOT_MEASURED_WELL
+    return show(row[figure]) + plus_minus(row, figure)
 
 
 def modelled_note(rec: dict[str, Any] | None) -> str:

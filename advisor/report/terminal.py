@@ -1,19 +1,32 @@
 """`sdzero advise` in the terminal, read in ten seconds: the verdict in one line (nodes, config, time and
-GPU-hours to train, where the figures come from), the scaling table, the trade and what to act on (LR,
-errors, launch), and last where the report is. Reads recommendation.json's payload (advisor.outcome)
+GPU-hours to train, where the figures come from), the scaling table, and at most ANSWER_LINES short lines
+after it: how sure the node count is, the trade, what was not measured (or not well enough), and where
+the report is. The rest (the LR, the errors, the intervals' sources, the runners-up, the launch) is in
+the report and under --explain (`print_explain`). Reads recommendation.json's payload (advisor.outcome)
 only, so it says what the JSON and the report say."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from advisor.model.scaling_table import short_provenance
 from advisor.model.time_to_train import cost_of, hours, money
-from advisor.report.answer import beyond_clause, plus_minus
+from advisor.report.answer import (
+    MEASURE_AGAIN,
+    NOT_MEASURED_WELL,
+    beyond_clause,
+    bounds,
+    duration_range,
+    interval_text,
+    range_text,
+    too_wide,
+)
 from sdzero.constants import GIB
 
 
@@ -21,27 +34,74 @@ def _percent(value: Any) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
+def _sure(row: dict[str, Any], figure: str = "samples_per_s") -> bool:
+    """Whether the row's interval of `figure` (by default its throughput, which its time and GPU-hours
+    rest on) is narrow enough to print (advisor.report.answer.too_wide); without one, the figure prints."""
+    known = bounds(row, figure)
+    return known is None or not too_wide(*known)
+
+
+def _rate_cell(row: dict[str, Any]) -> str:
+    text = interval_text(row, "samples_per_s")
+    if text == NOT_MEASURED_WELL:
+        return NOT_MEASURED_WELL
+    return text if text is not None else f"{row['samples_per_s']:.4g}"
+
+
 def _hours_cell(row: dict[str, Any]) -> str:
     seconds = row.get("time_to_train_s")
-    return "" if seconds is None else hours(float(seconds)) + plus_minus(row, "time_to_train_s")
+    if seconds is None or not _sure(row):
+        return "" if seconds is None else "-"
+    known = bounds(row, "time_to_train_s")
+    if known is None:
+        return hours(float(seconds))
+    return NOT_MEASURED_WELL if too_wide(*known) else duration_range(*known)
+
+
+def _gpu_hours_cell(row: dict[str, Any]) -> str:
+    if row.get("gpu_hours") is None:
+        return ""
+    if not _sure(row):
+        return "-"
+    known = bounds(row, "gpu_hours")
+    if known is None:
+        return f"{row['gpu_hours']:.3g}"
+    return NOT_MEASURED_WELL if too_wide(*known) else range_text(known[1], known[2])
+
+
+def _cost_cell(row: dict[str, Any], price: float) -> str:
+    if not _sure(row):
+        return "-"
+    known = bounds(row, "gpu_hours")
+    if known is None:
+        return money(cost_of(float(row.get("gpu_hours") or 0.0), price) or 0.0)
+    return "-" if too_wide(*known) else f"{money(known[1] * price)}-{money(known[2] * price)}"
 
 
 def scaling_rich_table(rec: dict[str, Any]) -> Table:
-    """The scaling table, one row per node count, time and GPU-hours to train beside the throughput."""
+    """The scaling table, one row per node count: throughput, time and GPU-hours to train as their 95%
+    ranges (a row whose range spans more than its figure says so instead of a figure)."""
     choice = rec.get("node_choice", {})
     t = rec.get("time_to_train") or {}
     price = t.get("gpu_hour_price")
     unit = t.get("unit", "GPU-h")
-    title = f"Scaling, global batch {rec.get('global_batch_rule', '')}"
-    if t:
-        title += f"; time to train {t.get('amount', '')}"
     if rec.get("timed") is False:
         return untimed_table(rec)
-    table = Table(title=title, title_justify="left")
-    columns = ["nodes", "config", "mb x accum", "step (s)", "samples/s", "time", unit]
+    # one line: the batch rule and the amount's detail are under --explain and in the report
+    title = f"Scaling at global batch {rec.get('global_batch_target') or rec.get('global_batch', '')}"
+    if t:
+        title += (
+            f"; time to train {t['samples']:,} samples" if t.get("samples") else f"; {t.get('amount', '')}"
+        )
+    title += " (95% ranges)"
+    # no outer edges, no padding twice between columns: the table fits 160 columns and two lines less
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True
+    )
+    columns = ["nodes", "config", "mb x accum", "samples/s", "time", unit]
     columns += ["cost"] if price is not None else []
-    columns += ["efficiency", "exposed comm", "link", "", "provenance"]
-    right = {"nodes", "step (s)", "samples/s", "time", unit, "cost"}
+    columns += ["efficiency", "comm", "link", "", "provenance"]
+    right = {"nodes", "samples/s", "time", unit, "cost"}
     for name in columns:
         table.add_column(name, justify="right" if name in right else "left")
     for row in rec.get("scaling_table", []):
@@ -54,16 +114,14 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
             )
             table.add_row(str(n), f"[dim]{why}[/dim]", *[""] * (len(columns) - 2))
             continue
-        cost = cost_of(float(row.get("gpu_hours") or 0.0), price)
         table.add_row(
             str(n),
             str(row["config_id"]),
             f"{int(row['micro_batch'])} x {int(row['grad_accum'])}",
-            f"{row['step_time_s']:.4g}",
-            f"{row['samples_per_s']:.4g}{plus_minus(row, 'samples_per_s')}",
+            _rate_cell(row),
             _hours_cell(row),
-            "" if row.get("gpu_hours") is None else f"{row['gpu_hours']:.3g}",
-            *([money(cost)] if cost is not None else []),
+            _gpu_hours_cell(row),
+            *([_cost_cell(row, price)] if price is not None else []),
             _percent(row.get("efficiency")),
             _percent(row.get("exposed_comm_share")),
             str(row.get("limiting_link", "-")),
@@ -124,6 +182,17 @@ def _marks(row: dict[str, Any], rec: dict[str, Any], choice: dict[str, Any]) -> 
     return marks
 
 
+ANSWER_LINES = 5
+"""At most this many lines after the table (how sure, the trade, what was not measured, a warning, the
+report); everything else is under --explain."""
+
+
+def _console(console: Console | None) -> Console:
+    # piped (CI logs, files): wide enough for the table instead of rich's 80 columns, unless COLUMNS says
+    wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
+    return console or Console(width=None if wide else 200)
+
+
 def print_advice(
     rec: dict[str, Any],
     trials_run: int,
@@ -131,54 +200,110 @@ def print_advice(
     out_dir: Any,
     report: Any,
     console: Console | None = None,
+    explain: bool = False,
 ) -> None:
-    """On stdout: the verdict in one line, the table, what to act on, and last where the report is."""
-    # piped (CI logs, files): wide enough for the table instead of rich's 80 columns
-    out = console or Console(width=None if sys.stdout.isatty() else 200)
+    """On stdout: the verdict in one line, the table, at most ANSWER_LINES short lines, and with `explain`
+    the full detail after them (`print_explain`)."""
+    out = _console(console)
     prov = rec.get("provenance", {})
     if rec.get("verdict"):
         out.print(f"[bold]answer:[/bold] {rec['verdict']}", highlight=False)
-    if prov.get("headline"):
-        out.print(
-            ("[bold yellow]" if prov.get("target_differs") else "[dim]") + prov["headline"], highlight=False
-        )
+    if prov.get("headline") and prov.get("target_differs"):  # the verdict says where the figures come from
+        out.print(f"[bold yellow]{prov['headline']}", highlight=False)
     basis = rec.get("compute_basis") or {}
     if basis.get("kind") == "profile":  # measured on the target's own node: said once, under the headline
         out.print(
             f"[dim]{basis['line']}; {rec['notes'][0] if rec.get('notes') else ''}[/dim]", highlight=False
         )
     out.print(scaling_rich_table(rec))
-    choice = rec.get("node_choice", {})
+    for line in answer_lines(rec, out_dir, report, explain)[:ANSWER_LINES]:
+        out.print(line, highlight=False, soft_wrap=line.startswith("[bold]report:"))
+    if explain:
+        print_explain(rec, trials_run, full_grid, out_dir, out)
+
+
+def answer_lines(rec: dict[str, Any], out_dir: Any, report: Any, explain: bool = False) -> list[str]:
+    """The short lines after the table, in rich markup: how sure, the trade, what was not measured, an LR
+    warning, and where the report is."""
+    choice = rec.get("node_choice") or {}
+    lines = []
     if rec.get("timed") is False:
-        out.print(f"[bold yellow]not timed:[/bold yellow] {rec['compute_basis']['line']}", highlight=False)
-    else:
+        lines.append(
+            f"[bold yellow]not timed:[/bold yellow] {(rec.get('compute_basis') or {}).get('line', '')}"
+        )
+    elif choice.get("confidence"):
+        lines.append(f"[bold]how sure:[/bold] {choice['confidence']}")
+    if choice.get("trade"):
+        lines.append(f"[bold]trade:[/bold] {choice['trade']}")
+    missing = not_measured(rec)
+    if missing:
+        lines.append(f"[bold yellow]not measured:[/bold yellow] {missing}")
+    if rec.get("lr_warning"):
+        lines.append(f"[bold red]warning:[/bold red] {rec['lr_warning']}")
+    where = f"[bold]report:[/bold] {report}" if report else f"[bold]folder:[/bold] {out_dir}"
+    lines.append(
+        where + ("" if explain else " (the launch command and the full detail: there, or --explain)")
+    )
+    return lines
+
+
+WIDE_FIGURES = ("samples_per_s", "time_to_train_s", "gpu_hours")
+"""The figures a row prints with their ranges: any of them too wide puts the row on the not-measured line."""
+
+
+def not_measured(rec: dict[str, Any]) -> str:
+    """One line: the recommended config if no trial ran it, the stages no trial measured and the budget
+    that measures them, and the node counts whose figures are too uncertain to print."""
+    parts = []
+    measured = rec.get("measured") or {}
+    groups = rec.get("unmeasured_groups") or {}
+    minutes = [
+        m
+        for m in (
+            measured.get("suggested_budget_minutes"),
+            groups.get("budget_minutes") if groups.get("stages") else None,
+        )
+        if isinstance(m, (int, float))
+    ]
+    if measured and not measured.get("recommended_config_measured", True):
+        parts.append(f"{rec.get('config_id')} (its figures are the model's)")
+    if groups.get("stages"):
+        parts.append(f"{', '.join(groups['stages'])} (costs borrowed from the measured stages)")
+    elif rec.get("unmeasured_stages") and not groups:  # a recommendation.json from before the groups
+        parts.append(str(rec["unmeasured_stages"]).split(":")[0].removeprefix("no trial measured "))
+    text = "; ".join(parts)
+    if minutes:
+        text += f": --budget-minutes {max(minutes)} with the same --out measures {'it' if len(parts) == 1 else 'them'}"
+    wide = [
+        str(row["node_count"])
+        for row in rec.get("scaling_table") or []
+        if row.get("status") == "ok" and not all(_sure(row, f) for f in WIDE_FIGURES)
+    ]
+    if wide:
+        counts = f"{', '.join(wide)} node{'s' if wide != ['1'] else ''}"
+        text += ("; " if text else "") + f"{counts}: {NOT_MEASURED_WELL} ({MEASURE_AGAIN})"
+    return text
+
+
+def print_explain(rec: dict[str, Any], trials_run: int, full_grid: int, out_dir: Any, out: Console) -> None:
+    """--explain: the detail the short answer leaves to the report, one labelled line each."""
+    out.rule("[bold]detail[/bold] (recommendation.json and the report hold the same)", align="left")
+    prov = rec.get("provenance", {})
+    if prov.get("headline") and not prov.get("target_differs"):
+        out.print(f"[dim]{prov['headline']}[/dim]", highlight=False)
+    if rec.get("global_batch_rule"):
+        out.print(f"global batch: {rec['global_batch_rule']}", highlight=False)
+    choice = rec.get("node_choice", {})
+    if rec.get("timed") is not False:
         out.print(
             f"[bold]node count:[/bold] {rec['node_count']}, by {choice.get('rule', '')}; fastest "
             f"{choice.get('fastest')}, most efficient {choice.get('most_efficient')}"
             + (f", fewest GPU-h {choice['fewest_gpu_hours']}" if choice.get("fewest_gpu_hours") else ""),
             highlight=False,
         )
-    if choice.get("confidence"):
-        out.print(f"[bold]how sure:[/bold] {choice['confidence']}", highlight=False)
-    if choice.get("trade"):
-        out.print(f"[bold]trade:[/bold] {choice['trade']}", highlight=False)
     if rec.get("tie"):
         out.print(f"[bold]tie:[/bold] {rec['tie']}", highlight=False)
-    intervals = rec.get("intervals") or {}
-    rate = intervals.get("samples_per_s")
-    speed = (
-        f"predicted {rec['samples_per_s']:.4g} samples/s"
-        + (f" ({rate[0]:.4g}-{rate[1]:.4g})" if rate else "")
-        + f", {rec['step_time_s']:.4g} s/step, "
-        if rec.get("samples_per_s") is not None
-        else ""
-    )
-    out.print(
-        speed
-        + f"{rec['mem_per_rank_bytes'] / GIB:.3f} GiB per rank of {rec['usable_memory_bytes'] / GIB:.3g} "
-        f"usable (device memory {prov.get('device_memory', '?')})",
-        highlight=False,
-    )
+    out.print(predicted_line(rec), highlight=False)
     t = rec.get("time_to_train") or {}
     if t:
         out.print(
@@ -186,14 +311,12 @@ def print_advice(
             highlight=False,
         )
     out.print(f"[bold]learning rate:[/bold] {rec.get('lr_rule', rec['lr'])}", highlight=False)
-    if rec.get("lr_warning"):
-        out.print(f"[bold red]warning:[/bold red] {rec['lr_warning']}", highlight=False)
     measured = rec.get("measured", {})
     if measured and not measured.get("recommended_config_measured", True):
         out.print(f"[bold yellow]not measured:[/bold yellow] {measured['message']}", highlight=False)
-    out.print(error_line(rec), highlight=False)
     if rec.get("unmeasured_stages"):
         out.print(f"[bold yellow]not measured:[/bold yellow] {rec['unmeasured_stages']}", highlight=False)
+    out.print(error_line(rec), highlight=False)
     if rec.get("intervals_from"):
         out.print(f"[dim]{rec['intervals_from']}[/dim]", highlight=False)
     for note in rec.get("interval_notes", []):
@@ -203,19 +326,36 @@ def print_advice(
         + (f" ({len(rec['check_trials'])} of them to check the model)" if rec.get("check_trials") else ""),
         highlight=False,
     )
-    for runner in rec.get("runners_up", [])[:RUNNERS_SHOWN]:
+    for runner in rec.get("runners_up", []):
         out.print(
             f"  runner-up {runner['config_id']} @ {runner['node_count']} nodes: {runner['why_not']}",
             highlight=False,
         )
     out.print(f"config: {out_dir}/recommended_ds_config.json", highlight=False, soft_wrap=True)
     out.print(f"launch: {rec['launch_command']}", highlight=False, soft_wrap=True)
-    if report:
-        out.print(f"[bold]report:[/bold] {report}", highlight=False, soft_wrap=True)
 
 
-RUNNERS_SHOWN = 3
-"""Runners-up in the terminal (recommendation.json and the report have them all)."""
+def predicted_line(rec: dict[str, Any]) -> str:
+    """The recommended row's throughput (as its range), step and memory per rank."""
+    prov = rec.get("provenance", {})
+    speed = ""
+    if rec.get("samples_per_s") is not None:
+        rate = (rec.get("intervals") or {}).get("samples_per_s")
+        row = {"samples_per_s": rec["samples_per_s"]}
+        if rate:
+            row |= {"samples_per_s_lo": rate[0], "samples_per_s_hi": rate[1]}
+        text = interval_text(row, "samples_per_s")
+        shown = (
+            f"samples/s {NOT_MEASURED_WELL} ({MEASURE_AGAIN})"
+            if text == NOT_MEASURED_WELL
+            else f"{rec['samples_per_s']:.4g} samples/s" + (f" ({text})" if text else "")
+        )
+        speed = f"predicted {shown}, {rec['step_time_s']:.4g} s/step, "
+    return (
+        speed
+        + f"{rec['mem_per_rank_bytes'] / GIB:.3f} GiB per rank of {rec['usable_memory_bytes'] / GIB:.3g} "
+        f"usable (device memory {prov.get('device_memory', '?')})"
+    )
 
 
 def floor_clause(rec: dict[str, Any]) -> str:
