@@ -8,6 +8,7 @@ only, so it says what the JSON and the report say."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -233,7 +234,9 @@ def answer_lines(rec: dict[str, Any], out_dir: Any, report: Any, explain: bool =
         )
     elif choice.get("confidence"):
         lines.append(f"[bold]how sure:[/bold] {choice['confidence']}")
-    if choice.get("trade"):
+    if choice.get("trade") and not set(_counts_in(choice["trade"])) & set(_wide_counts(rec)):
+        # a trade between figures the table withholds would print them after all: the not-measured line
+        # names those node counts instead
         lines.append(f"[bold]trade:[/bold] {choice['trade']}")
     missing = not_measured(rec)
     if missing:
@@ -249,6 +252,20 @@ def answer_lines(rec: dict[str, Any], out_dir: Any, report: Any, explain: bool =
 
 WIDE_FIGURES = ("samples_per_s", "time_to_train_s", "gpu_hours")
 """The figures a row prints with their ranges: any of them too wide puts the row on the not-measured line."""
+
+
+def _wide_counts(rec: dict[str, Any]) -> list[str]:
+    """The node counts whose figures are too uncertain to print (WIDE_FIGURES)."""
+    return [
+        str(row["node_count"])
+        for row in rec.get("scaling_table") or []
+        if row.get("status") == "ok" and not all(_sure(row, f) for f in WIDE_FIGURES)
+    ]
+
+
+def _counts_in(trade: str) -> list[str]:
+    """The node counts a trade line compares ('16 nodes: 0.8 min, ...; 32 nodes: ...')."""
+    return re.findall(r"(\d+) nodes?: ", trade)
 
 
 def not_measured(rec: dict[str, Any]) -> str:
@@ -274,11 +291,7 @@ def not_measured(rec: dict[str, Any]) -> str:
     text = "; ".join(parts)
     if minutes:
         text += f": --budget-minutes {max(minutes)} with the same --out measures {'it' if len(parts) == 1 else 'them'}"
-    wide = [
-        str(row["node_count"])
-        for row in rec.get("scaling_table") or []
-        if row.get("status") == "ok" and not all(_sure(row, f) for f in WIDE_FIGURES)
-    ]
+    wide = _wide_counts(rec)
     if wide:
         counts = f"{', '.join(wide)} node{'s' if wide != ['1'] else ''}"
         text += ("; " if text else "") + f"{counts}: {NOT_MEASURED_WELL} ({MEASURE_AGAIN})"
@@ -299,6 +312,11 @@ def print_explain(rec: dict[str, Any], trials_run: int, full_grid: int, out_dir:
             f"[bold]node count:[/bold] {rec['node_count']}, by {choice.get('rule', '')}; fastest "
             f"{choice.get('fastest')}, most efficient {choice.get('most_efficient')}"
             + (f", fewest GPU-h {choice['fewest_gpu_hours']}" if choice.get("fewest_gpu_hours") else ""),
+            highlight=False,
+        )
+    if choice.get("trade") and set(_counts_in(choice["trade"])) & set(_wide_counts(rec)):
+        out.print(
+            f"[bold]trade[/bold] (model's figures, not measured well enough): {choice['trade']}",
             highlight=False,
         )
     if rec.get("tie"):

@@ -112,8 +112,10 @@ def test_a_too_wide_interval_is_printed_as_words_not_a_figure():
     line = next(line for line in text.splitlines() if line.startswith("not measured:"))
     assert "16, 32 nodes" in text and MEASURE_AGAIN in text.replace("\n", " ")
     assert "z2-bf16-mb8-off-none" in line and "--budget-minutes 9" in line
+    # the trade between 16 and 32 nodes would print the figures the table withholds: left to --explain
+    assert "trade:" not in text
     quiet = answer(advise_answer())
-    assert NOT_MEASURED_WELL not in quiet and "not measured:" not in quiet
+    assert NOT_MEASURED_WELL not in quiet and "not measured:" not in quiet and "trade: 16 nodes" in quiet
 
 
 def test_explain_prints_the_detail_after_the_short_answer():
@@ -135,6 +137,7 @@ def test_explain_prints_the_detail_after_the_short_answer():
     ):
         assert line in detail, line
     assert f"samples/s {NOT_MEASURED_WELL}" in detail  # the predicted rate: words, not a figure
+    assert "trade (model's figures, not measured well enough): 16 nodes" in detail  # the short answer's gap
     assert "2,400-2,900" in answer(advise_answer(), explain=True)  # the quiet one's rate, as a range
 
 
