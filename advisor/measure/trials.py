@@ -203,8 +203,9 @@ def trial_launch(
     environ: Mapping[str, str] | None = None,
 ) -> RemoteLaunch:
     """The trial's launch: this host's ranks through DeepSpeed's per-node launcher (2-3 s sooner than the
-    runner), or the hostfile's through sdzero.cluster.remote_launch, each remote rank in `trial_dir`
-    (whatever its name) with the values of the advisor's folder's env file exactly, secrets by file."""
+    runner), or the hostfile's (one host's too: `on_the_hosts`) through sdzero.cluster.remote_launch, each
+    remote rank in `trial_dir` (whatever its name) with the values of the advisor's folder's env file
+    exactly, secrets by file."""
     args = trainer_args(settings, ds_config, trial_dir)
     if settings.hostfile is None:
         return local_launch(one_host_command(args, spec.ranks_per_node), environ)
