@@ -25,7 +25,7 @@ the ground truth's batch shape with its 95% interval, and:
 - **coverage**: the share of grid configs whose measured step lies in its predicted interval; and, since
   the ground truth is a measurement too, the share whose prediction and measurement differ by less than
   their two 95% half-widths in quadrature;
-- **pick vs best**: the advisor's pick among the grid's configs (advisor.model.uncertainty.pick_config
+- **pick vs best**: the advisor's pick among the grid's configs (advisor.decide.ties.pick_config
   on those predictions: the recommendation's rule) against the grid's measured best: their ratio, and
   whether the difference is within the two measurements' noise.
 
@@ -163,7 +163,7 @@ def joint_truth(
     config's raw step divided by its launch's tie over the advise run's first launch's tie is the config
     on the machine the advise run put its own trials on. None when a run has no ties or a pass is missing
     (the bench falls back to the median ratio)."""
-    from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA, pooled_log_spread
+    from advisor.stats import MEAN_ABS_TO_SIGMA, pooled_log_spread
 
     advise_ties = _ties(advise_dir)
     ties = [_ties(folder) for folder, _ in passes]
@@ -203,13 +203,14 @@ def joint_truth(
 
 def evaluate(advise_dir: Path, model: Path, passes: list[tuple[Path, pd.DataFrame]], rec: dict) -> dict:
     """Predict every grid config from the advise run's own files, and judge the predictions."""
+    from advisor.decide.ties import is_tie, pick_config
     from advisor.measure.grid import load_base_config
     from advisor.measure.trial_table import read_trials
     from advisor.model.memory import ZeroSettings, trained_numels
     from advisor.model.network import build_network
     from advisor.model.prediction_error import fit_models, trial_predictions
     from advisor.model.step_time import measured_step_s
-    from advisor.model.uncertainty import add_intervals, estimate_spread, is_tie, pick_config
+    from advisor.model.uncertainty import add_intervals, estimate_spread
     from sdzero.cluster.launch_command import shipped_config
 
     trials = read_trials(advise_dir / "profile" / "trials.csv")

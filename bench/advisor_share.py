@@ -181,7 +181,7 @@ def grid_check(advise_dir: Path, model_args: list[str], work: Path) -> dict:
     """Measure every config the advise run chose among at its batch shape; its pick against the fastest."""
     from advisor.measure.grid import GridRequest
     from advisor.measure.profile import run_profile
-    from advisor.request import CPU_GRID
+    from advisor.stages.request import CPU_GRID
     from sdzero.cluster.launch_command import shipped_config
 
     rec = json.loads((advise_dir / "recommendation.json").read_text())

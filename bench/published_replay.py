@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from advisor.advise import run_advise  # noqa: E402
-from advisor.request import AdviseRequest  # noqa: E402
+from advisor.stages.advise import run_advise  # noqa: E402
+from advisor.stages.request import AdviseRequest  # noqa: E402
 
 NOISE_FLOOR = (0.026, 0.028)
 """Identical single-node systems from different vendors, one MLPerf round: 2.6-2.8% apart (issue #42)."""

@@ -54,7 +54,9 @@ from cluster import Cluster  # noqa: E402
 
 from advisor.measure.grid import TrialSpec, load_base_config  # noqa: E402
 from advisor.measure.profile import trial_settings  # noqa: E402
-from advisor.measure.scaleout_check import (  # noqa: E402
+from advisor.model.network import NCCL  # noqa: E402
+from advisor.model.step_time import measured_step_s  # noqa: E402
+from advisor.stages.scaleout_check import (  # noqa: E402
     ScaleoutRow,
     check_config,
     flat_ring_step_s,
@@ -65,8 +67,6 @@ from advisor.measure.scaleout_check import (  # noqa: E402
     rows_table,
     trial_table,
 )
-from advisor.model.network import NCCL  # noqa: E402
-from advisor.model.step_time import measured_step_s  # noqa: E402
 from sdzero.atomic import write_text_atomic  # noqa: E402
 from sdzero.cluster.hostfile import prepare_hosts  # noqa: E402
 from sdzero.cluster.launch_command import shipped_config  # noqa: E402
@@ -412,7 +412,7 @@ def print_table(table: pd.DataFrame) -> None:
 
 
 def _error_halfwidth(r: pd.Series) -> float:
-    """A case's error interval (advisor.measure.scaleout_check.ScaleoutRow.error_halfwidth) from its CSV row:
+    """A case's error interval (advisor.stages.scaleout_check.ScaleoutRow.error_halfwidth) from its CSV row:
     rows recorded before the intervals have none."""
     parts = [r.get("measured_halfwidth"), r.get("one_host_halfwidth")]
     spread = r.get("one_host_spread")

@@ -5,7 +5,7 @@ the predicted one.
     flock /tmp/sdzero-heavy.lock python bench/time_to_train.py ADVISE_OUT [--samples 2560]
 
 ADVISE_OUT is the --out of an `sdzero advise` run on the embedded default (its trials and link probes).
-The prediction is a replan of it (advisor.plan, nothing measured) for one node of this machine and the
+The prediction is a replan of it (advisor.stages.replan, nothing measured) for one node of this machine and the
 same --samples; the run is that replan's recommended_ds_config.json and launch command, through the
 `deepspeed` launcher, its wall time from start to exit. Prints both and their ratio, with the kind of CPU.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 def predicted(advise_out: Path, samples: int, plan_out: Path) -> dict:
     """The replan's answer for 1 node and `samples` samples."""
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     request = AdviseRequest(max_nodes=1, nodes=1, out_dir=plan_out, replan=advise_out, samples=samples)
     return run_advise(request).recommendation

@@ -3,7 +3,7 @@
 Every number below is made up to exercise the report (shapes, edge cases, hostile strings). The files
 follow the formats the real writers use: metrics.jsonl as the Trainer writes it, checkpoint manifests
 through sdzero.checkpoint.checkpointer.Manifest, comm.csv with advisor.measure.collectives_rank' columns and comm_fit.json through
-advisor.model.alphabeta's own fit; predictions.csv, recommendation.json and validation.csv as advisor/report/build.py's
+advisor.measure.alphabeta's own fit; predictions.csv, recommendation.json and validation.csv as advisor/report/build.py's
 docstring defines them for the performance model.
 """
 
@@ -162,9 +162,9 @@ def write_validation(folder: Path, step: int, prompts: list[str]) -> list[Path]:
 
 
 def write_comm(folder: Path) -> None:
-    """comm.csv in advisor.measure.collectives_rank' columns and comm_fit.json fitted by advisor.model.alphabeta itself."""
+    """comm.csv in advisor.measure.collectives_rank' columns and comm_fit.json fitted by advisor.measure.alphabeta itself."""
+    from advisor.measure.alphabeta import busbw_gbps, fit_table, fits_payload
     from advisor.measure.collectives_rank import CSV_COLUMNS
-    from advisor.model.alphabeta import busbw_gbps, fit_table, fits_payload
     from sdzero.atomic import write_json_atomic
 
     links = {"torch": ("gloo", 40e-6, 1 / 3e9), "mpi": ("Open MPI 4.1.4", 15e-6, 1 / 4e9)}
@@ -393,12 +393,12 @@ def advise_answer(
     stages: tuple[str, ...] = (),
     lr_warning: str | None = None,
 ) -> dict[str, Any]:
-    """recommendation.json's payload (advisor.outcome) for ANSWER_ROWS, every row's step interval
+    """recommendation.json's payload (advisor.decide.outcome) for ANSWER_ROWS, every row's step interval
     `half` wide (relative, 95%), or `wide_half` from `wide_from` nodes up; 16 nodes recommended. With
     `measured` false the recommended config ran no trial; `stages` are the groups no trial measured."""
     from types import SimpleNamespace
 
-    from advisor.outcome import stages_without_trials, verdict
+    from advisor.decide.outcome import stages_without_trials, verdict
 
     batch, samples, startup, chosen = 256, 100_000, 12.0, 16
     rows = []

@@ -40,6 +40,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from advisor.measure.alphabeta import COLLECTIVES, algbw_gbps, busbw_gbps
 from advisor.measure.communicators import (
     DTYPE,
     ELEMENT_BYTES,
@@ -50,7 +51,6 @@ from advisor.measure.communicators import (
     element_count,
     make_buffers,
 )
-from advisor.model.alphabeta import COLLECTIVES, algbw_gbps, busbw_gbps
 from sdzero.atomic import write_csv_atomic
 
 

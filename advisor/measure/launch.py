@@ -15,9 +15,9 @@ launch's start-up and the config's own steps).
   once more without it. `--mem-cap-gib` is judged per config on its own peak.
 - **Contention.** The launch's window is watched (advisor.measure.contention): a contended launch is
   launched again once when the budget has room; still contended, its rows are flagged, left out of the
-  pick (advisor.model.recommend) and said in one line.
+  pick (advisor.decide.recommend) and said in one line.
 - **Costs.** Each launch's start-up (wall time not spent in steps) and its seconds per step go to
-  `<out>/launches.json`; the search plans the budget from them (advisor.model.search).
+  `<out>/launches.json`; the search plans the budget from them (advisor.decide.search).
 """
 
 from __future__ import annotations

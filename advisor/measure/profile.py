@@ -3,7 +3,7 @@
 Every trial is a short real run of sdzero/train.py through the `deepspeed` launcher (advisor.measure.trials), so
 local ranks, hostfiles and the launcher environment are exactly the user's. Rerunning with the same
 `--out` skips the trials already in trials.csv for the same setup (advisor.measure.grid.setup_id), so an
-interrupted profile resumes where it stopped. The command's options are in advisor.measure.profile_command.
+interrupted profile resumes where it stopped. The command's options are in advisor.commands.profile.
 
 Each ladder (ZeRO stage, precision, offload) is one launch of the trainer that measures all its
 micro-batches side by side, interleaved (advisor.measure.launch); an out-of-memory micro-batch ends itself
@@ -38,14 +38,9 @@ from advisor.measure.grid import (
     setup_id,
 )
 from advisor.measure.launch import LaunchRunner, launch_name
-from advisor.measure.trial_table import (  # noqa: F401  (re-exported: the table's readers import them here)
-    TEXT_COLUMNS,
-    TRIAL_COLUMNS,
-    append_row,
+from advisor.measure.trial_table import (
     latest_rows,
     read_trials,
-    trial_row,
-    write_trials,
 )
 from advisor.measure.trials import (
     GIB,
@@ -83,7 +78,7 @@ DEVICE_QUERY = (
 """The question a trial's rank asks DeepSpeed's accelerator; its answer is one `SDZERO_DEVICE {json}` line."""
 REMOTE_MORE = ", 'memory_bytes': int(a.total_memory())"
 """Asked on another host too: its device 0's memory (a CPU's: the host's), which this machine cannot read
-(advisor.target.device_memory_bytes asks here)."""
+(advisor.stages.target.device_memory_bytes asks here)."""
 MARK = "SDZERO_DEVICE "
 
 

@@ -1,1 +1,2 @@
-"""Models fitted to measurements: alpha-beta links, memory, step time, prediction, search, recommendation, error."""
+"""The performance model and its error bars: links, memory, step time, predictions, held-out errors,
+intervals. Nothing here chooses a config (advisor.decide does)."""

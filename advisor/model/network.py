@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from advisor.model.alphabeta import AlphaBetaFit, load_fits
+from advisor.measure.alphabeta import AlphaBetaFit, load_fits
 from sdzero.errors import UserError
 
 GB = 1e9
@@ -67,7 +67,7 @@ class Machine:
     """A real GPU system: its node (or NVLink domain) and its NICs, each figure from the vendor's spec."""
 
     gpu: str
-    """advisor.target.TARGET_GPUS name of its GPU (memory, and the compute-rate table)."""
+    """advisor.stages.target.TARGET_GPUS name of its GPU (memory, and the compute-rate table)."""
     gpus_per_node: int
     """GPUs in one NVLink domain: the unit the hierarchical collectives treat as a node. A GB200 NVL72 rack
     is one 72-GPU domain; its 4-GPU compute trays are not nodes on the InfiniBand fabric."""

@@ -44,21 +44,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-# The op costs live in advisor.model.collective_cost; the names other modules and tests import from here
-# are re-exported.
-from advisor.model.collective_cost import (  # noqa: F401
-    BURST_CALLS,
-    SMALL_OP_BYTES,
-    STAGE_UNKNOWN,
-    CommOp,
-    _bytes_s,
-    _latency_s,
-    _phase_s,
-    op_seconds,
-    ops_by_mix,
-    ops_from_mix,
-    ops_from_trial,
-)
+from advisor.model.collective_cost import CommOp, op_seconds, ops_by_mix, ops_from_mix, ops_from_trial
 from advisor.model.collective_mix import Collective, collective_mix
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Network

@@ -1,5 +1,5 @@
-"""Intervals on every predicted figure, and the tie rule that decides between configs the machine cannot
-tell apart.
+"""Intervals on every predicted figure (the tie rule that decides between configs the machine cannot tell
+apart is advisor.decide.ties).
 
 A predicted step time is uncertain for three reasons, each measured by the run itself:
 
@@ -31,16 +31,6 @@ A figure is for a run of the config, which lands in some minute of this machine'
 each config's launch (the same work measured twice, a half-launch apart; `run_noise_floor`), widened by
 Student's t for the few configs it rests on.
 
-A **tie** is a difference the measurements cannot resolve: two configs are tied when the 95% interval of
-their difference, from their measurement noise alone, holds zero. A measured config brings its trial's
-interval; one nobody ran brings the typical trial's (what measuring it would give). The fit's spread is
-left out on purpose: a config the model knows little about is not "as good as" the fastest, it is
-unknown, and the fastest prediction is still the best bet (its interval says how far to trust it). The
-machine's drift is left out too: configs of one launch were measured side by side, interleaved, and
-launches are put on one machine speed by their tie (advisor.measure.launch). The difference's interval is
-tighter than asking whether two intervals overlap, which calls ties up to 1.4x the difference's own
-half-width.
-
 Relative spreads are one-sigma fractions of the figure; halfwidths are the 95% ones. An interval is
 multiplicative: a half-width h puts the figure's bounds at the figure / (1 + h) and x (1 + h)
 (`interval_ratio`), so no bound reaches zero.
@@ -49,7 +39,7 @@ multiplicative: a half-width h puts the figure's bounds at the figure / (1 + h) 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,32 +48,11 @@ import pandas as pd
 
 from advisor.measure.launch import repeat_halves
 from advisor.model.leverage import FitPoints, group_of
+from advisor.stats import MEAN_ABS_TO_SIGMA, Z95, pooled_log_spread, rms, sigma_of_interval, t_quantile
 
-Z95 = 1.959964
-"""The two-sided 95% quantile of the normal distribution."""
-
-MEAN_ABS_TO_SIGMA = math.sqrt(math.pi / 2)
-"""A normal spread's sigma over its mean absolute deviation: the noise floor is a mean |deviation|."""
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-_T975 |= {10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
 MIN_MEMORY_SPREAD = 0.01
 """Memory is measured to the byte but varies with allocator state: never claim better than 1%."""
-SIMILAR_MEMORY = 0.10
-"""Tied configs whose memory per rank is within this fraction of the device's usable memory (the
-predictions' `usable_bytes`) above the least count as needing the same memory: they leave the same
-headroom in practice, and the faster-predicted one should not lose for a saving the run cannot use (an
-emulated-bf16 run, where most of the grid was within noise, picked ZeRO-3 for 0.12 GiB of 10.6 usable,
-and the grid measured it at 0.81x the best). Without the usable memory: this fraction of the least."""
 KEY_COLUMNS = ("zero_stage", "precision", "micro_batch", "offload")
-
-
-def t_quantile(dof: int) -> float:
-    """Student's t 97.5% quantile for `dof` degrees of freedom (the table's next lower entry, which
-    errs wide; 1.96 beyond it)."""
-    if dof < 1:
-        return _T975[1]
-    known = [d for d in _T975 if d <= dof]
-    return _T975[max(known)] if dof <= max(_T975) else Z95
 
 
 ConfigKey = tuple[int, str, int, str]
@@ -177,12 +146,6 @@ class Spread:
         return math.sqrt(variance) if variance is not None else 1.0
 
 
-def _sigma_of_interval(step: float, lo: float, hi: float) -> float:
-    if not (step > 0) or math.isnan(lo) or math.isnan(hi) or hi < lo:
-        return math.nan
-    return (hi - lo) / 2 / Z95 / step
-
-
 def measured_spreads(trials: pd.DataFrame) -> dict[ConfigKey, float]:
     """Each config's relative sigma from its trials' corrected intervals (the tightest where it ran
     twice); configs whose trials carry no interval (an older folder) are left out."""
@@ -196,7 +159,7 @@ def measured_spreads(trials: pd.DataFrame) -> dict[ConfigKey, float]:
     lo = pd.to_numeric(ok["step_s_lo"], errors="coerce")
     hi = pd.to_numeric(ok["step_s_hi"], errors="coerce")
     for i, row in ok.iterrows():
-        sigma = _sigma_of_interval(float(steps[i]), float(lo[i]), float(hi[i]))
+        sigma = sigma_of_interval(float(steps[i]), float(lo[i]), float(hi[i]))
         if math.isnan(sigma):
             continue
         key = config_key(row)
@@ -246,11 +209,6 @@ def held_out_errors(validation: pd.DataFrame, quantity: str) -> np.ndarray:
     predicted = pd.to_numeric(rows["predicted"], errors="coerce")
     keep = (measured > 0) & predicted.notna()
     return (predicted[keep] / measured[keep] - 1).to_numpy(dtype=float)
-
-
-def _rms(values: Iterable[float]) -> float:
-    values = np.asarray(list(values), dtype=float)
-    return float(np.sqrt(np.mean(values**2))) if values.size else 0.0
 
 
 def link_spread(rel_rmse: Iterable[float]) -> float:
@@ -320,7 +278,7 @@ def _fit_sigma(errors: np.ndarray, own: float) -> float:
     measurement: that noise is taken out so it is not counted twice beside the noise floor. But a
     prediction rests on measurements as noisy as the typical trial, so it is never taken as surer than
     one (a few leave-one-out errors inside a well-pinned line can all be near zero)."""
-    return max(math.sqrt(max(_rms(errors) ** 2 - own**2, 0.0)), own)
+    return max(math.sqrt(max(rms(errors) ** 2 - own**2, 0.0)), own)
 
 
 def run_noise_floor(folder: Path) -> tuple[float | None, int]:
@@ -329,21 +287,6 @@ def run_noise_floor(folder: Path) -> tuple[float | None, int]:
     a normal spread of that sigma has. None without repeats."""
     sigma, dof = pooled_log_spread(repeat_halves(folder))
     return (None if sigma is None else sigma / MEAN_ABS_TO_SIGMA), dof
-
-
-def pooled_log_spread(groups: Iterable[Sequence[float]]) -> tuple[float | None, int]:
-    """The relative sigma of repeated measurements of the same work, pooled over groups (each group one
-    config measured several times), and its degrees of freedom (the repeats less one per group): the
-    sample sd of ln(step) about each group's mean. None with no repeats."""
-    squares, dof = 0.0, 0
-    for group in groups:
-        logs = [math.log(x) for x in group if x > 0 and math.isfinite(x)]
-        if len(logs) < 2:
-            continue
-        mean = sum(logs) / len(logs)
-        squares += sum((v - mean) ** 2 for v in logs)
-        dof += len(logs) - 1
-    return (math.sqrt(squares / dof), dof) if dof else (None, 0)
 
 
 def estimate_spread(
@@ -386,7 +329,7 @@ def estimate_spread(
         measured=measured,
         typical_measured=typical_own,
         # Scaled errors already count the held-out trial's own noise as one trial's worth of variance.
-        model=max(_rms(inside), typical_own)
+        model=max(rms(inside), typical_own)
         if scaled is not None and inside.size
         else _fit_sigma(inside, typical_own),
         model_dof=int(inside.size),
@@ -399,7 +342,7 @@ def estimate_spread(
         noise=noise,
         noise_dof=noise_dof,
         link=0.0 if link_assumed else link_rel,
-        memory=max(_rms(mem_errors), MIN_MEMORY_SPREAD),
+        memory=max(rms(mem_errors), MIN_MEMORY_SPREAD),
         memory_dof=int(mem_errors.size),
         startup_s=startup,
         notes=tuple(notes),
@@ -477,81 +420,3 @@ def _fitted_share(table: pd.DataFrame) -> np.ndarray:
     inter = pd.to_numeric(table["exposed_inter_s"], errors="coerce").fillna(0.0).to_numpy(dtype=float)
     share = np.divide(step - inter, step, out=np.ones_like(step), where=step > 0)
     return np.clip(share, 0.0, 1.0)
-
-
-# ------------------------------------------------------------------------------------------------ ties
-
-
-def is_tie(a: pd.Series, b: pd.Series) -> bool:
-    """Whether two configs' throughputs cannot be told apart: the 95% interval of their difference holds
-    zero (each side's comparison half-width, in quadrature)."""
-    fa, fb = float(a["samples_per_s"]), float(b["samples_per_s"])
-    if not (fa > 0 and fb > 0):
-        return False
-    ha, hb = _halfwidth(a), _halfwidth(b)
-    return abs(math.log(fa / fb)) <= math.hypot(ha, hb)
-
-
-def _value(row: pd.Series, column: str) -> float:
-    value = row.get(column, 0.0)
-    return 0.0 if value is None or pd.isna(value) else float(value)
-
-
-def _halfwidth(row: pd.Series) -> float:
-    return _value(row, "compare_halfwidth")
-
-
-TIE_RULE = (
-    f"a tie (their difference within noise) goes to the least memory per rank (configs within "
-    f"{SIMILAR_MEMORY:.0%} of the device's usable memory of it count as equal), then the simpler ZeRO "
-    "stage, then the faster prediction"
-)
-
-
-@dataclass(frozen=True)
-class Pick:
-    """The config chosen among those that fit at one node count."""
-
-    row: pd.Series
-    fastest: pd.Series
-    """The fastest predicted config (the pick unless a tie was broken)."""
-    tied: list[str]
-    """config_ids tied with the fastest (the fastest included); one id when there was no tie."""
-
-    @property
-    def broke_tie(self) -> bool:
-        return str(self.row["config_id"]) != str(self.fastest["config_id"])
-
-    def describe(self) -> str:
-        if len(self.tied) < 2:
-            return ""
-        others = [c for c in self.tied if c != str(self.row["config_id"])]
-        verb = "chosen over the faster-predicted" if self.broke_tie else "tied with"
-        return f"{self.row['config_id']} {verb} {', '.join(others)} within noise: {TIE_RULE}"
-
-
-def _memory_scale(rows: pd.DataFrame, least: float) -> float:
-    """What memory differences are measured against (SIMILAR_MEMORY): the device's usable bytes where the
-    predictions carry them (never less than the least config's own), else the least config's memory."""
-    if "usable_bytes" not in rows:
-        return least
-    usable = pd.to_numeric(rows["usable_bytes"], errors="coerce").max()
-    return max(float(usable), least) if pd.notna(usable) else least
-
-
-def pick_config(rows: pd.DataFrame) -> Pick:
-    """The config to run among `rows` (those that fit at one node count): the fastest, unless others tie
-    with it, when TIE_RULE decides among the tied. A config measured only under contention is left out
-    while another fits: its step was the machine's, not the config's."""
-    if "contended" in rows and not rows["contended"].fillna(False).astype(bool).all():
-        rows = rows[~rows["contended"].fillna(False).astype(bool)]
-    fastest = rows.loc[rows["samples_per_s"].astype(float).idxmax()]
-    tied = rows[[is_tie(r, fastest) for _, r in rows.iterrows()]]
-    if len(tied) < 2:
-        return Pick(fastest, fastest, [str(fastest["config_id"])])
-    least = float(tied["mem_per_rank_bytes"].min())
-    similar = least + SIMILAR_MEMORY * _memory_scale(tied, least)
-    light = tied[tied["mem_per_rank_bytes"].astype(float) <= similar]
-    ordered = light.sort_values(["zero_stage", "samples_per_s"], ascending=[True, False])
-    ids = [str(c) for c in tied.sort_values("samples_per_s", ascending=False)["config_id"]]
-    return Pick(ordered.iloc[0], fastest, ids)

@@ -1,1 +1,2 @@
-"""The self-contained HTML reports: page model, figures, the advise and training pages."""
+"""The terminal answer and the self-contained HTML reports: page model, figures, the advise and training
+pages."""

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor.model.alphabeta import AlphaBetaFit, bus_factor, load_fits
+from advisor.measure.alphabeta import AlphaBetaFit, bus_factor, load_fits
 from advisor.model.prediction_error import ERROR_EXPLAINED, is_check
 from advisor.model.time_to_train import hours
 from advisor.report import figures

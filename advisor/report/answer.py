@@ -1,4 +1,4 @@
-"""The parts of the advise report that read the answer in recommendation.json (advisor.outcome): where the
+"""The parts of the advise report that read the answer in recommendation.json (advisor.decide.outcome): where the
 figures come from, the scaling table, how the config was chosen and the one held-out error."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.model.scaling_table import short_provenance
+from advisor.decide.scaling_table import short_provenance
 from advisor.model.time_to_train import HOUR_S, hours, money
 from advisor.report.page import FigureItem, Item, NoteItem, Section, frame_table, mapping_table
 

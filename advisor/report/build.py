@@ -23,7 +23,7 @@ contract below, which its writer must keep. Extra columns and keys are ignored.
     capacity from ``device_capacity_bytes`` or ``mem_cap_bytes`` (the `--mem-cap-gib` cap, in bytes).
 
 ``comm.csv`` and ``comm_fit.json`` (`sdzero comm`, advisor.measure.collectives_launch; in the folder or its ``comm/``)
-    As advisor.measure.collectives_rank.Row and advisor.model.alphabeta.fits_payload write them.
+    As advisor.measure.collectives_rank.Row and advisor.measure.alphabeta.fits_payload write them.
 
 ``predictions.csv`` (performance model: one row per node count and config)
     ``node_count`` (int >= 1), ``config_id`` (str, unique per config), ``zero_stage`` (int),
@@ -59,14 +59,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
-
-import typer
 
 from advisor.report.page import Report, render_html
 from sdzero.atomic import write_text_atomic
 from sdzero.config.output_folder import check_replaceable_file
-from sdzero.errors import UserError
 
 REPORTS_DIR = Path("reports")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -115,42 +111,3 @@ def write_advise_report(advise_dir: Path, out: Path | None = None) -> Path:
     target = default_output(advise_dir, out)
     check_report_target(target)
     return write_report(build_advise_report(Path(advise_dir)), target)
-
-
-def report_command(
-    advise_out: Annotated[
-        Path | None,
-        typer.Argument(
-            metavar="ADVISE_OUT", help="Output folder of sdzero advise, profile or comm.", show_default=False
-        ),
-    ] = None,
-    run: Annotated[
-        Path | None,
-        typer.Option(
-            "--run",
-            metavar="TRAIN_OUTPUT_DIR",
-            help="A training run's --output-dir (metrics.jsonl, ds_config.json, ...).",
-            show_default=False,
-        ),
-    ] = None,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out",
-            "-o",
-            help="HTML file to write (default: reports/<folder name>.html).",
-            show_default=False,
-        ),
-    ] = None,
-) -> None:
-    """Render one self-contained HTML report of an advise run or (with --run) of a training run."""
-    if (advise_out is None) == (run is None):
-        raise UserError(
-            "give either ADVISE_OUT (an advise, profile or comm folder) or --run TRAIN_OUTPUT_DIR"
-        )
-    if run is not None:
-        written = write_training_report(run, out)
-    else:
-        assert advise_out is not None
-        written = write_advise_report(advise_out, out)
-    typer.echo(f"wrote {written}")

@@ -2,7 +2,7 @@
 GPU-hours to train, where the figures come from), the scaling table, and at most ANSWER_LINES short lines
 after it: how sure the node count is, the trade, what was not measured (or not well enough), and where
 the report is. The rest (the LR, the errors, the intervals' sources, the runners-up, the launch) is in
-the report and under --explain (`print_explain`). Reads recommendation.json's payload (advisor.outcome)
+the report and under --explain (`print_explain`). Reads recommendation.json's payload (advisor.decide.outcome)
 only, so it says what the JSON and the report say."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from advisor.model.scaling_table import short_provenance
+from advisor.decide.scaling_table import short_provenance
 from advisor.model.time_to_train import cost_of, hours, money
 from advisor.report.answer import (
     MEASURE_AGAIN,
@@ -135,7 +135,7 @@ def scaling_rich_table(rec: dict[str, Any]) -> Table:
 
 def untimed_table(rec: dict[str, Any]) -> Table:
     """Without the target's compute: each node count's first-ranked config and the communication a step
-    needs on the target's links, nothing that rests on the target's speed (advisor.report.withheld)."""
+    needs on the target's links, nothing that rests on the target's speed (advisor.decide.withheld)."""
     table = Table(
         title=f"Ranking and communication, global batch {rec.get('global_batch_rule', '')}",
         title_justify="left",

@@ -1,4 +1,4 @@
-"""The stages of `sdzero advise`, in the order advisor.advise.run_advise composes them; each takes the typed
+"""The stages of `sdzero advise`, in the order advisor.stages.advise.run_advise composes them; each takes the typed
 outputs of those before it and returns its own:
 
     inputs     read_inputs:          AdviseRequest -> AdviseInputs   options checked, base config, device, grid

@@ -11,25 +11,31 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from advisor.fine_tune import (
+from advisor.decide.scaling_table import NodeRule
+from advisor.measure.grid import GridPlan, GridRequest, load_base_config
+from advisor.measure.profile import TrialsHost
+from advisor.measure.trials import TrialSettings
+from advisor.model.batch_growth import samples_rule
+from advisor.model.model_cost import ModelCost, count_model_cost
+from advisor.model.network import build_network
+from advisor.model.predict import BatchTarget, check_reachable
+from advisor.model.time_to_train import TrainAmount, train_amount
+from advisor.stages.fine_tune import (
     EMBEDDED_FINE_TUNE,
     check_train_args,
     dataset_images,
     default_inputs,
     embedded_base,
 )
-from advisor.measure.grid import GridPlan, GridRequest, load_base_config
-from advisor.measure.profile import TrialsHost
-from advisor.measure.scaleout_check import prepare_hostfile
-from advisor.measure.trials import TrialSettings
-from advisor.model.batch_growth import samples_rule
-from advisor.model.model_cost import ModelCost, count_model_cost
-from advisor.model.network import build_network
-from advisor.model.predict import BatchTarget, check_reachable
-from advisor.model.scaling_table import NodeRule
-from advisor.model.time_to_train import TrainAmount, train_amount
-from advisor.request import CPU_GRID, AdviseRequest
-from advisor.target import check_options, check_target_rate, machine_target, target_differs, target_memory
+from advisor.stages.request import CPU_GRID, AdviseRequest
+from advisor.stages.scaleout_check import prepare_hostfile
+from advisor.stages.target import (
+    check_options,
+    check_target_rate,
+    machine_target,
+    target_differs,
+    target_memory,
+)
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.errors import UserError
 
@@ -85,7 +91,7 @@ class AdviseInputs:
     rule: NodeRule
     """How the node count is chosen."""
     embedded: bool = False
-    """The embedded default's fine-tune (advisor.fine_tune.EMBEDDED_FINE_TUNE) sets the batch: no --model and
+    """The embedded default's fine-tune (advisor.stages.fine_tune.EMBEDDED_FINE_TUNE) sets the batch: no --model and
     no --deepspeed-config."""
     model_cost: ModelCost | None = None
     """The trained network's FLOPs per sample, counted here (advisor.model.model_cost); None: not counted."""

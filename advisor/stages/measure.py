@@ -16,15 +16,15 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.search import SearchResult, run_search
 from advisor.measure.launch import LAUNCHES_FILE
 from advisor.measure.trials import TrialSettings
 from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import Network, build_network
 from advisor.model.predict import grad_accum_for
 from advisor.model.prediction_error import check_rows, fit_models, validation_table
-from advisor.model.search import SearchResult, run_search
 from advisor.stages.inputs import AdviseInputs
-from advisor.target import device_memory_bytes
+from advisor.stages.target import device_memory_bytes
 from sdzero.atomic import write_csv_atomic
 from sdzero.constants import GIB
 from sdzero.errors import UserError
@@ -149,7 +149,7 @@ def trials_host_memory(device: dict[str, Any], ranks: int, host: str) -> tuple[f
 
 
 def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredTrials:
-    """One launch per group while the budget holds (advisor.model.search), then the held-out check of
+    """One launch per group while the budget holds (advisor.decide.search), then the held-out check of
     the accumulation configs the launches measured beside the others."""
     numels = trained_numels(inputs.model)
     zero = ZeroSettings.from_config(inputs.base)

@@ -8,12 +8,12 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.recommend import what_would_fit
+from advisor.decide.scaling_table import BatchReach
 from advisor.measure.grid import GridPlan
 from advisor.model.batch_growth import SamplesRule, samples_rule
 from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget, Candidate, predict_table
-from advisor.model.recommend import what_would_fit
-from advisor.model.scaling_table import BatchReach
 from advisor.model.step_time import TimeModel
 from advisor.model.target_compute import PROFILE, ComputeBasis, compute_basis
 from advisor.model.time_to_train import StartUp, add_time_to_train, startup_rests, startup_s
@@ -21,7 +21,7 @@ from advisor.model.uncertainty import Spread, add_intervals, estimate_spread, li
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
-from advisor.target import machine_target
+from advisor.stages.target import machine_target
 from sdzero.atomic import write_csv_atomic, write_json_atomic
 from sdzero.errors import UserError
 
@@ -180,7 +180,7 @@ def with_larger_batches(
 
 def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Spread:
     """The run's own uncertainty: its trials' intervals, held-out errors, noise floor and link fits."""
-    from advisor.model.alphabeta import load_fits
+    from advisor.measure.alphabeta import load_fits
     from advisor.model.uncertainty import run_noise_floor
 
     inter = hardware.target_net.inter

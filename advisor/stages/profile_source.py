@@ -29,6 +29,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from advisor.decide.search import SearchResult
 from advisor.measure.grid import GridRequest, plan_grid
 from advisor.measure.trials import TrialSettings
 from advisor.model.collective_cost import ops_from_mix
@@ -44,7 +45,6 @@ from advisor.model.memory import (
 )
 from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget
-from advisor.model.search import SearchResult
 from advisor.model.step_time import TimeModel
 from advisor.model.target_compute import (
     MODEL_SHAPES,
@@ -55,10 +55,10 @@ from advisor.model.target_compute import (
     shape_numels,
 )
 from advisor.model.time_to_train import train_amount
-from advisor.request import AdviseRequest
 from advisor.stages.inputs import AdviseInputs, _refuse_unreachable, check_request_options, claim_out
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
-from advisor.target import TARGET_GPUS
+from advisor.stages.request import AdviseRequest
+from advisor.stages.target import TARGET_GPUS
 from sdzero.atomic import write_csv_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.constants import GIB

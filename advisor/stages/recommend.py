@@ -1,7 +1,7 @@
 """The recommend stage: the config and node count to run, its LR, and what the user is told about them.
 
 recommend_config writes <out>/recommended_ds_config.json; write_recommendation writes
-<out>/recommendation.json (advisor.outcome.build_recommendation's payload, with the launch command and,
+<out>/recommendation.json (advisor.decide.outcome.build_recommendation's payload, with the launch command and,
 across a hostfile's hosts, the scale-out check).
 """
 
@@ -14,15 +14,15 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.measure.scaleout_check import scaleout_check
+from advisor.decide.outcome import Outcome, build_recommendation
+from advisor.decide.recommend import launch_command, recommend
+from advisor.decide.scaling_table import scaling_table
 from advisor.model.prediction_error import ERROR_EXPLAINED, error_summary
-from advisor.model.recommend import launch_command, recommend
-from advisor.model.scaling_table import scaling_table
-from advisor.outcome import Outcome, build_recommendation
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.predict import Predictions
+from advisor.stages.scaleout_check import scaleout_check
 from sdzero.atomic import write_json_atomic
 from sdzero.config.lr_rule import LrChoice, base_lr_of
 
@@ -83,7 +83,7 @@ def tuned_buckets(
     best: pd.Series,
 ) -> list[str]:
     """overlap_comm and bucket sizes, measured only where the model says they matter; one note each."""
-    from advisor.model.knobs import knob_choices, tune_buckets
+    from advisor.decide.knobs import knob_choices, tune_buckets
 
     choices = knob_choices(
         predictions.timing,

@@ -19,7 +19,7 @@ import typer
 from launch import check_ok, metrics, run_trainer
 from typer.testing import CliRunner
 
-from advisor.cli import advise_command
+from advisor.commands.advise import advise_command
 from advisor.model.memory import ZeroSettings, trained_numels
 from sdzero.cluster.launch_command import shipped_config
 from sdzero.config.lr_rule import DEFAULT_LR_SCALING
@@ -57,8 +57,9 @@ def advised(tmp_path_factory) -> dict:
 def test_advise_end_to_end_writes_the_contract_files(advised):
     result, out = advised["result"], advised["out"]
     assert result.exit_code == 0, result.output + repr(result.exception)
-    assert "held-out error" in result.output and "launch: deepspeed" in result.output
-    assert "Trials ran on a CPU" in result.output and "assumed (preset ib-200)" in result.output
+    assert "held-out error" in result.output
+    assert "(the launch command and the full detail: there, or --explain)" in result.output
+    assert "trials on a CPU" in result.output and "link assumed" in result.output
     predictions = pd.read_csv(out / "predictions.csv")
     # the embedded default's fine-tune: global batch 256 at every node count, accumulating where needed
     assert sorted(predictions["node_count"].unique()) == [1, 2, 4, 8, 16, 32]
@@ -81,7 +82,12 @@ def test_advise_end_to_end_writes_the_contract_files(advised):
     assert rec["error"]["trials"] == len(rec["check_trials"]) == 1 and rec["leave_one_out"]["trials"] >= 3
     assert "budget: " in result.output and "start-up of" in result.output  # the plan, said up front
     assert rec["trials_run"] < rec["full_grid"] == 12  # the search measured a part of the grid
-    assert f"trials run: {rec['trials_run']} of a full grid of 12" in result.output
+    # the detail the short answer leaves out: --explain on a replan of the same folder (measures nothing)
+    explained = CliRunner().invoke(cli(), ["advise", "--max-nodes", "32", "--replan", str(out), "--explain"])
+    assert explained.exit_code == 0, explained.output + repr(explained.exception)
+    assert f"trials run: {rec['trials_run']} of a full grid of 12" in explained.output
+    assert "launch: deepspeed" in explained.output and "Trials ran on a CPU" in explained.output
+    assert "assumed (preset ib-200)" in explained.output
     validation = pd.read_csv(out / "validation.csv")
     assert validation["held_out"].any() and set(validation["quantity"]) >= {
         "step_time_s",

@@ -16,11 +16,12 @@ import pandas as pd
 import pytest
 import torch
 
+from advisor.commands.comm import comm_command
 from advisor.measure import collectives_launch as comm_module
+from advisor.measure.alphabeta import COLLECTIVES, bus_factor, load_fits
 from advisor.measure.collectives_launch import CommResult, parse_bytes, run_comm
 from advisor.measure.collectives_rank import CSV_COLUMNS, SweepSettings, Topology, _check_once, sweep
 from advisor.measure.communicators import Buffers, input_pattern, make_buffers
-from advisor.model.alphabeta import COLLECTIVES, bus_factor, load_fits
 from sdzero.errors import UserError
 
 # Both halves: mpirun without mpi4py in this venv (Open MPI installed after `make venv`) cannot run it.
@@ -275,7 +276,7 @@ def test_command_parses_options_and_delegates(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(comm_module, "run_comm", fake_run_comm)
     app = typer.Typer()
-    app.command()(comm_module.comm_command)
+    app.command()(comm_command)
     args = ["--ranks", "4", "--backend", "mpi", "--min-bytes", "8KiB", "--max-bytes", "1M", "--budget-s", "5"]
     outcome = CliRunner().invoke(app, args)
     assert isinstance(outcome.exception, UserError)

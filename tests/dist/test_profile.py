@@ -23,7 +23,8 @@ import pytest
 from support.fault_callbacks import CRASH_AT, HANG_AT, fault_env
 
 from advisor.measure.grid import GridRequest, TrialSpec
-from advisor.measure.profile import TRIAL_COLUMNS, ProfileResult, run_profile
+from advisor.measure.profile import ProfileResult, run_profile
+from advisor.measure.trial_table import TRIAL_COLUMNS
 from sdzero.cluster.launch_command import REPO_ROOT
 
 pytestmark = pytest.mark.dist

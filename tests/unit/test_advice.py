@@ -12,9 +12,9 @@ import pytest
 from test_advisor_model import BASE, advise_on_synthetic_trials
 from typer.testing import CliRunner
 
-from advisor.model import recommend as recommend_module
-from advisor.model.recommend import recommend
-from advisor.model.scaling_table import choose_node_count, link_provenance, options_beside, scaling_table
+from advisor.decide import recommend as recommend_module
+from advisor.decide.recommend import recommend
+from advisor.decide.scaling_table import choose_node_count, link_provenance, options_beside, scaling_table
 from sdzero.config import train_config as config_module
 from sdzero.config.lr_rule import DEFAULT_LR_SCALING, MAX_LR_FACTOR, WARMUP_STEPS, choose_lr
 from sdzero.config.train_config import TrainConfig, load_ds_config
@@ -37,13 +37,16 @@ def test_lr_is_capped_with_a_warning_and_a_warmup():
 
 
 def test_trainer_and_advisor_share_one_rule_and_its_defaults(tmp_path):
-    import advisor.advise as advise
-    import advisor.cli as advise_cli
+    import advisor.commands.advise as advise_command_module
+    import advisor.stages.advise as advise
 
     assert not hasattr(config_module, "scaled_lr") and not hasattr(recommend_module, "scaled_lr")
     assert TrainConfig.__dataclass_fields__["lr_scaling"].default == DEFAULT_LR_SCALING
     assert advise.AdviseRequest().lr_scaling == DEFAULT_LR_SCALING
-    assert inspect.signature(advise_cli.advise_command).parameters["lr_scaling"].default == DEFAULT_LR_SCALING
+    assert (
+        inspect.signature(advise_command_module.advise_command).parameters["lr_scaling"].default
+        == DEFAULT_LR_SCALING
+    )
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(BASE))
     ds = load_ds_config(path, world_size=64)  # 4 x 1 x 64 = 256

@@ -35,8 +35,8 @@ def zero3_trial(comm_s: float, ops: dict) -> dict:
 def test_each_collective_is_costed_with_its_own_measured_fit():
     """gloo's all-gather is slower than its all-reduce: a link measured per collective costs each op with
     its own figures, and falls back to the link's for one it did not measure."""
+    from advisor.model.collective_cost import _phase_s
     from advisor.model.network import CollectiveFigures, Link
-    from advisor.model.step_time import _phase_s
 
     link = Link(1e9, 1e-5, "test", per_collective=(CollectiveFigures("all_gather", 0.5e9, 2e-5),))
     gather = _phase_s("all_gather", 1e8, 2, link, count=1)
@@ -47,9 +47,9 @@ def test_each_collective_is_costed_with_its_own_measured_fit():
 def test_ops_issued_in_bursts_pay_the_burst_latency():
     """ZeRO-3's hundreds of parameter gathers per step go back to back: where `sdzero comm` measured a
     burst, each call costs its latency; a rare op (one gather per step at ZeRO-1/2) pays the blocking one."""
-    from advisor.model.alphabeta import AlphaBetaFit
+    from advisor.measure.alphabeta import AlphaBetaFit
+    from advisor.model.collective_cost import BURST_CALLS, _phase_s
     from advisor.model.network import CollectiveFigures, Link, link_from_fits
-    from advisor.model.step_time import BURST_CALLS, _phase_s
 
     link = Link(1e9, 2.5e-3, "test", per_collective=(CollectiveFigures("all_gather", 1e9, 2.5e-3, 1e-3),))
     many = _phase_s("all_gather", 1e6, 2, link, count=BURST_CALLS * 13)
@@ -106,8 +106,9 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
 def test_waits_the_trial_timed_replace_the_benchmark_figure():
     """A trial that timed its waits (sdzero.training.probe.WaitMeter) already counts its bursts whole: the fit
     takes its communication as measured and costs nothing more, however the link benchmark came out."""
+    from advisor.model.collective_cost import ops_from_trial
     from advisor.model.network import CollectiveFigures, Link, Network
-    from advisor.model.step_time import fit_time_model, ops_from_trial
+    from advisor.model.step_time import fit_time_model
 
     intra = Link(1e9, 1e-4, "intra", per_collective=(CollectiveFigures("all_gather", 1e9, 1e-4, 2e-4),))
     inter = Link(1e8, 2.5e-3, "inter", per_collective=(CollectiveFigures("all_gather", 1e8, 2.5e-3, 1e-3),))
@@ -132,7 +133,7 @@ def test_waits_the_trial_timed_replace_the_benchmark_figure():
 
 
 def test_burst_rows_stay_out_of_the_line_fit_and_set_the_burst_latency():
-    from advisor.model.alphabeta import fit_table
+    from advisor.measure.alphabeta import fit_table
 
     sizes = [4096 * 2**i for i in range(6)]
     rows = [

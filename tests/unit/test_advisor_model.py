@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from advisor.decide.recommend import recommend, what_would_fit
+from advisor.decide.search import run_search
 from advisor.measure.grid import GridRequest, plan_grid
 from advisor.model.memory import ZeroSettings, fit_memory_model, state_elements
 from advisor.model.network import PRESETS, build_network
@@ -23,8 +25,6 @@ from advisor.model.predict import (
     predict_table,
 )
 from advisor.model.prediction_error import fit_models, mape, trial_predictions, validation_table
-from advisor.model.recommend import recommend, what_would_fit
-from advisor.model.search import run_search
 from sdzero.errors import UserError
 
 RNG = np.random.default_rng(0)
@@ -230,7 +230,7 @@ def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
     from typer.testing import CliRunner
 
     from advisor.cli import app
-    from advisor.fine_tune import check_train_args
+    from advisor.stages.fine_tune import check_train_args
 
     with pytest.raises(UserError, match="--train-args"):
         check_train_args(args)
@@ -240,8 +240,8 @@ def test_train_args_may_not_take_over_what_trials_set(args, tmp_path):
 
 
 def test_train_args_reach_the_recommended_launch_command():
-    from advisor.fine_tune import check_train_args
-    from advisor.model.recommend import launch_command
+    from advisor.decide.recommend import launch_command
+    from advisor.stages.fine_tune import check_train_args
 
     extra = check_train_args("--resolution 1024 --gradient-checkpointing")
     cmd = launch_command(Path("c.json"), "m", Path("d"), 1, 8, None, Path("run"), extra)
@@ -403,9 +403,9 @@ def advise_on_synthetic_trials(
     collectives benchmark. `step_noise`: a relative sigma of seeded noise on every trial's step time (the
     synthetic steps lie on the model's own lines, which held-out errors of zero would give intervals of
     zero width)."""
-    import advisor.advise as advise
     import advisor.measure.collectives_launch
     import advisor.measure.profile
+    import advisor.stages.advise as advise
     import advisor.stages.measure
 
     full = with_accumulation_checks(grid_trials()).assign(wall_s=wall_s)

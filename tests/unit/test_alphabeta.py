@@ -1,4 +1,4 @@
-"""Alpha-beta fits and nccl-tests bandwidth definitions (advisor.model.alphabeta)."""
+"""Alpha-beta fits and nccl-tests bandwidth definitions (advisor.measure.alphabeta)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from advisor.model.alphabeta import (
+from advisor.measure.alphabeta import (
     AlphaBetaFit,
     algbw_gbps,
     bus_factor,
@@ -238,8 +238,8 @@ def test_gloo_at_the_measured_group_size_costs_exactly_its_own_fit(collective: s
     """Normalised by what gloo does (a ring at every size, reduce-scatter as an all-reduce), costing an op
     at the group size the probe ran gives back the fitted line: for a 4-host all-reduce the tree latency
     NCCL would take (4 steps, not the ring's 6) costed two thirds of the measured latency."""
+    from advisor.model.collective_cost import CommOp, op_seconds
     from advisor.model.network import GLOO, Link, Network, link_from_fits
-    from advisor.model.step_time import CommOp, op_seconds
 
     fit = _gloo_fit(collective, emulated=collective == "reduce_scatter")
     inter = link_from_fits([fit], "inter")

@@ -9,10 +9,11 @@ import json
 import pandas as pd
 import pytest
 
+from advisor.model.collective_cost import op_seconds, ops_from_mix
 from advisor.model.collective_mix import bucket_calls, collective_mix, logger_view, prefetch_calls, regathered
 from advisor.model.memory import ZeroSettings, state_elements
 from advisor.model.network import Link, Network
-from advisor.model.step_time import fit_time_model, op_seconds, ops_from_mix
+from advisor.model.step_time import fit_time_model
 
 NUMELS = (300, 50, 50, 900, 20, 400, 10, 700)
 PSI = sum(NUMELS)

@@ -18,7 +18,7 @@ import advisor.stages.inputs as inputs_module
 from advisor.measure.grid import TrialSpec
 from advisor.measure.profile import TrialsHost, trials_on_first_host
 from advisor.measure.trials import TrialSettings, first_host_hostfile, trial_launch
-from advisor.request import AdviseRequest
+from advisor.stages.request import AdviseRequest
 from sdzero.cluster.hostfile import HostEntry
 
 GPU_HOST = {
@@ -145,8 +145,8 @@ def test_the_trials_hosts_memory_is_its_own(read, tmp_path):
 def test_the_one_host_leg_runs_slots_ranks_on_the_first_host(monkeypatch, tmp_path):
     from test_scaleout import fits, one_host_trial
 
-    import advisor.measure.scaleout_check as scaleout
-    from advisor.model.alphabeta import FIT_SCHEMA
+    import advisor.stages.scaleout_check as scaleout
+    from advisor.measure.alphabeta import FIT_SCHEMA
     from sdzero.atomic import write_json_atomic
 
     legs = []
@@ -182,9 +182,9 @@ def test_a_one_rank_leg_costs_the_collectives_from_the_networks_sizes(tmp_path):
     prediction its inter-host communication."""
     from test_scaleout import fits, one_host_trial
 
-    from advisor.measure.scaleout_check import TrainedSizes, predict_step
-    from advisor.model.alphabeta import FIT_SCHEMA
+    from advisor.measure.alphabeta import FIT_SCHEMA
     from advisor.model.memory import ZeroSettings
+    from advisor.stages.scaleout_check import TrainedSizes, predict_step
     from sdzero.atomic import write_json_atomic
 
     fit = tmp_path / "fit.json"
@@ -199,8 +199,8 @@ def test_the_bench_keeps_its_own_one_host_trial(monkeypatch, tmp_path):
     """check_config with a 1-host trial given runs only the multi-host leg (bench/scaleout_accuracy.py)."""
     from test_scaleout import fits, one_host_trial
 
-    import advisor.measure.scaleout_check as scaleout
-    from advisor.model.alphabeta import FIT_SCHEMA
+    import advisor.stages.scaleout_check as scaleout
+    from advisor.measure.alphabeta import FIT_SCHEMA
     from sdzero.atomic import write_json_atomic
 
     ran = []

@@ -366,8 +366,8 @@ def test_one_host_command_is_what_the_runner_starts_on_one_host():
 
 
 def test_recommended_and_benchmark_commands_come_from_the_builder(tmp_path, monkeypatch):
+    from advisor.decide.recommend import launch_command
     from advisor.measure import collectives_launch
-    from advisor.model.recommend import launch_command
     from sdzero.cluster import launch_command as launch
 
     built: list[list[str]] = []

@@ -130,7 +130,7 @@ def test_profile_takes_the_output_lock(tmp_path, tiny_model, synth_data):
     import subprocess
     import sys
 
-    from advisor.measure.profile_command import profile_command
+    from advisor.commands.profile import profile_command
 
     out = tmp_path / "profile"
     holder = subprocess.Popen(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from advisor.model.knobs import KNOB_MATTERS, knob_choices, tune_buckets, worth_measuring
+from advisor.decide.knobs import KNOB_MATTERS, knob_choices, tune_buckets, worth_measuring
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Link, Network
 from advisor.model.step_time import TimeModel

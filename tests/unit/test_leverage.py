@@ -11,7 +11,8 @@ import pytest
 from trial_rows import ok_trial
 
 from advisor.model.leverage import FitPoints
-from advisor.model.uncertainty import Z95, add_intervals, estimate_spread, t_quantile
+from advisor.model.uncertainty import add_intervals, estimate_spread
+from advisor.stats import Z95, t_quantile
 
 Z1, Z2, Z3 = (1, "bf16", "none"), (2, "bf16", "none"), (3, "bf16", "none")
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from advisor.model.collective_cost import CommOp, op_seconds
 from advisor.model.network import PRESETS, build_network
-from advisor.model.step_time import CommOp, op_seconds
 from sdzero.errors import UserError
 
 GRADS = CommOp("all_reduce", 1.0, 2e9, False)  # 1 G parameters of bf16 gradients

@@ -163,7 +163,7 @@ def test_cache_takes_max_image_pixels_to_every_rank(monkeypatch, tmp_path):
     ],
 )
 def test_advisor_train_args_are_checked_by_the_trainer_parser(args, said):
-    from advisor.fine_tune import check_train_args
+    from advisor.stages.fine_tune import check_train_args
 
     with pytest.raises(UserError, match=re.escape(said)):
         check_train_args(args)

@@ -7,8 +7,8 @@ import math
 
 import pandas as pd
 
-from advisor.measure.scaleout_check import _comm_s
 from advisor.measure.trials import profile_columns, rank_comm_columns
+from advisor.stages.scaleout_check import _comm_s
 from sdzero.training.probe import Probe
 
 

@@ -39,8 +39,9 @@ from report_page_reader import (
 )
 from typer.testing import CliRunner
 
+from advisor.commands.report import report_command
 from advisor.report import figures
-from advisor.report.build import default_output, report_command, write_advise_report, write_training_report
+from advisor.report.build import default_output, write_advise_report, write_training_report
 from advisor.report.train_page import ema, load_run
 from sdzero.errors import UserError
 

@@ -1,4 +1,4 @@
-"""The scale-out prediction (advisor.measure.scaleout_check) without a cluster: only the link differs between the 1-host
+"""The scale-out prediction (advisor.stages.scaleout_check) without a cluster: only the link differs between the 1-host
 trial and the predicted multi-host run, so a link as fast as the measured one reproduces a trial whose
 collectives ran at the benchmark's speed, a slower link costs exactly the extra communication time, and a
 1-host trial whose collectives beat the benchmark (shared memory) does not make the inter-host link look
@@ -12,10 +12,10 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from advisor.measure.scaleout_check import predict_from_one_host
-from advisor.model.alphabeta import FIT_SCHEMA, AlphaBetaFit
+from advisor.measure.alphabeta import FIT_SCHEMA, AlphaBetaFit
 from advisor.model.network import build_network
 from advisor.model.step_time import fit_time_model
+from advisor.stages.scaleout_check import predict_from_one_host
 from sdzero.atomic import write_json_atomic
 
 GRADS_BYTES = 4_000_000
@@ -108,7 +108,7 @@ def test_slower_link_adds_its_communication_time(fit_file):
 
 def test_merged_probes_hold_both_links(fit_file, tmp_path):
     """An intra and an inter probe (two comm_fit.json files) merge into the one network the check predicts with."""
-    from advisor.measure.scaleout_check import merge_fits
+    from advisor.stages.scaleout_check import merge_fits
 
     both = json.loads(fit_file(10.0).read_text())["fits"]
     paths = []
@@ -126,8 +126,8 @@ def test_two_by_two_as_a_flat_ring_crosses_hosts_more(fit_file):
     """gloo's ring over 2 hosts x 2 ranks crosses the slow link with 2(W-1)/W of the buffer (W = 4 ranks)
     in 2(W-1) slow steps, not the hierarchy's 2(H-1)/H (H = 2 hosts): the measured library's account of
     2x2 is the 4 hosts x 1 prediction, and costs more than NCCL's hierarchy would."""
-    from advisor.measure.scaleout_check import flat_ring_step_s
     from advisor.model.network import NCCL
+    from advisor.stages.scaleout_check import flat_ring_step_s
 
     path = fit_file(10.0)
     trial = one_host_trial().assign(ranks_per_node=4, world_size=4)
@@ -154,7 +154,7 @@ def test_gloo_moves_a_large_op_as_one_ring_over_all_ranks_nccl_by_the_hierarchy(
     slowest hop: 2(W-1)/W of the buffer through each host's link. Its 2(W-1) sequential hops alternate
     within and across hosts (ranks in rank order), so 3 of the 6 pay the cross-host latency. NCCL's
     hierarchy runs the within-host step, then a 2-host ring with 2(H-1)/H. On one host the two agree."""
-    from advisor.model.step_time import CommOp, op_seconds
+    from advisor.model.collective_cost import CommOp, op_seconds
 
     gloo, nccl = _nets(2)
     op = CommOp("all_reduce", 1, 100e6, per_micro_step=False)
@@ -171,7 +171,7 @@ def test_a_gloo_rings_latency_crosses_hosts_on_the_hops_that_do():
     """The longest chain of consecutive hops in a ring of W ranks in rank order over N hosts crosses
     ceil(steps N / W) times: an all-reduce's 6 hops at 2x2 cross 3 times, an all-gather's 3 hops twice;
     at 4 hosts x 1 rank every hop crosses (as before), at 4 hosts x 2 an all-reduce's 14 hops 7 times."""
-    from advisor.model.step_time import CommOp, op_seconds
+    from advisor.model.collective_cost import CommOp, op_seconds
 
     gloo, _ = _nets(2)
     tiny = CommOp("all_reduce", 1, 4.0, per_micro_step=False)
@@ -186,7 +186,7 @@ def test_gloo_pays_a_burst_of_small_ops_as_a_ring_over_all_ranks():
     """ZeRO-3's 208 small gathers a step over 2 hosts x 2 ranks: latency-bound, each a 4-rank ring's
     3 sequential hops, 2 of them across hosts: more than NCCL's hierarchy (one cross-host hop per gather),
     less than 4 hosts x 1 rank (3 cross-host hops)."""
-    from advisor.model.step_time import CommOp, op_seconds
+    from advisor.model.collective_cost import CommOp, op_seconds
 
     gloo, nccl = _nets(2)
     burst = CommOp("all_gather", 208, 208 * 512, per_micro_step=True)

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 from test_advisor_model import NUMELS, ZERO, nets, trial, with_accumulation_checks
 
-import advisor.model.search as search
+import advisor.decide.search as search
+from advisor.decide.search import LaunchCosts, default_budget_s, run_search
 from advisor.measure.grid import GridRequest, plan_grid
-from advisor.model.search import LaunchCosts, default_budget_s, run_search
 from advisor.model.step_time import fit_time_model
 
 PER_SAMPLE = {1: 0.010, 2: 0.012, 3: 0.030}

@@ -166,7 +166,7 @@ def _no_measuring_at_all(monkeypatch):
 
 
 def test_the_documented_example_profile_plans_one_to_n_nodes_measuring_nothing(monkeypatch, tmp_path):
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     _no_measuring_at_all(monkeypatch)
     rec = run_advise(
@@ -185,7 +185,7 @@ def test_the_documented_example_profile_plans_one_to_n_nodes_measuring_nothing(m
 
 def test_a_profile_measured_across_two_nodes_gives_its_own_figure_back_there(monkeypatch, tmp_path):
     """No 1-node rate at 32 per GPU is published for Lambda's H100 cluster: its profile is the 2-node run."""
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     _no_measuring_at_all(monkeypatch)
     profile = ROOT / "bench" / "published" / "mlperf-v4.1-lambda-h100.yaml"
@@ -199,7 +199,7 @@ def test_a_profile_measured_across_two_nodes_gives_its_own_figure_back_there(mon
 
 
 def test_a_profile_without_its_fields_is_refused_in_one_line(tmp_path):
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     cases = [
         ("device: h200\nconfigs: []\n", "gpus_per_node"),
@@ -228,7 +228,7 @@ def test_a_training_runs_folder_plans_from_its_metrics_and_effective_config(
 ):
     """The files the trainer writes (sdzero.training.run_output): metrics.jsonl, ds_config.json and
     run_config.json."""
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     run = tmp_path / "run"
     run.mkdir()

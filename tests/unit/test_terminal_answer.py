@@ -146,6 +146,7 @@ def test_the_advise_command_takes_explain(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     import advisor.cli as advise_cli
+    import advisor.commands.advise as advise_module
 
     rec = advise_answer()
 
@@ -154,7 +155,7 @@ def test_the_advise_command_takes_explain(monkeypatch, tmp_path):
             recommendation=rec, trials_run=15, full_grid=12, out_dir=request.out_dir, report=None
         )
 
-    monkeypatch.setattr(advise_cli, "run_advise", run_advise)
+    monkeypatch.setattr(advise_module, "run_advise", run_advise)
     monkeypatch.setenv("COLUMNS", str(WIDTH))
     runner = CliRunner()
     short = runner.invoke(advise_cli.app, ["advise", "--out", str(tmp_path / "a")])
@@ -200,7 +201,8 @@ def test_the_report_shows_the_same_ranges_and_words(tmp_path):
 def test_an_interval_is_a_ratio_that_never_reaches_zero():
     """add_intervals: a 95% half-width h of 105% (a noisy machine) puts the step's bounds at step / 2.05
     and step x 2.05, never at a cut; throughput's bounds are the step's, swapped, with the same ratio."""
-    from advisor.model.uncertainty import Z95, Spread, add_intervals, interval_ratio
+    from advisor.model.uncertainty import Spread, add_intervals, interval_ratio
+    from advisor.stats import Z95
 
     row = {
         "node_count": 16,

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from test_advisor_model import advise_on_synthetic_trials
 
-from advisor.model.scaling_table import BatchReach, NodeRule, scaling_table
+from advisor.decide.scaling_table import BatchReach, NodeRule, scaling_table
 from advisor.model.time_to_train import (
     StartUp,
     TrainAmount,
@@ -205,7 +205,7 @@ def test_the_embedded_default_plans_a_fine_tune_every_node_count_reaches(
 ):
     """No --model and no --deepspeed-config: the embedded fine-tune's batch 256 is held at 1-32 nodes."""
     import advisor.stages.inputs
-    from advisor.fine_tune import EMBEDDED_FINE_TUNE
+    from advisor.stages.fine_tune import EMBEDDED_FINE_TUNE
 
     monkeypatch.setattr(
         advisor.stages.inputs, "default_inputs", lambda out, m, d: (str(tiny_model), synth_data)
@@ -245,7 +245,7 @@ def _no_measuring(monkeypatch):
 def test_a_replan_with_the_same_options_gives_the_run_its_own_table(
     monkeypatch, tmp_path, tiny_model, synth_data
 ):
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     run = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64")
     _no_measuring(monkeypatch)
@@ -275,7 +275,7 @@ def test_a_replan_with_the_same_options_gives_the_run_its_own_table(
 
 
 def test_a_replan_answers_for_another_target_batch_and_amount(monkeypatch, tmp_path, tiny_model, synth_data):
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     run = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64")
     _no_measuring(monkeypatch)
@@ -304,7 +304,7 @@ def test_a_replan_answers_for_another_target_batch_and_amount(monkeypatch, tmp_p
 
 
 def test_a_replan_refuses_what_it_cannot_answer_in_one_line(monkeypatch, tmp_path, tiny_model, synth_data):
-    from advisor.advise import AdviseRequest, run_advise
+    from advisor.stages.advise import AdviseRequest, run_advise
 
     advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data)
     _no_measuring(monkeypatch)
@@ -367,8 +367,8 @@ def test_the_out_folder_is_refused_while_another_live_run_holds_it(
 
 
 def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_path, tiny_model, synth_data):
-    from advisor.model.uncertainty import MEAN_ABS_TO_SIGMA
     from advisor.report.terminal import error_line
+    from advisor.stats import MEAN_ABS_TO_SIGMA
 
     # no launch of the replayed trials left repeats: no floor, and the line says none
     rec = advise_on_synthetic_trials(

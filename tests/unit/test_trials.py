@@ -14,11 +14,12 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+import advisor.commands.profile as profile_command_module
 import advisor.measure.profile as profile_module
-import advisor.measure.profile_command as profile_command_module
+from advisor.commands.profile import profile_command
 from advisor.measure.grid import GridRequest, TrialSpec
-from advisor.measure.profile import TRIAL_COLUMNS, read_trials, run_profile
-from advisor.measure.profile_command import profile_command
+from advisor.measure.profile import run_profile
+from advisor.measure.trial_table import TRIAL_COLUMNS, read_trials
 from advisor.measure.trials import GIB, TrialOutcome, TrialSettings, classify_trial, error_line, trainer_args
 from sdzero.errors import UserError
 

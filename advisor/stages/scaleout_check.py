@@ -32,9 +32,9 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.measure.alphabeta import FIT_SCHEMA
 from advisor.measure.grid import TrialSpec, write_trial_config
 from advisor.measure.trials import TrialSettings, first_host_hostfile, run_trial
-from advisor.model.alphabeta import FIT_SCHEMA
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import NCCL, CollectiveAlgorithm, Network, build_network
 from advisor.model.step_time import StepPrediction, fit_time_model, measured_step_s
@@ -138,7 +138,7 @@ def trial_table(
     spec: TrialSpec, settings: TrialSettings, base: dict[str, Any], trial_dir: Path, nodes: int
 ) -> pd.DataFrame:
     """Run one trial and return it as a one-row table in advisor.measure.profile's format."""
-    from advisor.measure.profile import trial_row
+    from advisor.measure.trial_table import trial_row
 
     config = write_trial_config(base, spec, trial_dir, spec.ranks_per_node * nodes)
     outcome = run_trial(spec, settings, config, trial_dir)

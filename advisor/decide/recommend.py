@@ -1,4 +1,4 @@
-"""The recommendation: the node count chosen by efficiency (advisor.model.scaling_table), the fastest config that
+"""The recommendation: the node count chosen by efficiency (advisor.decide.scaling_table), the fastest config that
 fits there, its DeepSpeed JSON, launch command and runners-up.
 
 The JSON is the user's base JSON with the winner's knobs written in by the same code that writes each
@@ -19,11 +19,11 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
+from advisor.decide.ties import is_tie, pick_config
 from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
 from advisor.model.predict import Candidate
-from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
-from advisor.model.uncertainty import is_tie, pick_config
 from sdzero.config.lr_rule import LrChoice, base_lr_of, check_rule, choose_lr
 from sdzero.constants import GIB
 from sdzero.errors import UserError
@@ -92,7 +92,7 @@ def launch_command(
 
 def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
     """One line on why this config lost to the recommendation; "within noise" where the two cannot be told
-    apart (advisor.model.uncertainty.is_tie)."""
+    apart (advisor.decide.ties.is_tie)."""
     if not bool(row["feasible"]):
         return (
             f"memory: needs {row['mem_per_rank_bytes'] / GIB:.2f} GiB per rank, over the "

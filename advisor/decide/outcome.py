@@ -15,9 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.model.network import Network
-from advisor.model.predict import BatchTarget, Candidate
-from advisor.model.scaling_table import (
+from advisor.decide.scaling_table import (
     INTERVAL_COLUMNS,
     MEASURED,
     MODELLED,
@@ -30,11 +28,13 @@ from advisor.model.scaling_table import (
     scaling_table,
     table_records,
 )
-from advisor.model.search import CHECK_TRIALS, SearchResult
+from advisor.decide.search import CHECK_TRIALS, SearchResult
+from advisor.decide.withheld import larger_batch_note, withhold_timing
+from advisor.model.network import Network
+from advisor.model.predict import BatchTarget, Candidate
 from advisor.model.target_compute import ComputeBasis
 from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
 from advisor.report.answer import NOT_MEASURED_WELL, TOO_WIDE, duration_range, range_text, too_wide
-from advisor.report.withheld import larger_batch_note, withhold_timing
 from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
 from sdzero.telemetry.environment import bf16_emulated
@@ -45,7 +45,7 @@ GPU_HOURS = "GPU-h"
 
 @dataclass
 class Outcome:
-    """Everything the pipeline knows once it has chosen (see advisor.advise.run_advise)."""
+    """Everything the pipeline knows once it has chosen (see advisor.stages.advise.run_advise)."""
 
     best: pd.Series
     runners: list[dict[str, Any]]
@@ -84,7 +84,8 @@ class Outcome:
     samples_rule: str = "same"
     """How the samples grow with a larger global batch (advisor.model.batch_growth)."""
     noise_floor: float | None = None
-    """The reference config's repeat spread (drift.json's noise_floor, a fraction); None: not measured."""
+    """The run's noise floor (advisor.model.uncertainty.run_noise_floor: the pooled spread between the two
+    halves of each config's launch, as a mean |deviation|), a fraction; None: not measured."""
     intervals: str = ""
     """Where the predicted figures' 95% intervals come from (advisor.model.uncertainty.Spread.describe)."""
     interval_notes: tuple[str, ...] = ()

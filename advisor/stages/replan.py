@@ -26,15 +26,14 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.search import SearchResult
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config, plan_grid
 from advisor.measure.trials import TrialSettings
 from advisor.model.memory import ZeroSettings
 from advisor.model.model_cost import ModelCost
 from advisor.model.network import build_network
 from advisor.model.predict import BatchTarget
-from advisor.model.search import SearchResult
 from advisor.model.time_to_train import train_amount
-from advisor.request import CPU_GRID, AdviseRequest
 from advisor.stages.inputs import (
     AdviseInputs,
     _refuse_unreachable,
@@ -45,7 +44,8 @@ from advisor.stages.inputs import (
 )
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.profile_source import is_profile_source, profile_stages
-from advisor.target import machine_target, target_differs, target_memory
+from advisor.stages.request import CPU_GRID, AdviseRequest
+from advisor.stages.target import machine_target, target_differs, target_memory
 from sdzero.atomic import write_json_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.constants import GIB

@@ -5,14 +5,14 @@
     <out>/trials.csv               the trials for the report (with its `dtype` column)
     <out>/predictions.csv, validation.csv, recommendation.json, recommended_ds_config.json,
     <out>/environment.json, <out>/report.html
-    <out>/plan_inputs.json         what `sdzero advise --replan <out>` needs besides the trials (advisor.plan)
+    <out>/plan_inputs.json         what `sdzero advise --replan <out>` needs besides the trials (advisor.stages.replan)
     <out>/advise.log               library chatter, kept off the terminal
 
 The files follow the data contract in advisor.report.build's docstring. Without --model/--data the embedded tiny
 model and synthetic data are written into <out>/ first, so `sdzero advise --max-nodes 32` runs anywhere.
 
 run_advise composes the stages of advisor.stages, each a function from the typed outputs of those before it
-to its own; the options are one AdviseRequest (advisor.request).
+to its own; the options are one AdviseRequest (advisor.stages.request).
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from advisor.fine_tune import default_inputs as default_inputs  # re-exported: bench/advisor_accuracy.py
-from advisor.plan import replan_stages, write_plan_inputs
-from advisor.request import CPU_GRID as CPU_GRID  # re-exported: bench/advisor_accuracy.py
-from advisor.request import AdviseRequest
+from advisor.stages.fine_tune import (
+    default_inputs as default_inputs,  # re-exported: bench/advisor_accuracy.py
+)
 from advisor.stages.fit import fit
 from advisor.stages.inputs import read_inputs
 from advisor.stages.measure import measure_hardware, measure_trials
 from advisor.stages.predict import predict
 from advisor.stages.recommend import recommend_config, write_recommendation
+from advisor.stages.replan import replan_stages, write_plan_inputs
 from advisor.stages.report import write_report
+from advisor.stages.request import CPU_GRID as CPU_GRID  # re-exported: bench/advisor_accuracy.py
+from advisor.stages.request import AdviseRequest
 
 
 @dataclass
@@ -46,7 +48,7 @@ class AdviseResult:
 
 def run_advise(request: AdviseRequest) -> AdviseResult:
     """The whole advise pipeline; bad input raises UserError before any trial starts. With
-    `request.replan` the inputs and measurements are an earlier run's (advisor.plan)."""
+    `request.replan` the inputs and measurements are an earlier run's (advisor.stages.replan)."""
     from sdzero.checkpoint.output_lock import release_output_dir
 
     try:

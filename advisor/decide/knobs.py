@@ -16,10 +16,11 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from advisor.measure.grid import TrialSpec
+from advisor.model.collective_cost import ops_from_mix
 from advisor.model.collective_mix import collective_mix
 from advisor.model.memory import MemoryModel, ZeroSettings
 from advisor.model.network import Network
-from advisor.model.step_time import TimeModel, measured_step_s, ops_from_mix
+from advisor.model.step_time import TimeModel, measured_step_s
 
 KNOB_MATTERS = 0.03
 """A setting is measured only if the model predicts it shortens the step by at least this fraction."""

@@ -23,7 +23,8 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.model.uncertainty import pick_config
+from advisor.decide.ties import pick_config
+from advisor.model.uncertainty import ratio_bounds
 from sdzero.errors import UserError
 
 DEFAULT_MIN_EFFICIENCY = 0.8
@@ -133,8 +134,8 @@ def scaling_table(
         per_node = float(first["samples_per_s"]) / int(first["node_count"])
         table["efficiency"] = table["samples_per_s"] / (per_node * table["node_count"])
         half = efficiency_halfwidth(table, first)
-        table["efficiency_lo"] = table["efficiency"] * (1 - half)
-        table["efficiency_hi"] = table["efficiency"] * (1 + half)
+        # multiplicative, as every interval (advisor.model.uncertainty.ratio_bounds): never reaching zero
+        table["efficiency_lo"], table["efficiency_hi"] = ratio_bounds(table["efficiency"], half)
     table["knee"] = False
     knee = choose_node_count(table, min_efficiency)
     if knee is not None:
@@ -302,6 +303,13 @@ def _figure(row: pd.Series, column: str) -> tuple[float, float, float] | None:
     return None if any(pd.isna(v) for v in values) else tuple(float(v) for v in values)  # type: ignore[return-value]
 
 
+def _range(figure: tuple[float, float, float]) -> str:
+    """' (lo-hi)' of a percentage, or nothing where the interval has no width: a range of one value says
+    nothing a reader can act on."""
+    lo, hi = f"{figure[1]:.1%}", f"{figure[2]:.1%}"
+    return "" if lo == hi else f" ({lo}-{hi})"
+
+
 def _nodes(n: int) -> str:
     return f"{n} node{'s' if n != 1 else ''}"
 
@@ -320,9 +328,9 @@ def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
         after = _figure(ok.loc[larger[0]], "efficiency") if larger else None
         if own is None:
             return ""
-        text = f"{_nodes(chosen)} keep {own[0]:.1%} efficiency ({own[1]:.1%}-{own[2]:.1%})"
+        text = f"{_nodes(chosen)} keep {own[0]:.1%} efficiency{_range(own)}"
         if after is not None:
-            text += f"; {_nodes(larger[0])} {after[0]:.1%} ({after[1]:.1%}-{after[2]:.1%})"
+            text += f"; {_nodes(larger[0])} {after[0]:.1%}{_range(after)}"
         borderline = own[1] < bar or (after is not None and after[2] >= bar)
         # The same config at both counts: its compute cancels and the interval is the link's alone, which
         # an assumed preset does not have; zero width there is not certainty.

@@ -12,8 +12,8 @@ import subprocess
 import sys
 from typing import Any
 
+from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY
 from advisor.model.predict import node_counts
-from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY
 from sdzero.config.lr_rule import check_rule
 from sdzero.errors import UserError
 

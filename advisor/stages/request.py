@@ -1,7 +1,7 @@
 """What `sdzero advise` is asked: every option of the command in one typed object, with its default.
 
-The typer command (advisor.cli.advise_command) builds an AdviseRequest and hands it to
-advisor.advise.run_advise; tests and benches build one directly. Checking the values is the inputs stage's
+The typer command (advisor.commands.advise.advise_command) builds an AdviseRequest and hands it to
+advisor.stages.advise.run_advise; tests and benches build one directly. Checking the values is the inputs stage's
 work (advisor.stages.inputs), so a request can be written down before anything is asked of the machine.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY
 from advisor.measure.grid import GridRequest
-from advisor.model.scaling_table import DEFAULT_MIN_EFFICIENCY
 from sdzero.config.lr_rule import DEFAULT_LR_SCALING
 from sdzero.config.options import DEFAULTS
 
@@ -75,12 +75,12 @@ class AdviseRequest:
     nodes: int | None = None
     """Recommend for this node count instead of choosing by efficiency."""
     target_gpu: str | None = None
-    """The target's GPU by name (advisor.target.TARGET_GPUS), for its memory."""
+    """The target's GPU by name (advisor.stages.target.TARGET_GPUS), for its memory."""
     lr_reference_batch: int | None = DEFAULTS.lr_reference_batch
     """Global batch the base LR was tuned for; None: the base config's on one target node."""
     samples: int | None = None
     """Samples in one epoch of the fine-tune; None: the images in `data` (the embedded default: its
-    fine-tune's, advisor.fine_tune.EMBEDDED_FINE_TUNE)."""
+    fine-tune's, advisor.stages.fine_tune.EMBEDDED_FINE_TUNE)."""
     epochs: float | None = None
     """Epochs to train, for the time, GPU-hours and cost to train; None: one."""
     gpu_hour_price: float | None = None
@@ -97,5 +97,5 @@ class AdviseRequest:
     `same`, or a rule from published results (`flux`, `sd2`)."""
     replan: Path | None = None
     """Answer again from this earlier run's trials, link probes and fits, measuring nothing
-    (advisor.plan); or from a training run's folder (metrics.jsonl and ds_config.json) or a profile file
+    (advisor.stages.replan); or from a training run's folder (metrics.jsonl and ds_config.json) or a profile file
     (advisor.stages.profile_source); its answer is written into `out_dir`."""

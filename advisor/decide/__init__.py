@@ -1,0 +1,1 @@
+"""What chooses: the search, the tie rule, the scaling table, the recommendation and its outcome."""
