@@ -115,9 +115,8 @@ def _bandwidth_slope(x: np.ndarray, t: np.ndarray) -> float:
     the one point that is far slower than the line through the others (SLOW_OUTLIER) where four or more
     sizes leave three to fit.
 
-    Noise on a shared machine only ever adds time, and one slowed size moves a least-squares slope a long
-    way: on the shaped 200 Mbit/s test link one 2 MiB all-gather took 62.7 ms instead of 42 ms (another
-    process on the same cores) and the slope read the link as 126 Mbit/s instead of 200.
+    Noise on a shared machine only ever adds time, and one slowed size (another process on the same
+    cores) moves a least-squares slope a long way: the link then reads far slower than it is.
     """
     top = x >= x.max() / REGIME_SPAN
     xs, ts = x[top], t[top]

@@ -17,8 +17,8 @@ Sizes stop growing when the next one would overrun the time budget.
   4. a burst: `in_flight` all-gathers of the smallest size started back to back without waiting, then all
      waited for, timed per call. ZeRO-3 issues its parameter gathers like this (prefetch, the gather of
      persistent parameters after each step, hundreds per step), and a library that overlaps or pipelines
-     them pays less than one blocking call's latency each: measured on gloo over a link with 1 ms each
-     way, about 1.5 ms a call in a burst against 2.5 ms blocking. Its row has `in_flight` > 1 and is kept out of the line fit.
+     them pays less than one blocking call's latency each (gloo does, over a link with latency). Its row
+     has `in_flight` > 1 and is kept out of the line fit.
 
 Rank 0 writes the rows as CSV with pandas. `size_bytes` follows nccl-tests: the whole buffer of an
 all-reduce, the (larger) input of a reduce-scatter, the (larger) output of an all-gather.
