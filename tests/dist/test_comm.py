@@ -274,7 +274,9 @@ def test_command_parses_options_and_delegates(monkeypatch: pytest.MonkeyPatch) -
         seen.update(kwargs)
         raise UserError("stop here")
 
-    monkeypatch.setattr(comm_module, "run_comm", fake_run_comm)
+    import advisor.commands.comm as comm_command_module  # the command calls run_comm by its own name
+
+    monkeypatch.setattr(comm_command_module, "run_comm", fake_run_comm)
     app = typer.Typer()
     app.command()(comm_command)
     args = ["--ranks", "4", "--backend", "mpi", "--min-bytes", "8KiB", "--max-bytes", "1M", "--budget-s", "5"]
