@@ -328,7 +328,8 @@ def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
         after = _figure(ok.loc[larger[0]], "efficiency") if larger else None
         if own is None:
             return ""
-        text = f"{_nodes(chosen)} keep {own[0]:.1%} efficiency{_range(own)}"
+        keep = "keeps" if chosen == 1 else "keep"
+        text = f"{_nodes(chosen)} {keep} {own[0]:.1%} efficiency{_range(own)}"
         if after is not None:
             text += f"; {_nodes(larger[0])} {after[0]:.1%}{_range(after)}"
         borderline = own[1] < bar or (after is not None and after[2] >= bar)
