@@ -192,9 +192,10 @@ FIRST_LAUNCH_MEASURE_SHARE = 0.5
 yet, so it is taken to cost as much as the measuring."""
 MIN_TIMED_STEPS = 6
 """The fewest timed steps a config gets in a launch: three interleaved rounds of two."""
-UNTIMED_STEPS = 6
+UNTIMED_STEPS = 7
 """Steps per config a launch takes besides the timed ones: a warm-up, the instrumented step and a round of
-two settling in its first visit, and up to a round of two past the measuring time in its last."""
+two settling in its first visit, the second instrumented step opening its second visit, and up to a round
+of two past the measuring time in its last."""
 END_RESERVE = 0.04
 END_RESERVE_S = 30.0
 """The budget kept for what follows the launches (fit, prediction, report; their time is in

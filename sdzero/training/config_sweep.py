@@ -9,11 +9,13 @@ read it): a config is the batch the same engine is fed and its accumulation
 (`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`).
 
 Each config's first visit is uncounted: `--profile-warmup-steps` steps (the launch's first config only),
-one *instrumented* step, the only one with DeepSpeed's comms_logger and wall-clock timers on (the logger
+one *instrumented* step, the only kind with DeepSpeed's comms_logger and wall-clock timers on (the logger
 synchronizes after every collective and the timers around every phase: in a timed step they would remove
 the overlap of communication and compute that a user's run has), which also reads the model states and
-the activation bytes, and while the launch's first seconds last a round's worth of steps more. Every
-later step is *timed*: nothing on in it that a user's run does not have.
+the activation bytes, and while the launch's first seconds last a round's worth of steps more. Its second
+visit starts with a second instrumented step, and the config keeps the one of the two that spent less time
+in collectives (a step slowed by anything else would otherwise be read as its communication). Every
+other step is *timed*: nothing on in it that a user's run does not have.
 
 A *tie* is timed at the end of every round: a fixed matrix product that depends on no engine, so that
 launches of different engines can be put on one machine speed (advisor.measure.launch).
@@ -113,9 +115,16 @@ class ConfigProbe(Probe):
             return
         self._disarm_instruments()
         mark = self.comm.elapsed_s()
-        self.comm_marks = [] if mark is None else [mark]
-        self.comm_result = self.comm.totals(1)
+        result = self.comm.totals(1)
         self.comm.close()
+        # A config has two instrumented steps (its first and second visits); the one with less time in
+        # collectives is kept: other work on the machine only ever adds time to a collective, and one
+        # slowed step would be read as the config's communication (and taken out of its compute).
+        kept = self.comm_marks[0] if self.comm_marks else None
+        if kept is not None and mark is not None and mark >= kept:
+            return
+        self.comm_marks = [] if mark is None else [mark]
+        self.comm_result = result
         if self.engine.wall_clock_breakdown():
             cache = self.engine.get_wall_clock_timers()
             self.ds_timers = [
@@ -266,6 +275,11 @@ class ConfigSweep(Callback):
             plan = ["warmup"] * warm + ["instrumented"]
             if self.seconds["warmup"] + self.seconds["instrumented"] < SETTLE_S:
                 plan += ["warmup"] * self.round_steps
+        elif entry.visits == 1:
+            plan = [
+                "instrumented",
+                *plan,
+            ]  # the second reading of its collectives (ConfigProbe keeps the less)
         entry.visits += 1
         before = len(entry.probe.records)
         oom = None

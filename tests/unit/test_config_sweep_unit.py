@@ -82,3 +82,33 @@ def test_a_cuda_out_of_memory_is_told_from_other_errors() -> None:
     assert _is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert _is_oom(RuntimeError("[enforce fail] DefaultCPUAllocator: out of memory"))
     assert not _is_oom(RuntimeError("size mismatch"))
+
+
+def test_of_two_instrumented_steps_the_one_with_less_time_in_collectives_is_kept() -> None:
+    """Each config is instrumented on its first and second visits; a step slowed by anything else on the
+    machine only adds time to its collectives, so the lesser reading is the config's communication."""
+    from sdzero.training.config_sweep import ConfigProbe
+
+    class Meter:
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+
+        def elapsed_s(self) -> float:
+            return self.seconds
+
+        def totals(self, steps: int) -> dict:
+            return {"ops": {"all_reduce": {"seconds_per_step": self.seconds}}}
+
+        def close(self) -> None:
+            pass
+
+    probe = object.__new__(ConfigProbe)  # its collectives meter and engine stood in for
+    probe.kinds = {1: "instrumented", 2: "timed", 5: "instrumented", 9: "instrumented"}
+    probe.comm_marks, probe.comm_result = [], None
+    probe.engine = SimpleNamespace(wall_clock_breakdown=lambda: False)
+    probe._disarm_instruments = lambda: None
+    for step, seconds in ((1, 1.6), (2, 0.1), (5, 0.5), (9, 0.9)):
+        probe.comm = Meter(seconds)
+        probe.on_step_queued(None, step)
+    assert probe.comm_marks == [0.5]
+    assert probe.comm_totals() == {"ops": {"all_reduce": {"seconds_per_step": 0.5}}}
