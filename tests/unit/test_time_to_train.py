@@ -398,3 +398,45 @@ def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_
     ).recommendation
     assert rec["noise_floor"] == pytest.approx(floor) and rec["error"]["trials"] > 0
     assert f"(this machine's noise floor {floor:.1%})" in error_line(rec)
+
+
+def test_a_replan_into_another_folder_keeps_the_runs_noise_floor(
+    monkeypatch, tmp_path, tiny_model, synth_data
+):
+    """The launches' halves are the run's noise floor: a replan into another --out carries them over, so its
+    intervals keep the drift (without them it said "no noise floor measured" and narrowed every range)."""
+    from advisor.stages.advise import AdviseRequest, run_advise
+
+    launch = {
+        "name": "z1",
+        "folder": "",
+        "configs": [],
+        "status": "ok",
+        "wall_s": 1.0,
+        "startup_s": 0.0,
+        "steps_s": 1.0,
+        "timed_s": 1.0,
+        "timed_steps": 4,
+        "tie_s": None,
+        "others_cpu_share": None,
+        "round_medians_s": {"mb1-ga1": [1.0, 1.0, 1.1, 1.1]},
+    }
+    advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
+    )  # sdzero's folder
+    (tmp_path / "out" / "launches.json").write_text(json.dumps({"setup": "s", "launches": [launch]}))
+    run = advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64")
+    assert run.recommendation["noise_floor"] is not None
+    _no_measuring(monkeypatch)
+    again = run_advise(
+        AdviseRequest(
+            max_nodes=32,
+            out_dir=tmp_path / "again",
+            replan=tmp_path / "out",
+            device_memory_gib=1.0,
+            global_batch="64",
+        )
+    )
+    assert again.recommendation["noise_floor"] == run.recommendation["noise_floor"]
+    assert again.recommendation["intervals"] == run.recommendation["intervals"]
+    assert (tmp_path / "again" / "launches.json").is_file()
