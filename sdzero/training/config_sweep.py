@@ -276,10 +276,8 @@ class ConfigSweep(Callback):
             if self.seconds["warmup"] + self.seconds["instrumented"] < SETTLE_S:
                 plan += ["warmup"] * self.round_steps
         elif entry.visits == 1:
-            plan = [
-                "instrumented",
-                *plan,
-            ]  # the second reading of its collectives (ConfigProbe keeps the less)
+            # the second reading of its collectives (ConfigProbe keeps the lesser of the two)
+            plan = ["instrumented", *plan]
         entry.visits += 1
         before = len(entry.probe.records)
         oom = None
