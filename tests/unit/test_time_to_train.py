@@ -366,17 +366,10 @@ def test_the_out_folder_is_refused_while_another_live_run_holds_it(
     advise_on_synthetic_trials(monkeypatch, tmp_path, tiny_model, synth_data)  # free again: it runs
 
 
-def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_path, tiny_model, synth_data):
-    from advisor.report.terminal import error_line
-    from advisor.stats import MEAN_ABS_TO_SIGMA
-
-    # no launch of the replayed trials left repeats: no floor, and the line says none
-    rec = advise_on_synthetic_trials(
-        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
-    ).recommendation
-    assert rec["noise_floor"] is None and "noise floor" not in error_line(rec)
-    # one launch whose config ran 1.0, 1.0 s in its first rounds and 1.1, 1.1 s in its last: its halves
-    launch = {
+def one_launch_with_halves() -> dict:
+    """launches.json's record of one launch whose config ran 1.0, 1.0 s in its first rounds and 1.1, 1.1 s
+    in its last: its two halves are the run's noise floor."""
+    return {
         "name": "z1",
         "folder": "",
         "configs": [],
@@ -390,6 +383,19 @@ def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_
         "others_cpu_share": None,
         "round_medians_s": {"mb1-ga1": [1.0, 1.0, 1.1, 1.1]},
     }
+
+
+def test_the_held_out_error_stands_beside_the_runs_noise_floor(monkeypatch, tmp_path, tiny_model, synth_data):
+    from advisor.report.terminal import error_line
+    from advisor.stats import MEAN_ABS_TO_SIGMA
+
+    # no launch of the replayed trials left repeats: no floor, and the line says none
+    rec = advise_on_synthetic_trials(
+        monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
+    ).recommendation
+    assert rec["noise_floor"] is None and "noise floor" not in error_line(rec)
+    # one launch whose config ran 1.0, 1.0 s in its first rounds and 1.1, 1.1 s in its last: its halves
+    launch = one_launch_with_halves()
     (tmp_path / "out" / "launches.json").write_text(json.dumps({"setup": "s", "launches": [launch]}))
     logs = [math.log(v) for v in (1.0, 1.1)]
     floor = math.sqrt(sum((v - sum(logs) / 2) ** 2 for v in logs) / 1) / MEAN_ABS_TO_SIGMA
@@ -407,20 +413,7 @@ def test_a_replan_into_another_folder_keeps_the_runs_noise_floor(
     intervals keep the drift (without them it said "no noise floor measured" and narrowed every range)."""
     from advisor.stages.advise import AdviseRequest, run_advise
 
-    launch = {
-        "name": "z1",
-        "folder": "",
-        "configs": [],
-        "status": "ok",
-        "wall_s": 1.0,
-        "startup_s": 0.0,
-        "steps_s": 1.0,
-        "timed_s": 1.0,
-        "timed_steps": 4,
-        "tie_s": None,
-        "others_cpu_share": None,
-        "round_medians_s": {"mb1-ga1": [1.0, 1.0, 1.1, 1.1]},
-    }
+    launch = one_launch_with_halves()
     advise_on_synthetic_trials(
         monkeypatch, tmp_path, tiny_model, synth_data, global_batch="64"
     )  # sdzero's folder
