@@ -71,8 +71,6 @@ from sdzero.errors import AgreedError, UserError
 
 log = logging.getLogger("sdzero.checkpoint.checkpointer")
 
-# ------------------------------------------------------------------------------ discovery and retention
-
 
 def complete_checkpoints(root: Path) -> list[tuple[Path, Manifest]]:
     """Folders under `root` with a valid manifest, newest first. Staging folders never count."""
@@ -180,9 +178,6 @@ def check_compatible(path: Path, manifest: Manifest, now: dict[str, Any], elasti
     )
 
 
-# ------------------------------------------------------------------------------------------- RNG state
-
-
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states in types that torch.load(weights_only=True) accepts (no numpy objects)."""
     from deepspeed.accelerator import get_accelerator
@@ -212,9 +207,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-# ------------------------------------------------------------------------------------------ EMA files
-
-
 def check_ema_files(path: Path, manifest: Manifest) -> None:
     """Every file under `ema/` is one the manifest lists and a readable safetensors file: the EMA loaders
     glob the folder, so a file planted beside the listed ones would otherwise be read."""
@@ -239,9 +231,6 @@ def ema_errors_as_user_errors(path: Path) -> Iterator[None]:
         yield
     except (ValueError, KeyError, FileNotFoundError) as exc:
         raise UserError(f"checkpoint {path}: its EMA cannot be read ({exc})") from None
-
-
-# ------------------------------------------------------------------------------------ collective parts
 
 
 @dataclass(frozen=True)
