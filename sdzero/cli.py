@@ -81,6 +81,27 @@ def synth_data(
     typer.echo(f"wrote {images} captioned images to {out}")
 
 
+@command("shard")
+def shard(
+    data: Annotated[Path, typer.Argument(help="image folder with metadata.jsonl (or .csv / .parquet)")],
+    out: Annotated[
+        Path, typer.Argument(help="folder to write 000000.tar, 000001.tar, ... into (must not exist)")
+    ],
+    max_count: Annotated[int, typer.Option(help="samples per shard")] = 1000,
+    max_size_mb: Annotated[int, typer.Option(help="bytes per shard, at most, in MiB")] = 1024,
+) -> None:
+    """Write an image folder as tar shards in img2dataset's layout (key.jpg + key.txt + key.json), which
+    --data reads as a pattern or a folder (see docs/data.md)."""
+    from sdzero.data.shard_writer import write_shards
+
+    summary = write_shards(data, out, max_count=max_count, max_size_bytes=max_size_mb << 20)
+    last = f"{summary.shards - 1:06d}"
+    typer.echo(
+        f"wrote {summary.samples} samples in {summary.shards} shards to {out} "
+        f"(--data '{out}/{{000000..{last}}}.tar' or --data {out})"
+    )
+
+
 @command("cache")
 def cache(
     model: Annotated[str, input_option("model")],

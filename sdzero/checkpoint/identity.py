@@ -72,9 +72,9 @@ def samples_fingerprint(data: Path, cache_dir: Path | None) -> str:
 
         return "cache:" + spec_from(read_index(Path(cache_dir) / INDEX_NAME)["spec"]).digest
     from sdzero.data import cache
-    from sdzero.data.images import read_metadata
+    from sdzero.data.shards import read_records
 
-    records = read_metadata(Path(data))
+    records = read_records(data)
     rows = [[name, size] for name, size, _mtime in cache.data_files(Path(data), records)]
     return cache.rows_fingerprint(rows, records)  # the cache's digest, of rows without mtimes
 

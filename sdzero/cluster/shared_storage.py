@@ -39,8 +39,16 @@ class NodeReport:
 
 
 def listing_fingerprint(data: Path) -> str:
-    """sha256 of the top-level names and of every metadata file's bytes; no image is read."""
+    """sha256 of the top-level names and of every metadata file's bytes; no image is read. Tar shards:
+    each shard's name and size (no member is read)."""
     digest = hashlib.sha256()
+    from sdzero.config.data_source import data_root, is_shard_source, shard_paths
+
+    if is_shard_source(data):
+        root = data_root(data)
+        for path in shard_paths(data):
+            digest.update(f"{path.relative_to(root).as_posix()} {path.stat().st_size}\n".encode())
+        return digest.hexdigest()[:16]
     for name in sorted(os.listdir(data)):
         digest.update(f"{name}\n".encode())
         meta = Path(data) / name

@@ -76,7 +76,8 @@ class RunOptions:
     )
     model: str = option(help="diffusers pipeline folder or hub id (loaded with from_pretrained either way)")
     data: Path = option(
-        help="image folder with metadata.jsonl (or metadata.csv / metadata.parquet): file_name, text"
+        help="image folder with metadata.jsonl (or metadata.csv / metadata.parquet): file_name, text; or tar "
+        "shards in img2dataset's layout: a brace pattern (shards/{000000..000099}.tar) or a folder of .tar files"
     )
     output_dir: Path = option(help="where metrics.jsonl and checkpoints go")
     max_steps: int = option(100, "optimizer steps (not micro-steps)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdzero.config.data_source import is_shard_source
 from sdzero.config.ds_json import check_ds_values, read_ds_json
 from sdzero.config.ds_schema import check_with_deepspeed
 from sdzero.config.lr_rule import LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
@@ -206,7 +207,7 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
                     f"--profile-warmup-steps {self.profile_warmup_steps} must be >= 0 and below --max-steps "
                     f"{self.max_steps}, so that at least one step is measured"
                 )
-        if not self.data.is_dir():
+        if not self.data.is_dir() and not is_shard_source(self.data):
             raise UserError(
                 f"--data {self.data}: no such folder; point it at an image folder with metadata.jsonl"
             )

@@ -34,15 +34,16 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from sdzero.config.data_source import data_root, is_shard_source, shard_paths
 from sdzero.config.user_file import read_user_bytes
 from sdzero.data.buckets import bucket_sizes
 from sdzero.data.images import (
     Record,
     SampleSpec,
     draw_noise,
-    read_metadata,
     sample_generator,
 )
+from sdzero.data.shards import read_records
 from sdzero.errors import UserError
 from sdzero.models.families import FAMILIES, detect_family
 from sdzero.models.step_input import LatentPosterior, PromptEmbeds, StepInput
@@ -168,7 +169,14 @@ def model_fingerprint(model: str) -> str:
 
 
 def data_files(data: Path, records: list[Record]) -> list[list[Any]]:
-    """[file name, size, mtime_ns] of every listed image and of the metadata file itself."""
+    """[file name, size, mtime_ns] of every listed image and of the metadata file itself; of every shard
+    for tar shards (a shard's captions are in the fingerprint's captions)."""
+    if is_shard_source(data):
+        root = data_root(data)
+        return [
+            [p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns]
+            for p in shard_paths(data)
+        ]
     rows = []
     for path in [
         *(p for p in Path(data).iterdir() if p.name.startswith("metadata.")),
@@ -244,7 +252,7 @@ def run_spec(
         if buckets
         else None
     )
-    records = read_metadata(Path(data))
+    records = read_records(data)
     rows = data_files(Path(data), records)
     spec = CacheSpec(
         family=family.name,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from sdzero.atomic import write_json_atomic
+from sdzero.config.data_source import data_root
 from sdzero.config.output_lock import LOCK_NAME, claim_output_dir, release_output_dir
 from sdzero.data.buckets import assign_buckets
 from sdzero.data.cache import (
@@ -138,7 +139,7 @@ def _pixels(
     dummy = np.random.default_rng(0)  # center crop draws nothing
     pixels, meta = [], []
     for pos, rec in group:
-        img = open_rgb(rec.path)
+        img = open_rgb(rec.image_source())
         original = (img.height, img.width)
         img, crop = resize_and_crop(img, size, dummy, random_crop=False)
         pixels.append(torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1))
@@ -497,6 +498,7 @@ def _write_index(
     out: Path, data: Path, plan: _Plan, comps: Any, sums: dict[int, str], seconds: float
 ) -> None:
     shards, cond_keys = _shard_entries(out, plan, sums)
+    root = data_root(data)  # tar shards: names are `shard.tar#key`
     index = {
         "format": CACHE_FORMAT,
         "spec": asdict(plan.spec),
@@ -506,7 +508,7 @@ def _write_index(
         "cond_keys": sorted(cond_keys),
         "samples": [
             {
-                "file_name": r.path.relative_to(data).as_posix(),
+                "file_name": r.name_in(root),
                 "text": r.text,
                 "shard": p // plan.shard_size,
                 "size": list(plan.sizes[p]),
@@ -514,7 +516,7 @@ def _write_index(
             for p, r in enumerate(plan.good)
         ],
         "shards": shards,
-        "skipped_unreadable": [plan.records[i].path.name for i in plan.bad],
+        "skipped_unreadable": [plan.records[i].name_in(root) for i in plan.bad],
         "data_files": plan.rows,
         "build_seconds": seconds,  # rank 0's last build session, model loading included
     }

@@ -17,10 +17,10 @@ from sdzero.data.images import (
     EpochSampler,
     LateFailures,
     SampleSpec,
-    read_metadata,
     set_max_image_pixels,
 )
 from sdzero.data.listing import TorchRanks, check_images, good_sizes
+from sdzero.data.shards import read_records
 from sdzero.errors import UserError
 from sdzero.models.families import Components
 from sdzero.models.loading import tokenize
@@ -58,7 +58,7 @@ def build_data(
     were found when the cache was built."""
     if cache is None:
         set_max_image_pixels(cfg.max_image_pixels)  # before the check and the workers' fork
-        records = read_metadata(cfg.data)
+        records = read_records(cfg.data)  # a loose folder's metadata, or the tar shards' index
         # every rank must agree on the dataset, or collectives desync: checked together, from headers, and
         # remembered for the next start (sdzero.data.listing)
         checked = check_images(records, cfg.data, TorchRanks(rank, world), cfg.max_bad_fraction)

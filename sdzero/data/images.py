@@ -9,6 +9,7 @@ exact. The worker only produces tensors (a sample's `StepInput`, joined into mic
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -51,10 +52,51 @@ def max_image_pixels() -> int:
     return _max_image_pixels
 
 
+_open_shards: dict[tuple[int, str], int] = {}
+"""Descriptors of the shards this process has read, keyed by (pid, path): a DataLoader worker forked with
+its parent's table opens its own (pread needs no shared offset, but a forked descriptor is the parent's)."""
+
+
+def read_member(path: Path, offset: int, size: int) -> bytes:
+    """One member's bytes: a single positioned read from a descriptor kept open per process."""
+    key = (os.getpid(), str(path))
+    fd = _open_shards.get(key)
+    if fd is None:
+        fd = _open_shards[key] = os.open(path, os.O_RDONLY)
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise OSError(f"{path}: member at byte {offset} cut short ({len(data)} of {size} bytes)")
+    return data
+
+
 @dataclass(frozen=True)
 class Record:
     path: Path
+    """The image file, or the tar shard that holds the image (`member`)."""
     text: str
+    member: tuple[str, int, int] | None = None
+    """(sample key, byte offset, size) of the image inside the shard `path`; None for a loose file."""
+    problem: str | None = None
+    """Why a shard's sample cannot be trained on (no image or no caption member), found when indexing."""
+
+    def image_source(self) -> Path | io.BytesIO:
+        """What PIL opens: the file, or the member's bytes (one positioned read of the shard)."""
+        if self.member is None:
+            return self.path
+        return io.BytesIO(read_member(self.path, self.member[1], self.member[2]))
+
+    def size_bytes(self) -> int:
+        return self.path.stat().st_size if self.member is None else self.member[2]
+
+    def name_in(self, root: Path) -> str:
+        """The record's name relative to the data root: `dir/a.jpg`, or `shard.tar#key` for a member."""
+        name = self.path.relative_to(root).as_posix()
+        return name if self.member is None else f"{name}#{self.member[0]}"
+
+    @property
+    def label(self) -> str:
+        """How a log line names the image."""
+        return str(self.path) if self.member is None else f"{self.path}#{self.member[0]}"
 
 
 def read_metadata(folder: Path) -> list[Record]:
@@ -130,7 +172,7 @@ def inside(folder: Path, meta: Path, row: int, name: str) -> Path:
     return path
 
 
-def open_rgb(path: Path) -> Image.Image:
+def open_rgb(path: Path | io.BytesIO) -> Image.Image:
     """Decode fully (truncated files fail here, not later in a worker) and convert to RGB; an image over
     the pixel limit is refused from its header, before anything is decoded."""
     Image.MAX_IMAGE_PIXELS = _max_image_pixels  # PIL's own check at open (it errors at twice the figure)
@@ -149,11 +191,13 @@ def find_unreadable(records: list[Record], rank: int, world_size: int) -> list[i
     bad = []
     for i in range(rank, len(records), world_size):
         try:
-            if records[i].path.stat().st_size == 0:
+            if records[i].problem:
+                raise OSError(records[i].problem)
+            if records[i].size_bytes() == 0:
                 raise OSError("zero-byte file")
-            open_rgb(records[i].path)
+            open_rgb(records[i].image_source())
         except IMAGE_ERRORS as exc:
-            log.warning("skipping unreadable image %s: %s", records[i].path, exc)
+            log.warning("skipping unreadable image %s: %s", records[i].label, exc)
             bad.append(i)
     return bad
 
@@ -322,13 +366,13 @@ class CaptionedImages(Dataset):
             if i in self.failed:
                 continue
             try:
-                return i, open_rgb(self.records[i].path)
+                return i, open_rgb(self.records[i].image_source())
             except IMAGE_ERRORS as exc:
                 self.failed.add(i)
                 log.warning(
                     "skipping image %s: unreadable since the start-up check (%s); %d skipped so far in "
                     "this process",
-                    self.records[i].path,
+                    self.records[i].label,
                     exc,
                     len(self.failed),
                 )

@@ -8,6 +8,9 @@ records (i % world == rank) and inspects only the files whose size or mtime chan
 ranks exchange their shares, and rank 0 writes the listing back. Every rank then holds every image's
 (height, width), which aspect-ratio buckets need, read once over all ranks rather than once per rank.
 
+Tar shards' members are checked the same way (sdzero.data.shards), each remembered under
+`shard.tar#key` with its shard's size and mtime.
+
 A file that breaks later, past the header (a truncated JPEG), is met by a DataLoader worker, skipped, and
 counted against --max-bad-fraction (sdzero.data.images.LateFailures).
 """
@@ -26,6 +29,7 @@ from typing import Any, Protocol
 from PIL import Image
 
 from sdzero.atomic import write_json_atomic
+from sdzero.config.data_source import data_root
 from sdzero.data.images import IMAGE_ERRORS, Record, check_bad_fraction, max_image_pixels
 
 log = logging.getLogger("sdzero.data.listing")
@@ -72,15 +76,17 @@ def listing_path(folder: Path) -> Path:
     return listing_dir() / f"{digest}.json"
 
 
-def inspect_image(path: Path, decode: bool = False) -> tuple[int, int]:
+def inspect_image(record: Record, decode: bool = False) -> tuple[int, int]:
     """(height, width) from the header, after PIL's `verify` (chunk checksums and structure, no pixel
     decode), or after a full decode with `decode`; raises one of IMAGE_ERRORS for a file that is missing,
     empty or not an image (or, decoded, truncated past its header)."""
-    if path.stat().st_size == 0:
+    if record.problem:  # a shard's sample without an image or a caption
+        raise OSError(record.problem)
+    if record.size_bytes() == 0:
         raise OSError("zero-byte file")
     limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # sizes are remembered whatever the limit
     try:
-        with Image.open(path) as img:
+        with Image.open(record.image_source()) as img:
             size = (img.height, img.width)
             img.load() if decode else img.verify()
     finally:
@@ -88,9 +94,9 @@ def inspect_image(path: Path, decode: bool = False) -> tuple[int, int]:
     return size
 
 
-def _entry(path: Path, stat: os.stat_result, decode: bool) -> Entry:
+def _entry(record: Record, stat: os.stat_result, decode: bool) -> Entry:
     try:
-        height, width = inspect_image(path, decode)
+        height, width = inspect_image(record, decode)
         return [stat.st_size, stat.st_mtime_ns, height, width, None, decode]
     except IMAGE_ERRORS as exc:
         return [stat.st_size, stat.st_mtime_ns, None, None, f"{type(exc).__name__}: {exc}", decode]
@@ -125,11 +131,12 @@ def check_share(
         except OSError as exc:
             mine[i] = [-1, -1, None, None, f"{type(exc).__name__}: {exc}", False]
             continue
-        entry = known.get(path.relative_to(folder).as_posix())
+        # a shard's members carry the shard's size and mtime: a rewritten shard is inspected again
+        entry = known.get(records[i].name_in(folder))
         if entry is not None and entry[:2] == [stat.st_size, stat.st_mtime_ns] and (entry[5] or not decode):
             mine[i] = entry
         else:
-            mine[i] = _entry(path, stat, decode)
+            mine[i] = _entry(records[i], stat, decode)
             inspected += 1
     return mine, inspected
 
@@ -142,10 +149,11 @@ def check_images(
     full decode of what was not decoded before (a cache build, which must not meet a bad file later)."""
     folder = Path(folder)
     where = listing_path(folder)
+    root = data_root(folder)  # tar shards: their common folder (a brace pattern is no folder)
     known = ranks.broadcast(_read_listing(where) if ranks.rank == 0 else None)
     entries: dict[int, Entry] = {}
     inspected = 0
-    for share, count in ranks.gather(check_share(records, folder, ranks.rank, ranks.world, known, decode)):
+    for share, count in ranks.gather(check_share(records, root, ranks.rank, ranks.world, known, decode)):
         entries.update(share)
         inspected += count
     limit = max_image_pixels()
@@ -155,13 +163,13 @@ def check_images(
         if error is None and height * width > limit:
             error = f"{width}x{height} pixels, over --max-image-pixels {limit}"
         if error is not None:
-            log.warning("skipping unreadable image %s: %s", record.path, error)
+            log.warning("skipping unreadable image %s: %s", record.label, error)
             bad.append(i)
             sizes.append(None)
         else:
             sizes.append((height, width))
     if ranks.rank == 0 and inspected:
-        remember(where, folder, records, entries)
+        remember(where, root, records, entries)
     check_bad_fraction(len(records), len(bad), max_bad_fraction, folder)
     return CheckedImages(bad, sizes, inspected)
 
@@ -169,9 +177,7 @@ def check_images(
 def remember(where: Path, folder: Path, records: Sequence[Record], entries: dict[int, Entry]) -> None:
     """Rank 0 writes the listing (atomically); a cache folder that cannot be written costs the next start
     its speed, not this run."""
-    known = {
-        records[i].path.relative_to(folder).as_posix(): entry for i, entry in entries.items() if entry[0] >= 0
-    }
+    known = {records[i].name_in(folder): entry for i, entry in entries.items() if entry[0] >= 0}
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(where, {"format": LISTING_FORMAT, "folder": str(folder.resolve()), "images": known})

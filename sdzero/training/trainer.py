@@ -26,7 +26,8 @@ from sdzero.config.train_config import DsSettings, TrainConfig, load_ds_config, 
 from sdzero.data.buckets import BucketBatchSampler, samples_dropped
 from sdzero.data.cache import CacheIndex, open_cache
 from sdzero.data.feed import Batches, BatchSource, build_data
-from sdzero.data.images import LateFailures, read_metadata
+from sdzero.data.images import LateFailures
+from sdzero.data.shards import read_records
 from sdzero.models.encoding import encode_batch
 from sdzero.models.families import Components
 from sdzero.models.loading import DTYPES, detect_family, load_components, resolve_prediction_type
@@ -307,7 +308,7 @@ def check_inputs(cfg: TrainConfig) -> tuple[DsSettings, CacheIndex | None]:
     wrong with the input: run before the process group exists, so that a mistake is one clear line."""
     ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
     detect_family(cfg.model).check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
-    read_metadata(cfg.data)
+    read_records(cfg.data)  # a folder's metadata or the tar shards' index: one line if either is wrong
     check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
     if cfg.cache_dir is None:
         return ds, None
