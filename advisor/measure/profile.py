@@ -179,9 +179,10 @@ def _check_inputs(
     stall_timeout_s: float | None,
     mem_cap_gib: float | None,
 ) -> None:
+    from sdzero.config.data_source import is_shard_source
     from sdzero.models.loading import detect_family
 
-    if not Path(data).is_dir():
+    if not Path(data).is_dir() and not is_shard_source(data):
         raise UserError(f"--data {data}: no such folder; point it at an image folder with metadata.jsonl")
     detect_family(model)  # a wrong --model fails here once, not as a crash in every trial
     if steps < 1:

@@ -43,8 +43,18 @@ def embedded_base(base: dict[str, Any], fine_tune: FineTune = EMBEDDED_FINE_TUNE
 
 
 def dataset_images(data: Path) -> int:
-    """Images listed in the folder's metadata.jsonl (what one epoch trains on), 0 when unreadable: the
-    trainer checks the folder itself."""
+    """Images listed in the folder's metadata.jsonl, or the samples of its tar shards (what one epoch
+    trains on), 0 when unreadable: the trainer checks the data itself."""
+    from sdzero.config.data_source import is_shard_source
+
+    if is_shard_source(data):
+        from sdzero.data.shards import read_records
+        from sdzero.errors import UserError
+
+        try:
+            return len(read_records(data))  # the remembered index: no tar is read twice
+        except UserError:
+            return 0
     meta = Path(data) / "metadata.jsonl"
     try:
         with meta.open() as f:
