@@ -26,7 +26,8 @@ while the others wait in a collective cannot be saved in-process: the advisor se
 the configs already written and launches the rest again without it.)
 
 The launch ends, after any config's turn, once `--profile-max-seconds` of steps are measured and every
-config has `--profile-min-steps` timed steps. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
+config has `--profile-min-steps` timed steps. FILE gets {"launch": ..., "configs": {key: profile}, "input":
+...}, "input" being what one loader worker and the storage deliver (sdzero.data.input_probe), each profile in the
 single-trial format (sdzero.training.probe); FILE.partial.json the same after every round.
 """
 
@@ -192,6 +193,7 @@ class ConfigSweep(Callback):
         self.rounds = 0
         self._instruments = _Instruments(engine)
         self._batches: dict[int, Batches] = {}
+        self.input: dict[str, Any] | None = None
 
     def _ds_of(self, c: SweepConfig) -> Any:
         return replace(self.ds, micro_batch=c.micro_batch, grad_accum=c.grad_accum)
@@ -230,6 +232,7 @@ class ConfigSweep(Callback):
             self._write(self.out.with_name(self.out.stem + ".partial.json"))
             if done:
                 break
+        self.input = self._measure_input(trainer)
         self._write(self.out)
         for batches in self._batches.values():
             if batches is not trainer.batches:
@@ -368,6 +371,17 @@ class ConfigSweep(Callback):
         self.tie_s.append(elapsed)
         self.seconds["tie"] += elapsed
 
+    def _measure_input(self, trainer: Any) -> dict[str, Any] | None:
+        """Rank 0, once the configs are measured: one loader worker's rate and the storage's with the
+        node's readers (sdzero.data.input_probe); the other ranks wait in the next collective."""
+        if dist.get_rank() != 0:
+            return None
+        from sdzero.data.input_probe import measure_input
+        from sdzero.telemetry.environment import local_ranks_from_env
+
+        dataset = trainer.batches.loader.dataset
+        return measure_input(dataset, self.cfg.seed, self.cfg.num_workers, local_ranks_from_env())
+
     # ------------------------------------------------------------------ the result
 
     def _write(self, path: Path) -> None:
@@ -402,6 +416,7 @@ class ConfigSweep(Callback):
                     },
                 },
                 "configs": configs,
+                "input": self.input,  # None in the partial file, written before it is measured
             },
         )
 

@@ -75,6 +75,15 @@ def test_every_config_that_fits_is_measured_in_interleaved_rounds(swept: tuple[d
     assert len(launch["tie_s"]) == launch["rounds"]
 
 
+def test_the_launch_measures_one_loader_worker_and_the_storage(swept: tuple[dict, str]) -> None:
+    measured = swept[0]["input"]
+    assert measured["kind"] == "images" and measured["workers_per_rank"] == 1 and measured["local_ranks"] == 2
+    assert measured["worker"]["samples"] >= 4 and measured["worker"]["samples_per_s"] > 0
+    storage = measured["storage"]
+    assert storage["readers"] == 2 and storage["files"] >= 2 and storage["bytes_per_s"] > 0
+    assert storage["bytes_per_file"] == pytest.approx(storage["bytes_per_s"] / storage["files_per_s"])
+
+
 def test_a_config_out_of_memory_ends_itself_and_the_larger_ones_not_the_launch(
     swept: tuple[dict, str],
 ) -> None:
