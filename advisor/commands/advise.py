@@ -120,6 +120,22 @@ DeadlineHours = Annotated[
 MaxGpuHours = Annotated[
     float | None, typer.Option(help="choose the node count that finishes soonest within these GPU-hours.")
 ]
+LoaderWorkers = Annotated[
+    int | None,
+    typer.Option(
+        help="loader workers per rank of the planned run, for its input rate (default: the trials')."
+    ),
+]
+CpuCoresPerNode = Annotated[
+    int | None,
+    typer.Option(help="cores a target node's loader workers may use (default: this machine's, if alike)."),
+]
+StorageGbps = Annotated[
+    float | None,
+    typer.Option(
+        help="aggregate read rate of the shared storage holding --data, Gbit/s (all nodes together)."
+    ),
+]
 Replan = Annotated[
     Path | None,
     typer.Option(
@@ -189,6 +205,9 @@ def advise_command(
     gpu_hour_price: GpuHourPrice = _ADVISE.gpu_hour_price,
     deadline_hours: DeadlineHours = _ADVISE.deadline_hours,
     max_gpu_hours: MaxGpuHours = _ADVISE.max_gpu_hours,
+    loader_workers: LoaderWorkers = _ADVISE.loader_workers,
+    cpu_cores_per_node: CpuCoresPerNode = _ADVISE.cpu_cores_per_node,
+    storage_gbps: StorageGbps = _ADVISE.storage_gbps,
     replan: Replan = _ADVISE.replan,
     target_tflops: TargetTflops = _ADVISE.target_tflops,
     samples_rule: SamplesRuleOption = _ADVISE.samples_rule,
@@ -236,6 +255,9 @@ def advise_command(
         gpu_hour_price=gpu_hour_price,
         deadline_hours=deadline_hours,
         max_gpu_hours=max_gpu_hours,
+        loader_workers=loader_workers,
+        cpu_cores_per_node=cpu_cores_per_node,
+        storage_gbps=storage_gbps,
         replan=replan,
         target_tflops=target_tflops,
         samples_rule=samples_rule,

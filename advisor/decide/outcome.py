@@ -336,6 +336,13 @@ def verdict(o: Outcome, rec: dict[str, Any]) -> str:
     )
 
 
+def input_clause(rec: dict[str, Any]) -> str:
+    """'; input-bound: ... remedy: ...' where the chosen node count is held back by its input (its row's
+    note, advisor.model.input_rate), else nothing: a plan never recommends an input-bound count silently."""
+    row = next((r for r in rec.get("scaling_table", []) if r.get("node_count") == rec["node_count"]), {})
+    return f"; {row['input_note']}" if row.get("input_note") else ""
+
+
 def build_recommendation(o: Outcome) -> dict[str, Any]:
     best = o.best
     measured = measured_ids(o.trials)
@@ -402,7 +409,7 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "unmeasured_stages": stages_without_trials(o),
         "unmeasured_groups": groups_without_trials(o),
     }
-    rec["verdict"] = verdict(o, rec)
+    rec["verdict"] = verdict(o, rec) + input_clause(rec)
     rec["compute_basis"] = {"kind": o.compute.kind if o.compute else MEASURED, "line": compute_line(o)}
     if o.compute is not None and not o.compute.timed:
         withhold_timing(rec, o.compute.line)

@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from advisor.decide.ties import pick_config
+from advisor.model.input_rate import INPUT_COLUMNS
 from advisor.model.uncertainty import ratio_bounds
 from sdzero.errors import UserError
 
@@ -66,6 +67,7 @@ COLUMNS = (
     "larger_batch",
     "samples_factor",
     "comm_s",
+    *INPUT_COLUMNS,
 )
 
 
@@ -160,6 +162,7 @@ _BEST_COLUMNS = (
     "larger_batch",
     "samples_factor",
     "comm_s",
+    *INPUT_COLUMNS,
 )
 
 

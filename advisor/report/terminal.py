@@ -180,6 +180,8 @@ def _marks(row: dict[str, Any], rec: dict[str, Any], choice: dict[str, Any]) -> 
         marks.append(f"knee (>= {choice.get('min_efficiency', 0):.0%})")
     if n == choice.get("fastest") and n != rec.get("node_count"):
         marks.append("fastest")
+    if row.get("input_bound"):  # the samples/s is the input's, not the GPUs' (advisor.model.input_rate)
+        marks.append(f"input-bound ({row.get('input_link')})")
     return marks
 
 

@@ -264,6 +264,13 @@ def check_request_options(
     rule = NodeRule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
     check_target_rate(r.target_tflops)
     samples_rule(r.samples_rule)
+    for flag, value in (
+        ("--loader-workers", r.loader_workers),
+        ("--cpu-cores-per-node", r.cpu_cores_per_node),
+        ("--storage-gbps", r.storage_gbps),
+    ):
+        if value is not None and not value > 0:
+            raise UserError(f"{flag} {value}: must be a positive number")
     if r.gpu_hour_price is not None and not r.gpu_hour_price > 0:
         raise UserError(f"--gpu-hour-price {r.gpu_hour_price}: must be a positive price per GPU-hour")
     train_amount(r.samples, r.epochs, 1, "")  # their bounds, before anything runs

@@ -11,7 +11,9 @@ import pandas as pd
 from advisor.decide.recommend import what_would_fit
 from advisor.decide.scaling_table import BatchReach
 from advisor.measure.grid import GridPlan
+from advisor.measure.input_figures import keep_input, launch_input_sections
 from advisor.model.batch_growth import SamplesRule, samples_rule
+from advisor.model.input_rate import InputPlan, bound_predictions, plan_from
 from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget, Candidate, predict_table
 from advisor.model.step_time import TimeModel
@@ -75,6 +77,7 @@ def predict(
     table = with_larger_batches(
         table, candidates, inputs, fitted, timing, target_net, hardware.usable_bytes, rule
     )
+    table = bound_predictions(table, input_plan(inputs))  # no row faster than its input can feed it
     startup = startup_s(measured.trials)
     table = add_time_to_train(table, inputs.amount, startup)
     spread = run_spread(inputs, hardware, measured)
@@ -100,6 +103,20 @@ def predict(
             + what_would_fit(fitted.memory, candidates, inputs.node_list, inputs.target_gpus, usable)
         )
     return Predictions(candidates, table, startup, spread, basis, target_net, timing)
+
+
+def input_plan(inputs: AdviseInputs) -> InputPlan | None:
+    """The input rate model from the launches' measurements and the node's settings (--loader-workers,
+    --cpu-cores-per-node, else the trial machine's cores when the target is nodes like it,
+    --storage-gbps); kept in <out>/input.json. None where no launch measured its input."""
+    r = inputs.request
+    sections = launch_input_sections(inputs.out_dir)
+    cores = r.cpu_cores_per_node
+    if cores is None and not inputs.differs and sections:
+        cores = sections[-1].get("cpu_count")
+    plan = plan_from(sections, inputs.target_gpus, r.loader_workers, cores, r.storage_gbps)
+    keep_input(inputs.out_dir, sections, plan.record() if plan else None)
+    return plan
 
 
 def compute_basis_of(inputs: AdviseInputs) -> ComputeBasis:

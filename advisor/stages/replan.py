@@ -28,6 +28,7 @@ import pandas as pd
 
 from advisor.decide.search import SearchResult
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config, plan_grid
+from advisor.measure.input_figures import INPUT_FILE
 from advisor.measure.launch import LAUNCHES_FILE
 from advisor.measure.trials import TrialSettings
 from advisor.model.memory import ZeroSettings
@@ -58,9 +59,10 @@ TEXT_COLUMNS = ("trial_id", "setup_id", "status", "reason", "precision", "offloa
 REPORT_ONLY = ("dtype", "mem_per_rank_bytes")
 """Columns the predict stage adds to trials.csv for the report (advisor.stages.predict)."""
 PLAN_VERSION = 1
-COPIED = ("trials.csv", "comm/comm.csv", "comm/comm_fit.json", "validation.csv", LAUNCHES_FILE)
+COPIED = ("trials.csv", "comm/comm.csv", "comm/comm_fit.json", "validation.csv", LAUNCHES_FILE, INPUT_FILE)
 """What a replan into another folder copies there, so that folder reports and replans on its own: the
-launches too, whose halves are the run's noise floor (without them the intervals leave drift out)."""
+launches too, whose halves are the run's noise floor (without them the intervals leave drift out), and
+the input measurements (advisor.measure.input_figures)."""
 
 
 def write_plan_inputs(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Path:

@@ -95,6 +95,13 @@ class AdviseRequest:
     samples_rule: str = "same"
     """How the samples to reach the same quality grow with the global batch (advisor.model.batch_growth):
     `same`, or a rule from published results (`flux`, `sd2`)."""
+    loader_workers: int | None = None
+    """Loader workers per rank of the planned run, for its input rate; None: the trials' --num-workers."""
+    cpu_cores_per_node: int | None = None
+    """Cores a target node's loader workers may use (one worker per core at most); None: this machine's
+    when the target is nodes like it, else not capped."""
+    storage_gbps: float | None = None
+    """Aggregate read rate of the shared storage the data is on, Gbit/s (declared); None: not known."""
     replan: Path | None = None
     """Answer again from this earlier run's trials, link probes and fits, measuring nothing
     (advisor.stages.replan); or from a training run's folder (metrics.jsonl and ds_config.json) or a profile file

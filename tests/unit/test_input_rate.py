@@ -1,0 +1,97 @@
+"""The input rate model (advisor.model.input_rate): each node count's input rate from one worker's rate,
+the workers a node runs and the storage, every prediction bounded by it, and the note that names the
+bound and its remedy."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from advisor.decide.outcome import input_clause
+from advisor.measure.input_figures import keep_input, launch_input_sections
+from advisor.model.input_rate import LOADER, SHARED_STORAGE, InputPlan, bound_predictions, plan_from
+
+SECTION = {
+    "kind": "images",
+    "worker": {"samples_per_s": 10.0},
+    "storage": {"bytes_per_s": 8e6, "files_per_s": 8.0, "bytes_per_file": 1e6},
+    "workers_per_rank": 1,
+    "local_ranks": 2,
+    "cpu_count": 4,
+}
+
+
+def predictions(rates: dict[int, float]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {"node_count": n, "global_batch": 64, "samples_per_s": r, "step_time_s": 64 / r}
+            for n, r in rates.items()
+        ]
+    )
+
+
+def test_the_plan_is_the_median_of_the_launches_and_the_node_settings():
+    slower = {**SECTION, "worker": {"samples_per_s": 6.0}}
+    plan = plan_from([SECTION, slower, {**SECTION, "worker": {"samples_per_s": 20.0}}], 8, 2, 12, 16.0)
+    assert plan.worker_samples_per_s == 10.0 and plan.workers_per_rank == 2
+    assert plan.workers_per_node == 12  # 2 per rank x 8 ranks, at most one per core
+    assert plan.limits(4) == {
+        LOADER: 4 * 12 * 10.0,
+        "storage": 4 * 8e6 / 1e6,
+        SHARED_STORAGE: 16e9 / 8 / 1e6,  # 2,000 images/s whatever the node count
+    }
+    assert plan_from([], 8, None, None, None) is None
+    assert plan_from([SECTION], 8, None, None, None).workers_per_rank == 1  # the trials' own
+
+
+def test_rows_above_the_input_take_its_rate_and_say_so_with_the_remedy():
+    plan = InputPlan(10.0, "images", 1, 2, 4, None, 1e6, 60e6)
+    table = bound_predictions(predictions({1: 15.0, 2: 50.0, 4: 90.0}), plan)
+    # 1 node: 2 workers x 10 = 20 >= 15 (compute binds); 2 nodes: 40 < 50; 4 nodes: the shared 60 < 80
+    assert table["input_bound"].tolist() == [False, True, True]
+    assert table["samples_per_s"].tolist() == [15.0, 40.0, 60.0]
+    assert table["step_time_s"].tolist() == pytest.approx([64 / 15, 64 / 40, 64 / 60])
+    assert table["training_samples_per_s"].tolist() == [15.0, 50.0, 90.0]
+    assert table["input_note"][0] == ""
+    assert table["input_note"][1] == (
+        "input-bound: 2 nodes need 50 images/s, the loader workers give 40; remedy: a latent cache "
+        "(`sdzero cache`, then --cache-dir: workers read latents, not images)"
+    )
+    assert table["input_note"][2].startswith(
+        "input-bound: 4 nodes need 90 images/s, the shared storage gives 60"
+    )
+    assert "tar shards" in table["input_note"][2]
+
+
+def test_with_a_cache_the_remedy_is_more_workers_where_cores_are_spare():
+    plan = InputPlan(10.0, "cache", 1, 2, 8)
+    note = bound_predictions(predictions({1: 100.0}), plan)["input_note"][0]
+    assert (
+        note
+        == "input-bound: 1 node needs 100 samples/s, the loader workers give 20; remedy: more loader workers (--num-workers 4)"
+    )
+
+
+def test_no_measurement_leaves_the_predictions_as_they_are():
+    table = predictions({1: 15.0})
+    assert bound_predictions(table, None) is table
+
+
+def test_the_verdict_names_an_input_bound_choice():
+    rec = {
+        "node_count": 2,
+        "scaling_table": [{"node_count": 1}, {"node_count": 2, "input_note": "input-bound: x"}],
+    }
+    assert input_clause(rec) == "; input-bound: x"
+    assert input_clause({**rec, "node_count": 1}) == ""
+
+
+def test_sections_are_read_from_the_launches_and_kept_for_a_replan(tmp_path):
+    launch = tmp_path / "profile" / "trials" / "l1"
+    launch.mkdir(parents=True)
+    (launch / "profile.json").write_text('{"configs": {}, "input": {"worker": {"samples_per_s": 3}}}')
+    sections = launch_input_sections(tmp_path)
+    assert sections == [{"worker": {"samples_per_s": 3}}]
+    (tmp_path / "other").mkdir()
+    keep_input(tmp_path / "other", sections, None)
+    assert launch_input_sections(tmp_path / "other") == sections
