@@ -8,6 +8,9 @@ tokenize; or a latent-cache read) and the storage's read rate with a node's read
 - loader workers: n x (workers a node runs) x (one worker's samples/s), the workers a node runs being
   --loader-workers per rank x ranks per node, at most one per core (--cpu-cores-per-node, else the trial
   machine's cores when the target is nodes like it);
+- the node's cores: its cores over the CPU seconds a sample costs, its rank's (measured in the trials'
+  timed steps: the whole step on CPU ranks, the driving of the GPU on GPU ones) and its worker's
+  (1 / the worker's rate) together;
 - a node's storage reads: n x (bytes/s one node's readers measured) / (bytes per sample);
 - the shared storage: its aggregate rate (--storage-gbps) / (bytes per sample), whatever n: one shared
   filesystem does not grow with the nodes reading it. Not measured by the trials (one node reads); the
@@ -27,6 +30,8 @@ from typing import Any
 import pandas as pd
 
 LOADER, NODE_STORAGE, SHARED_STORAGE = "loader workers", "storage", "shared storage"
+CORES = "CPU cores"
+"""The link where ranks and loader workers share a node's cores (CPU nodes)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ class InputPlan:
     shared_storage_bytes_per_s: float | None = None
     """The shared storage's aggregate, declared (--storage-gbps); None: not known."""
     source: str = "measured"
+    rank_cpu_s_per_sample: float | None = None
+    """CPU seconds a rank's own process spends per sample it trains (measured over the launches' timed
+    steps): the part of the node's cores its loader workers cannot have."""
 
     @property
     def workers_per_node(self) -> int:
@@ -58,6 +66,10 @@ class InputPlan:
     def limits(self, nodes: int) -> dict[str, float]:
         """Samples/s each link of the input chain sustains at `nodes` nodes."""
         out = {LOADER: nodes * self.workers_per_node * self.worker_samples_per_s}
+        if self.rank_cpu_s_per_sample and self.cores_per_node:
+            # a sample costs the node its rank's CPU seconds and its worker's (1 / the worker's rate)
+            cpu_s = self.rank_cpu_s_per_sample + 1.0 / self.worker_samples_per_s
+            out[CORES] = nodes * self.cores_per_node / cpu_s
         if self.bytes_per_sample:
             if self.node_storage_bytes_per_s:
                 out[NODE_STORAGE] = nodes * self.node_storage_bytes_per_s / self.bytes_per_sample
@@ -96,6 +108,9 @@ def plan_from(
         node_storage_bytes_per_s=_median([s["bytes_per_s"] for s in storage]) if storage else None,
         bytes_per_sample=_median([s["bytes_per_file"] for s in storage]) if storage else None,
         shared_storage_bytes_per_s=None if shared_storage_gbps is None else shared_storage_gbps * 1e9 / 8,
+        rank_cpu_s_per_sample=_median(cpu)
+        if (cpu := [s["rank_cpu_s_per_sample"] for s in found if s.get("rank_cpu_s_per_sample")])
+        else None,
         source=f"measured in {len(found)} launch{'es' if len(found) != 1 else ''}",
     )
 
@@ -141,7 +156,7 @@ def bound_predictions(table: pd.DataFrame, plan: InputPlan | None) -> pd.DataFra
 def remedies(plan: InputPlan, link: str) -> list[str]:
     """What the measurements say would lift the bound at `link`, most effective first."""
     out = []
-    if link == LOADER:
+    if link in (LOADER, CORES):
         if plan.kind == "images":
             out.append("a latent cache (`sdzero cache`, then --cache-dir: workers read latents, not images)")
         spare = None if plan.cores_per_node is None else plan.cores_per_node - plan.workers_per_node
@@ -167,7 +182,8 @@ def bound_note(row: dict[str, Any] | pd.Series, plan: InputPlan | None) -> str:
     fix = remedies(plan, link)
     return (
         f"input-bound: {n} node{'s need' if n != 1 else ' needs'} {_count(need)} {what}/s, the {link} give"
-        f"{'s' if link != LOADER else ''} {_count(give)}" + (f"; remedy: {fix[0]}" if fix else "")
+        f"{'s' if link not in (LOADER, CORES) else ''} {_count(give)}"
+        + (f"; remedy: {fix[0]}" if fix else "")
     )
 
 

@@ -3,7 +3,7 @@ them: predictions.csv, trials.csv (the report's columns) and environment.json.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
@@ -115,6 +115,8 @@ def input_plan(inputs: AdviseInputs) -> InputPlan | None:
     if cores is None and not inputs.differs and sections:
         cores = sections[-1].get("cpu_count")
     plan = plan_from(sections, inputs.target_gpus, r.loader_workers, cores, r.storage_gbps)
+    if plan is not None and inputs.differs:  # the trials' ranks' CPU is not the target's (CPU vs GPU)
+        plan = replace(plan, rank_cpu_s_per_sample=None)
     keep_input(inputs.out_dir, sections, plan.record() if plan else None)
     return plan
 

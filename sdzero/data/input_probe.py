@@ -1,9 +1,9 @@
 """What the input pipeline delivers on this machine: one loader worker's samples/s and the storage's read
 rate at the data's location.
 
-- One worker: the run's own dataset item (`CaptionedImages`: read, decode, resize and crop, flip, noise
-  draws, tokenize; `CachedSamples`: a latent-cache read), called in turn in this process, which is what a
-  DataLoader worker does between batches. Measured alone, so it is the worker's rate with a core to
+- One worker: a DataLoader with one worker process over the run's own dataset (`CaptionedImages`:
+  read, decode, resize and crop, flip, noise draws, tokenize; `CachedSamples`: a latent-cache read) and
+  its collate, at the run's micro-batch. Measured alone, so it is the worker's rate with a core to
   itself.
 - The storage: as many threads as the node runs loader workers read the images' bytes at once (whole
   files, or a shard's members), each file first dropped from the page cache (posix_fadvise DONTNEED), so
@@ -16,8 +16,9 @@ the advisor turns them into each node count's input rate (advisor.model.input_ra
 from __future__ import annotations
 
 import os
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,22 +27,51 @@ from sdzero.data.images import EpochSampler, Record
 WORKER_SECONDS = 2.0
 """Seconds of items per measurement: several items of even a slow pipeline, a small part of a launch."""
 MIN_ITEMS = 4
+PREFETCHED = 2
+"""DataLoader's default prefetch_factor: batches a worker has ready before the first is taken."""
 STORAGE_SECONDS = 2.0
 
 
-def measure_worker(dataset: Any, seed: int, seconds: float = WORKER_SECONDS) -> dict[str, Any]:
-    """One worker's items/s over the run's dataset in an epoch's order (epoch 1: not the samples the
-    launch's first steps read, whose files the page cache may hold)."""
+def measure_worker(
+    dataset: Any,
+    seed: int,
+    batch_size: int = 1,
+    collate: Callable[[list[Any]], Any] | None = None,
+    seconds: float = WORKER_SECONDS,
+) -> dict[str, Any]:
+    """What one loader worker delivers: a DataLoader with one worker process over the run's dataset (its
+    items, the collate and the hand-over to the rank included), in an epoch's order (epoch 1: not the
+    samples the launch's first steps read, whose files the page cache may hold). The rank takes each
+    batch at once, so the worker never waits: the gap between batches is the worker's time for one."""
+    from torch.utils.data import DataLoader
+
     sampler = EpochSampler(len(dataset), 0, 1, seed=seed)
     sampler.set_epoch(1)
-    keys = list(sampler)
-    dataset[keys[-1]]  # the first item pays one-off costs (a tokenizer's cache, a shard's open)
-    done, start = 0, time.perf_counter()
-    while done < len(keys) - 1 and (done < MIN_ITEMS or time.perf_counter() - start < seconds):
-        dataset[keys[done]]
-        done += 1
-    elapsed = time.perf_counter() - start
-    return {"samples_per_s": done / elapsed, "samples": done, "seconds": elapsed}
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=1, collate_fn=collate, drop_last=True
+    )
+    it = iter(loader)
+    gaps: list[float] = []
+    try:
+        next(it)  # the worker's start and first batch: one-off costs (a tokenizer's cache, a file's open)
+        start = last = time.perf_counter()
+        for _ in it:
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+            if len(gaps) >= MIN_ITEMS + PREFETCHED and now - start >= seconds:
+                break
+    finally:
+        getattr(it, "_shutdown_workers", lambda: None)()
+    # the batches fetched ahead while the first was handed over arrive at once: left out; then the median
+    # batch, as another process on the machine only ever slows one
+    kept = gaps[PREFETCHED:] or gaps
+    return {
+        "samples_per_s": batch_size / statistics.median(kept),
+        "samples": len(gaps) * batch_size,
+        "batch_size": batch_size,
+        "seconds": sum(gaps),
+    }
 
 
 def _drop_cached(record: Record) -> None:
@@ -96,14 +126,21 @@ def measure_storage(
     }
 
 
-def measure_input(dataset: Any, seed: int, workers_per_rank: int, local_ranks: int) -> dict[str, Any]:
+def measure_input(
+    dataset: Any,
+    seed: int,
+    workers_per_rank: int,
+    local_ranks: int,
+    batch_size: int = 1,
+    collate: Callable[[list[Any]], Any] | None = None,
+) -> dict[str, Any]:
     """The launch's "input" section: one worker's rate, the storage's with the node's readers, and the
     settings they were measured under."""
     records = getattr(dataset, "records", None)
     readers = max(1, workers_per_rank) * max(1, local_ranks)
     return {
         "kind": "images" if records is not None else "cache",
-        "worker": measure_worker(dataset, seed),
+        "worker": measure_worker(dataset, seed, batch_size, collate),
         "storage": measure_storage(records, readers) if records is not None else None,
         "workers_per_rank": workers_per_rank,
         "local_ranks": local_ranks,

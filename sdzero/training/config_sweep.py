@@ -104,6 +104,8 @@ class ConfigProbe(Probe):
         self.comm_result: dict[str, Any] | None = None
         self.peak_cuda: int | None = None
         self.step_at: list[float] = []
+        self.loader_wait_apart = False
+        """Loader workers feed the steps: their wait is taken out of the step (see on_metrics)."""
         """Epoch seconds at the end of each timed step (where the advisor puts the config in time)."""
 
     def on_step_begin(self, trainer: Any, step: int) -> None:
@@ -138,6 +140,12 @@ class ConfigProbe(Probe):
 
     def on_metrics(self, trainer: Any, step: int, record: dict[str, Any]) -> None:
         if self.kinds.get(step) == "timed":
+            if self.loader_wait_apart and record.get("data_s"):
+                # The step without its wait on the loader workers: the input's own rate is measured apart
+                # (sdzero.data.input_probe) and bounds the plan there (advisor.model.input_rate); kept in
+                # the step, a trial starved by its input would be read as slow compute at every node count.
+                wait = min(float(record["data_s"]), float(record["step_time_s"]))
+                record = {**record, "step_time_s": record["step_time_s"] - wait, "input_wait_s": wait}
             self.records.append(record)
             self.step_at.append(time.time())
 
@@ -187,6 +195,8 @@ class ConfigSweep(Callback):
         self.max_seconds = stop_rule.max_seconds
         frozen = comps.frozen_modules()
         self.entries = [_Entry(c, ConfigProbe(engine, self._ds_of(c), frozen, out)) for c in configs]
+        for entry in self.entries:  # with no worker the rank decodes itself: that is its own work
+            entry.probe.loader_wait_apart = cfg.num_workers > 0
         self.active: ConfigProbe | None = None
         self.tie_s: list[float] = []
         self.seconds = {"warmup": 0.0, "instrumented": 0.0, "timed": 0.0, "tie": 0.0}
@@ -194,6 +204,9 @@ class ConfigSweep(Callback):
         self._instruments = _Instruments(engine)
         self._batches: dict[int, Batches] = {}
         self.input: dict[str, Any] | None = None
+        self.rank_cpu_s, self.rank_samples = 0.0, 0
+        """CPU seconds this rank spent in its timed steps and the samples it took in them: what its loader
+        workers cannot have of the node's cores (sdzero.data.input_probe)."""
 
     def _ds_of(self, c: SweepConfig) -> Any:
         return replace(self.ds, micro_batch=c.micro_batch, grad_accum=c.grad_accum)
@@ -232,11 +245,11 @@ class ConfigSweep(Callback):
             self._write(self.out.with_name(self.out.stem + ".partial.json"))
             if done:
                 break
+        for batches in {id(b): b for b in [*self._batches.values(), trainer.batches]}.values():
+            batches.close()  # no worker prefetching on any rank while one worker is timed alone
+        dist.barrier()
         self.input = self._measure_input(trainer)
         self._write(self.out)
-        for batches in self._batches.values():
-            if batches is not trainer.batches:
-                batches.close()
         if trainer.writer is not None:
             trainer.writer.close()
         rates = [r["samples_per_s"] for e in self.entries for r in e.probe.records if r.get("samples_per_s")]
@@ -298,9 +311,12 @@ class ConfigSweep(Callback):
                 step += 1
                 entry.probe.kinds[step] = kind
                 self._instruments.set(kind == "instrumented")
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 trainer.train_step(step)
                 self.seconds[kind] += time.perf_counter() - start
+                if kind == "timed":  # the rank's own CPU seconds (its threads; not its loader workers')
+                    self.rank_cpu_s += time.process_time() - cpu
+                    self.rank_samples += trainer.ds.micro_batch * trainer.ds.grad_accum
             start = time.perf_counter()
             trainer.step_log.flush()
             self.seconds[plan[-1]] += time.perf_counter() - start
@@ -379,8 +395,18 @@ class ConfigSweep(Callback):
         from sdzero.data.input_probe import measure_input
         from sdzero.telemetry.environment import local_ranks_from_env
 
-        dataset = trainer.batches.loader.dataset
-        return measure_input(dataset, self.cfg.seed, self.cfg.num_workers, local_ranks_from_env())
+        loader = trainer.batches.loader
+        measured = measure_input(
+            loader.dataset,
+            self.cfg.seed,
+            self.cfg.num_workers,
+            local_ranks_from_env(),
+            self.ds.micro_batch,
+            loader.collate_fn,
+        )
+        if self.rank_samples:
+            measured["rank_cpu_s_per_sample"] = self.rank_cpu_s / self.rank_samples
+        return measured
 
     # ------------------------------------------------------------------ the result
 

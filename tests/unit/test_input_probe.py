@@ -3,6 +3,8 @@ and the storage's bytes/s and files/s with several readers, over loose files and
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from sdzero.data.images import CaptionedImages, SampleSpec, read_metadata
 from sdzero.data.input_probe import measure_input, measure_storage, measure_worker
 from sdzero.data.shard_writer import write_shards
 from sdzero.data.shards import read_records
+from sdzero.models.step_input import StepInput
 from sdzero.models.tiny import write_synthetic_dataset
 
 
@@ -18,28 +21,33 @@ def loose(tmp_path_factory):
     return write_synthetic_dataset(tmp_path_factory.mktemp("probe") / "shapes", images=12, size=24)
 
 
-class Counting(CaptionedImages):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.calls = 0
-
-    def __getitem__(self, key):
-        self.calls += 1
-        return super().__getitem__(key)
-
-
 def dataset_of(records):
     spec = SampleSpec(resolution=16, latent_shape=(4, 2, 2), num_train_timesteps=10, seed=0)
-    return Counting(records, spec, lambda text: (torch.zeros(2, dtype=torch.long),))
+    return CaptionedImages(records, spec, lambda text: (torch.zeros(2, dtype=torch.long),))
 
 
-def test_one_worker_is_timed_over_the_datasets_own_items(loose):
-    dataset = dataset_of(read_metadata(loose))
-    measured = measure_worker(dataset, seed=0, seconds=0.0)
-    assert measured["samples"] == 4 and dataset.calls == 5  # one uncounted first item, then the minimum
-    assert measured["samples_per_s"] == pytest.approx(4 / measured["seconds"])
-    everything = measure_worker(dataset_of(read_metadata(loose)), seed=0, seconds=60.0)
-    assert everything["samples"] == 11  # stops at the epoch's end: every item but the uncounted one
+def test_one_worker_process_delivers_the_runs_own_batches(loose):
+    measured = measure_worker(dataset_of(read_metadata(loose)), 0, 2, StepInput.collate, seconds=0.0)
+    # 12 images in batches of 2: the first uncounted, then the rest of the epoch (under the minimum)
+    assert measured["batch_size"] == 2 and measured["samples"] == 10
+    assert measured["samples_per_s"] > 0
+
+
+class Sleepy:
+    """Items of 20 ms, but one of 300 ms (another process took the core for it)."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, key):
+        time.sleep(0.3 if key[0] == 2 else 0.02)
+        return key[0]
+
+
+def test_a_batch_slowed_by_another_process_does_not_set_the_rate():
+    measured = measure_worker(Sleepy(), seed=0, collate=list, seconds=0.0)
+    assert measured["samples"] == 6
+    assert 30 < measured["samples_per_s"] <= 50  # 1 / 20 ms, not the mean with the 300 ms item
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -58,6 +66,6 @@ def test_the_storage_is_read_by_several_readers_byte_for_byte(loose, tmp_path, s
 
 
 def test_the_section_names_the_readers_a_node_runs(loose):
-    section = measure_input(dataset_of(read_metadata(loose)), 0, workers_per_rank=2, local_ranks=4)
+    section = measure_input(dataset_of(read_metadata(loose)), 0, 2, 4, collate=StepInput.collate)
     assert section["kind"] == "images" and section["storage"]["readers"] == 8
     assert (section["workers_per_rank"], section["local_ranks"]) == (2, 4) and section["cpu_count"] >= 1

@@ -95,3 +95,21 @@ def test_sections_are_read_from_the_launches_and_kept_for_a_replan(tmp_path):
     (tmp_path / "other").mkdir()
     keep_input(tmp_path / "other", sections, None)
     assert launch_input_sections(tmp_path / "other") == sections
+
+
+def test_where_ranks_take_cpu_the_workers_get_what_is_left_of_the_cores():
+    # 2 cores; the ranks spend 0.05 CPU-s per sample, a worker 1 / 10: 2 / 0.15 = 13.3 samples/s
+    plan = InputPlan(10.0, "images", 1, 2, 2, rank_cpu_s_per_sample=0.05)
+    table = bound_predictions(predictions({1: 40.0, 2: 80.0}), plan)
+    assert table["samples_per_s"].tolist() == pytest.approx([2 / 0.15, 4 / 0.15])
+    assert table["input_link"].tolist() == ["CPU cores"] * 2
+    assert table["input_note"][0].startswith("input-bound: 1 node needs 40 images/s, the CPU cores give 13.3")
+    # the ranks' CPU not measured (or another kind of node): the two workers' 20/s
+    assert (
+        bound_predictions(predictions({1: 40.0}), InputPlan(10.0, "images", 1, 2, 2))["samples_per_s"][0]
+        == 20
+    )
+    assert (
+        plan_from([{**SECTION, "rank_cpu_s_per_sample": 0.05}], 2, None, 2, None).rank_cpu_s_per_sample
+        == 0.05
+    )
