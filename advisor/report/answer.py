@@ -136,6 +136,7 @@ SCALING_SHOWN = (
     "config",
     "accum",
     "samples/s",
+    "input",
     "step (s)",
     "time to train",
     "GPU-h",
@@ -172,6 +173,7 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         "withheld"
         if row.get("samples_per_s") is None
         else figure_cell(row, "samples_per_s", lambda v: f"{v:.4g}"),
+        input_cell(row),
         row.get("step_time_s") if interval_text(row, "step_time_s") != NOT_MEASURED_WELL else "",
         figure_cell(row, "time_to_train_s", lambda v: hours(float(v)))
         if row.get("time_to_train_s") is not None
@@ -182,6 +184,15 @@ def _scaling_cells(row: dict[str, Any], rec: dict[str, Any]) -> list[Any]:
         row.get("limiting_link", ""),
         short_provenance(str(row.get("provenance") or "")),
     ]
+
+
+def input_cell(row: dict[str, Any]) -> str:
+    """What the input sustains at the row's node count (advisor.model.input_rate): 'input-bound (loader
+    workers)' where it holds the row back, its samples/s where it does not, empty where not measured."""
+    rate = row.get("input_samples_per_s")
+    if not isinstance(rate, (int, float)) or not math.isfinite(rate):
+        return ""
+    return f"input-bound ({row.get('input_link')})" if row.get("input_bound") else f"{rate:.4g}"
 
 
 NOT_MEASURED_WELL = "not measured well enough"
@@ -291,7 +302,9 @@ def scaling_table_item(rec: dict[str, Any] | None) -> Item | None:
     price = (rec.get("time_to_train") or {}).get("gpu_hour_price")
     if price is not None:
         table.insert(
-            7, "cost", [money(g * price) if isinstance(g, (int, float)) else "" for g in table["GPU-h"]]
+            table.columns.get_loc("GPU-h") + 1,
+            "cost",
+            [money(g * price) if isinstance(g, (int, float)) else "" for g in table["GPU-h"]],
         )
     title = f"Scaling table (global batch {rec.get('global_batch_rule', '')})"
     amount = (rec.get("time_to_train") or {}).get("amount")

@@ -113,3 +113,13 @@ def test_where_ranks_take_cpu_the_workers_get_what_is_left_of_the_cores():
         plan_from([{**SECTION, "rank_cpu_s_per_sample": 0.05}], 2, None, 2, None).rank_cpu_s_per_sample
         == 0.05
     )
+
+
+def test_the_report_table_has_an_input_column():
+    from advisor.report.answer import SCALING_SHOWN, input_cell
+
+    assert SCALING_SHOWN[SCALING_SHOWN.index("samples/s") + 1] == "input"
+    bound = {"input_samples_per_s": 12.0, "input_bound": True, "input_link": "loader workers"}
+    assert input_cell(bound) == "input-bound (loader workers)"
+    assert input_cell({**bound, "input_bound": False}) == "12"
+    assert input_cell({}) == ""
