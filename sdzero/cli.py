@@ -381,7 +381,13 @@ def doctor(
     from sdzero.cluster.doctor import diagnose, render_report
 
     facts, _, pairs, found = diagnose(hostfile, output_dir, data, size_mib=probe_mib)
-    raise typer.Exit(render_report(facts, pairs, found))
+    code = render_report(facts, pairs, found)
+    if data is not None:  # every node reads a sample of the data at once: per-node and aggregate rates
+        from sdzero.cluster.data_reads import read_everywhere, render_reads
+        from sdzero.cluster.doctor import _remote, doctor_hosts
+
+        render_reads(read_everywhere(doctor_hosts(hostfile), data, _remote), data)
+    raise typer.Exit(code)
 
 
 @command("demo")

@@ -6,7 +6,8 @@ accelerators (model, count, memory) or the CPU, driver/CUDA/NCCL versions, Pytho
 diffusers versions, free disk in --output-dir. Across nodes: that the versions agree, that every node sees
 the same --data fingerprint and reads the tokens the others wrote in --output-dir (sdzero/cluster/shared_storage.py: the
 same check the trainer makes at start), and an all-reduce bandwidth probe per node pair (gloo over TCP:
-the link, not NVLink), the slowest pair named. One table, one verdict line, exit 1 on a blocker.
+the link, not NVLink), the slowest pair named. One table, one verdict line, exit 1 on a blocker. With
+--data, every node also reads a sample of it at the same time (sdzero.cluster.data_reads).
 
 The node side runs as `python -m sdzero.cluster.doctor node|tokens|probe ...`, printing one JSON line.
 """
@@ -208,10 +209,14 @@ def link_warnings(pairs_gbps: dict[tuple[str, str], float]) -> list[str]:
 
 
 def _remote(
-    host: str | None, args: list[str], env: dict[str, str] | None = None, timeout_s: float = 120
+    host: str | None,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120,
+    module: str = "sdzero.cluster.doctor",
 ) -> dict:
-    """Run `python -m sdzero.cluster.doctor ARGS` on host (None: here) and parse its JSON line."""
-    command = [sys.executable, "-m", "sdzero.cluster.doctor", *args]
+    """Run `python -m MODULE ARGS` on host (None: here) and parse its JSON line."""
+    command = [sys.executable, "-m", module, *args]
     prefix = {"PYTHONPATH": str(REPO_ROOT), **(env or {})}
     if host is None:
         proc = subprocess.run(
@@ -232,9 +237,7 @@ def _remote(
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(
-            f"{host or 'this machine'}: `sdzero.cluster.doctor {args[0]}` failed ({proc.returncode}): {tail}"
-        )
+        raise UserError(f"{host or 'this machine'}: `{module} {args[0]}` failed ({proc.returncode}): {tail}")
     return json.loads(lines[-1])
 
 
