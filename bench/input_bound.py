@@ -158,8 +158,11 @@ def run_case(args: argparse.Namespace) -> None:
     if args.case == "cache":
         build_cache(model, data, args.work / "cache")
         extra = ["--cache-dir", str(args.work / "cache")]
+    load = [os.getloadavg()[0]]  # the machine is shared: its 1-minute load before and after each part
     answer = advise(model, source, case_dir / "advise", workers + extra, args.budget_minutes)
+    load.append(os.getloadavg()[0])
     measured = train(model, source, answer["ds_config"], case_dir / "train", workers + extra, args)
+    load.append(os.getloadavg()[0])
     row = answer["row"]
     result = {
         "case": args.case,
@@ -174,6 +177,7 @@ def run_case(args: argparse.Namespace) -> None:
         "cpu": cpu_model(),
         "workers_per_rank": args.workers,
         "ranks": args.ranks,
+        "load_1min": load,
     }
     (case_dir / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
@@ -191,8 +195,8 @@ def cpu_model() -> str:
 
 def table(work: Path) -> str:
     lines = [
-        "| case | config | predicted samples/s | measured samples/s | error | binds | loader wait in the run |",
-        "|---|---|---|---|---|---|---|",
+        "| case | config | predicted samples/s | measured samples/s | error | binds | loader wait in the run | load (advise, train) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for case in CASES:
         path = work / case / "result.json"
@@ -204,9 +208,14 @@ def table(work: Path) -> str:
         binds = f"input ({r['input_link']})" if r["input_bound"] else "compute"
         lines.append(
             f"| {case} | {r['config']} | {r['predicted_samples_per_s']:.3g} | {measured:.3g} | {error:+.1%} | "
-            f"{binds} | {r['measured']['wait_share']:.0%} |"
+            f"{binds} | {r['measured']['wait_share']:.0%} | {_load(r)} |"
         )
     return "\n".join(lines)
+
+
+def _load(result: dict[str, Any]) -> str:
+    load = result.get("load_1min") or []
+    return f"{load[1]:.1f}, {load[2]:.1f}" if len(load) == 3 else "-"
 
 
 def main() -> None:
