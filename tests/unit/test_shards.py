@@ -212,3 +212,16 @@ def test_sdzero_shard_command_writes_shards_and_refuses_an_existing_folder(loose
     assert meta == {"caption": read_records(out)[0].text, "file_name": read_metadata(loose)[0].path.name}
     again = CliRunner().invoke(app, ["shard", str(loose), str(out)])
     assert again.exit_code == 2 and "already exists" in again.output
+
+
+def test_the_shared_storage_check_fingerprints_shards_without_reading_them(loose, tmp_path):
+    from sdzero.cluster.shared_storage import listing_fingerprint
+
+    out = tmp_path / "s"
+    write_shards(loose, out, max_count=16)
+    pattern = f"{out}/{{000000..000001}}.tar"
+    assert listing_fingerprint(pattern) == listing_fingerprint(out)  # the same shards, either way named
+    before = listing_fingerprint(pattern)
+    with open(out / "000001.tar", "ab") as f:
+        f.write(b"\0" * 512)  # a node with a different copy of a shard
+    assert listing_fingerprint(pattern) != before
