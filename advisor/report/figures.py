@@ -23,6 +23,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+from advisor.model.time_to_train import HOUR_S
 from sdzero.constants import BINARY_UNITS, GIB
 
 WIDTH_IN = 9.0
@@ -320,15 +321,17 @@ def time_to_train_figure(
     ax = axes[0, 0]
     rows = rows.sort_values("node_count")
     x = rows["node_count"].to_numpy(float)
-    hours = rows["time_to_train_s"].to_numpy(float) / 3600
+    seconds = rows["time_to_train_s"].to_numpy(float)
+    unit_name, per = time_axis_unit(float(np.nanmax(seconds)) if len(seconds) else 0.0)
+    hours = seconds / per  # in the answer's unit (minutes, hours or days), whatever the variable's name
     gpu_hours = rows["gpu_hours"].to_numpy(float)
     time_colour, cost_colour = "#1f77b4", "#d62728"
     ax.plot(x, hours, marker="o", markersize=4, linewidth=1.8, color=time_colour, label="time to train")
     if {"time_lo_s", "time_hi_s"} <= set(rows.columns):
         ax.fill_between(
             x,
-            rows["time_lo_s"].to_numpy(float) / 3600,
-            rows["time_hi_s"].to_numpy(float) / 3600,
+            rows["time_lo_s"].to_numpy(float) / per,
+            rows["time_hi_s"].to_numpy(float) / per,
             color=time_colour,
             alpha=0.15,
             linewidth=0,
@@ -354,15 +357,26 @@ def time_to_train_figure(
             ax.axvline(n, color="#6e7781", linewidth=1.2, linestyle=style, label=f"{label} ({n} nodes)")
     _log2_axis(ax, rows["node_count"].tolist())
     ax.set_yscale("log")
+    # ticks at 1, 2, 5 x 10^k of the unit the answer reads in: "20 min", not "0.3 h" or "10^-1"
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:g}"))
     ax.set_xlabel("nodes (log2)")
-    ax.set_ylabel("time to train (h, log)", color=time_colour)
+    ax.set_ylabel(f"time to train ({unit_name}, log)", color=time_colour)
     right.set_ylabel(f"{unit} (hours x ranks)", color=cost_colour)
     right.set_ylim(0, float(np.nanmax(gpu_hours)) * 1.15 if len(gpu_hours) else 1)
     handles, labels = ax.get_legend_handles_labels()
     more, more_labels = right.get_legend_handles_labels()
     ax.legend(handles + more, labels + more_labels, loc="upper center", ncol=3)
     return to_svg(fig)
+
+
+def time_axis_unit(seconds: float) -> tuple[str, float]:
+    """(unit, seconds per unit) the answer states a duration in (advisor.model.time_to_train.hours):
+    minutes under an hour, hours under four days, then days."""
+    if seconds < HOUR_S:
+        return "min", 60.0
+    return ("h", HOUR_S) if seconds < 96 * HOUR_S else ("days", 24 * HOUR_S)
 
 
 def breakdown_figure(rows: pd.DataFrame) -> bytes:
