@@ -53,8 +53,10 @@ def measure_worker(
     it = iter(loader)
     gaps: list[float] = []
     try:
+        began = time.perf_counter()
         next(it)  # the worker's start and first batch: one-off costs (a tokenizer's cache, a file's open)
         start = last = time.perf_counter()
+        first_s = start - began
         for _ in it:
             now = time.perf_counter()
             gaps.append(now - last)
@@ -65,7 +67,7 @@ def measure_worker(
         getattr(it, "_shutdown_workers", lambda: None)()
     # the batches fetched ahead while the first was handed over arrive at once: left out; then the median
     # batch, as another process on the machine only ever slows one
-    kept = gaps[PREFETCHED:] or gaps
+    kept = gaps[PREFETCHED:] or gaps or [first_s]  # a data set of one batch: its first, start-up and all
     return {
         "samples_per_s": batch_size / statistics.median(kept),
         "samples": len(gaps) * batch_size,

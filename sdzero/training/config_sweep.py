@@ -396,14 +396,17 @@ class ConfigSweep(Callback):
         from sdzero.telemetry.environment import local_ranks_from_env
 
         loader = trainer.batches.loader
-        measured = measure_input(
-            loader.dataset,
-            self.cfg.seed,
-            self.cfg.num_workers,
-            local_ranks_from_env(),
-            self.ds.micro_batch,
-            loader.collate_fn,
-        )
+        try:
+            measured = measure_input(
+                loader.dataset,
+                self.cfg.seed,
+                self.cfg.num_workers,
+                local_ranks_from_env(),
+                self.ds.micro_batch,
+                loader.collate_fn,
+            )
+        except (OSError, RuntimeError, ValueError) as exc:  # the configs' figures stand without it
+            return {"error": f"{type(exc).__name__}: {exc}"}
         if self.rank_samples:
             measured["rank_cpu_s_per_sample"] = self.rank_cpu_s / self.rank_samples
         return measured

@@ -69,3 +69,8 @@ def test_the_section_names_the_readers_a_node_runs(loose):
     section = measure_input(dataset_of(read_metadata(loose)), 0, 2, 4, collate=StepInput.collate)
     assert section["kind"] == "images" and section["storage"]["readers"] == 8
     assert (section["workers_per_rank"], section["local_ranks"]) == (2, 4) and section["cpu_count"] >= 1
+
+
+def test_a_data_set_of_one_batch_still_gives_a_rate(loose):
+    measured = measure_worker(dataset_of(read_metadata(loose)), 0, 12, StepInput.collate, seconds=0.0)
+    assert measured["samples"] == 0 and measured["samples_per_s"] > 0
