@@ -21,6 +21,7 @@ def check_lora_numbers(cfg: Any) -> None:
                 ("--lora-alpha", cfg.lora_alpha is not None),
                 ("--lora-dropout", cfg.lora_dropout != 0.0),
                 ("--lora-target-modules", bool(cfg.lora_target_modules)),
+                ("--export-merged", bool(getattr(cfg, "export_merged", False))),
             )
             if value
         ]
@@ -29,6 +30,8 @@ def check_lora_numbers(cfg: Any) -> None:
                 f"{', '.join(given)}: LoRA options without --lora-rank; add --lora-rank R (e.g. 16)"
             )
         return
+    if getattr(cfg, "export_merged", False) and not getattr(cfg, "export_final", False):
+        raise UserError("--export-merged writes into <output-dir>/final: add --export-final")
     if not 1 <= rank <= MAX_LORA_RANK:
         raise UserError(f"--lora-rank must be an integer in [1, {MAX_LORA_RANK}] (e.g. 4-64), got {rank}")
     if cfg.lora_alpha is not None and not cfg.lora_alpha > 0:

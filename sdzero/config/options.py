@@ -284,6 +284,11 @@ class LoraOptions:
         factory=list,
         metavar="MODULE",
     )
+    export_merged: bool = option(
+        False,
+        "with --export-final on a LoRA run: also write <output-dir>/final/merged, a complete pipeline with the "
+        "adapter fused into the base weights (--export-dtype)",
+    )
 
 
 TRAIN_GROUPS: tuple[type, ...] = (

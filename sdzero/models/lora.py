@@ -197,3 +197,21 @@ def write_lora(
         str(folder), **lora_save_arguments(family, state, config), weight_name=name, safe_serialization=True
     )
     return folder / name
+
+
+def merged_state(
+    network: torch.nn.Module, state: dict[str, torch.Tensor], settings: Any
+) -> dict[str, torch.Tensor]:
+    """The base network's weights with the adapter fused in (W + alpha/rank * B A), from `state` (the
+    adapted network's full state: base and adapters, module names), on a fresh CPU copy built from
+    `network`'s config; diffusers' fuse_lora then unload_lora leave plain layers holding the fused weights."""
+    fresh = type(network).from_config(network.config)
+    add_lora(fresh, settings)
+    missing, unexpected = fresh.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"merge: state does not fit the network (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    fresh.fuse_lora()
+    fresh.unload_lora()
+    return {k: v.detach().contiguous() for k, v in fresh.state_dict().items()}

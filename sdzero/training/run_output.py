@@ -107,7 +107,8 @@ def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=Non
     ):  # --lora-rank: the adapter in diffusers' LoRA format (sdzero.checkpoint.adapter)
         from sdzero.checkpoint.adapter import export_final_adapter
 
-        export_final_adapter(cfg.output_dir / "final", engine, comps.family, ema)
+        merged = DTYPES[cfg.export_dtype] if getattr(cfg, "export_merged", False) else None
+        export_final_adapter(cfg.output_dir / "final", engine, comps, ema, merged)
         return
     state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
     ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.dist
 RANK = 4
 STEPS = 4
 CASES = [(family, stage) for family in ("sd15", "sdxl", "sd3") for stage in (2, 3)]
-OPTIONS = {"sd15": (), "sdxl": (), "sd3": ("--max-sequence-length", "8")}
+OPTIONS = {"sd15": ("--export-merged",), "sdxl": (), "sd3": ("--max-sequence-length", "8")}
 COMMON = (
     "--lora-rank",
     str(RANK),
@@ -146,6 +146,19 @@ def test_export_loads_with_load_lora_weights_and_reproduces_the_trained_network(
     tol = 1e-5 if family == "sd15" else 2e-2 * max(trained.abs().max().item(), 1.0)
     torch.testing.assert_close(loaded, trained, rtol=0, atol=tol)
     assert (loaded - trained).abs().max().item() < 0.1 * moved
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_merged_export_is_the_trained_network(stage, lora_runs):
+    """--export-merged: a plain pipeline (no adapter) whose UNet computes what the trained network does."""
+    model, out, _ = lora_runs("sd15", stage)
+    fam = detect_family(str(model))
+    merged = fam.pipeline_class().from_pretrained(out / "final" / "merged")
+    net = getattr(merged, fam.network_attr)
+    assert not any(".lora_" in n for n, _ in net.named_parameters())
+    inputs = network_inputs(net, fam)
+    trained = output_of(trained_network(model, step_dir(out, 4), stage, RANK), inputs)
+    torch.testing.assert_close(output_of(net, inputs), trained, rtol=0, atol=1e-4)
 
 
 def test_sdzero_export_of_a_lora_checkpoint_writes_the_adapter(lora_runs, tmp_path):

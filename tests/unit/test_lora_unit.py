@@ -30,6 +30,7 @@ BAD_OPTIONS = {
         ["--lora-rank", "4", "--lora-target-modules", "to_q,to_k"],
         "--lora-target-modules",
     ),
+    "merged without the export": (["--lora-rank", "4", "--export-merged"], "--export-merged writes into"),
     "unknown target": (
         ["--lora-rank", "4", "--lora-target-modules", "to_q", "to_qq"],
         "--lora-target-modules: to_qq matches no Linear/Conv layer",
