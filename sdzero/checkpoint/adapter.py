@@ -115,38 +115,3 @@ def checkpoint_lora_config(objective: dict[str, Any], family: Family) -> Any:
         targets=tuple(objective["--lora-target-modules"]),
     )
     return settings.peft_config()
-
-
-def export_final_adapter(
-    out: Path, engine: Any, comps: Any, ema: Any = None, merged_dtype: torch.dtype | None = None
-) -> None:
-    """`--export-final` of a LoRA run: the gathered, checked adapter (and the EMA's) written by rank 0 into
-    `out`; with `merged_dtype` (--export-merged) also `out/merged`, the pipeline with the adapter fused in.
-    A collective: every rank gathers, and every rank learns whether rank 0's write failed."""
-    import logging
-
-    import torch.distributed as dist
-
-    from sdzero.checkpoint.export import gathered_state_dict, write_pipeline
-    from sdzero.models.lora import merged_state
-
-    state = checked_adapter(engine)
-    ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0
-    full = gathered_state_dict(engine) if merged_dtype is not None else None  # collective at ZeRO-3
-    failure = None
-    if dist.get_rank() == 0 and state is not None:
-        try:
-            config = engine.module.peft_config[ADAPTER_NAME]
-            write_adapter_export(out, comps.family, config, state, ema_state)
-            logging.getLogger("sdzero").info("exported the LoRA adapter to %s", out / LORA_WEIGHTS)
-            if full is not None and merged_dtype is not None:
-                targets = tuple(sorted(config.target_modules))
-                settings = LoraSettings(
-                    config.r, float(config.lora_alpha), float(config.lora_dropout), targets
-                )
-                fused = merged_state(engine.module, full, settings)
-                write_pipeline(out / "merged", fused, comps, merged_dtype)
-                logging.getLogger("sdzero").info("exported the merged pipeline to %s", out / "merged")
-        except Exception as exc:  # every rank must still reach the agreement, or the others wait it out
-            failure = f"--export-final: writing the adapter to {out} failed ({type(exc).__name__}: {exc})"
-    agree_on_refusal(failure)

@@ -105,7 +105,7 @@ def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=Non
     if is_lora(
         engine.module
     ):  # --lora-rank: the adapter in diffusers' LoRA format (sdzero.checkpoint.adapter)
-        from sdzero.checkpoint.adapter import export_final_adapter
+        from sdzero.checkpoint.lora_export import export_final_adapter
 
         merged = DTYPES[cfg.export_dtype] if getattr(cfg, "export_merged", False) else None
         export_final_adapter(cfg.output_dir / "final", engine, comps, ema, merged)
