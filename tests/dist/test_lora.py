@@ -224,3 +224,13 @@ def test_elastic_resume_on_one_rank(lora_runs):
     assert [r["step"] for r in metrics(out)] == [3, 4]
     adapter = read_adapter(step_dir(out, 4) / ADAPTER_DIR / LORA_WEIGHTS)
     assert len(adapter) == len(expected_keys(model)) and all(t.numel() for t in adapter.values())
+
+
+def test_the_training_report_of_a_lora_run(lora_runs, tmp_path):
+    """`sdzero report --run` renders a LoRA run: its losses, its validation image and its LoRA settings."""
+    from advisor.report.build import write_training_report
+
+    _, out, _ = lora_runs("sdxl", 2)
+    page = write_training_report(out, tmp_path / "report.html").read_text()
+    assert "<tr><td>lora_rank</td><td>4</td></tr>" in page
+    assert "<img" in page
