@@ -208,22 +208,25 @@ def state_elements(
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     overlap_comm: bool = False,
 ) -> dict[str, int]:
-    """Elements of each model-state kind held by the rank that holds the most, at `world` ranks."""
+    """Elements of each model-state kind held by the rank that holds the most, at `world` ranks. A LoRA
+    run's frozen base (advisor.model.lora_sizing) adds to the parameters only: whole below ZeRO-3."""
     sizes = np.asarray(numels, dtype=np.int64)
     psi = int(sizes.sum())
+    base = np.asarray(getattr(numels, "frozen_base", ()), dtype=np.int64)
     if stage == 0:  # plain data parallel: every state whole on every rank, no flat padding
-        return {"params": psi, "grads": psi, "master": psi, "optimizer": psi}
+        return {"params": psi + int(base.sum()), "grads": psi, "master": psi, "optimizer": psi}
     if stage == 3:
         shard = int(np.sum(-(-sizes // world)))  # ceil per parameter
         persistent = int(sizes[sizes <= persistence_threshold].sum())  # DeepSpeed: ds_numel <= threshold
-        return {"params": shard + persistent, "grads": shard, "master": shard, "optimizer": shard}
+        frozen = int(np.sum(-(-base // world))) + int(base[base <= persistence_threshold].sum())
+        return {"params": shard + persistent + frozen, "grads": shard, "master": shard, "optimizer": shard}
     padded = math.ceil(psi / (2 * world)) * 2 * world
     part = padded // world
     # ZeRO-1 without overlap_comm reduces at the boundary and holds every full gradient until then; with it
     # (and at ZeRO-2) gradients are reduced in backward hooks and only those overlapping the slice stay
     full = stage == 1 and not overlap_comm
     grads = psi if full else _largest_boundary_overlap(sizes, part, world)
-    return {"params": padded, "grads": grads, "master": part, "optimizer": part}
+    return {"params": padded + int(base.sum()), "grads": grads, "master": part, "optimizer": part}
 
 
 def largest_sub_group(numels: tuple[int, ...] | np.ndarray, world: int, sub_group_size: int) -> int:

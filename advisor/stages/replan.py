@@ -31,6 +31,7 @@ from advisor.measure.grid import GridPlan, GridRequest, load_base_config, plan_g
 from advisor.measure.input_figures import INPUT_FILE
 from advisor.measure.launch import LAUNCHES_FILE
 from advisor.measure.trials import TrialSettings
+from advisor.model.lora_sizing import frozen_base_of, with_frozen_base
 from advisor.model.memory import ZeroSettings
 from advisor.model.model_cost import ModelCost
 from advisor.model.network import build_network
@@ -84,6 +85,7 @@ def write_plan_inputs(inputs: AdviseInputs, hardware: HardwareFigures, measured:
         "ranks": inputs.ranks,
         "grid": asdict(grid),
         "numels": list(measured.numels),
+        "frozen_base_numels": list(frozen_base_of(measured.numels)),  # a LoRA run's (model.lora_sizing)
         "model_cost": inputs.model_cost.record() if inputs.model_cost else None,
         "memory_here_bytes": None if inputs.memory_given else hardware.memory_bytes,
         "memory_here_source": None if inputs.memory_given else hardware.memory_source,
@@ -166,9 +168,9 @@ def refuse_unmatched(request: AdviseRequest, record: dict[str, Any], folder: Pat
                 f"({', '.join(keys)} differ); run sdzero advise with it"
             )
     if r.model is not None:
-        from advisor.model.memory import trained_numels
+        from advisor.model.lora_sizing import network_numels
 
-        if list(trained_numels(r.model)) != list(record["numels"]):
+        if list(network_numels(r.model, record["train_args"])) != list(record["numels"]):
             raise UserError(
                 f"--model {r.model}: the trials in {folder} measured another network (its trained parameter "
                 "sizes differ); run sdzero advise with this model"
@@ -309,7 +311,7 @@ def replan_trials(inputs: AdviseInputs, record: dict[str, Any], folder: Path) ->
         ),
         validation=validation,
         check_ids=list(record["check_ids"]),
-        numels=tuple(int(n) for n in record["numels"]),
+        numels=with_frozen_base(record["numels"], record.get("frozen_base_numels")),
         zero=ZeroSettings.from_config(inputs.base),  # as the run's measure stage read it
         runner=no_trials,
         budget_s=float(record["budget_s"]),

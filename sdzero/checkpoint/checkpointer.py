@@ -416,14 +416,17 @@ def no_space_line(root: Path, step: int) -> str:
 class Checkpointer:
     """Saves and restores engine + EMA + data position + RNG under the commit protocol above."""
 
-    def __init__(self, output_dir: Path, keep_last: int, engine: Any, ema: Any, ident: RunIdentity) -> None:
+    def __init__(
+        self, output_dir: Path, keep_last: int, engine: Any, ema: Any, ident: RunIdentity, parts: tuple = ()
+    ) -> None:
+        """`parts`: more writers into each checkpoint, `save(staging, rank)` on every rank (a LoRA adapter)."""
         import torch.distributed as dist
 
         self.root = checkpoint_root(output_dir)
         self.keep_last = keep_last
         self.engine = engine
         self.ema = ema
-        self.ident = ident
+        self.ident, self.parts = ident, parts
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.before_commit: Callable[[int, Path], None] | None = None
         """Called on every rank with (step, staging folder) once every shard is written and hashed, just
@@ -468,6 +471,8 @@ class Checkpointer:
         )
         if self.ema is not None:
             self.ema.save(staging / EMA_DIR, self.rank)
+        for part in self.parts:
+            part.save(staging, self.rank)
         dist.barrier()  # every rank's shards are written
         t_write = time.perf_counter()
 

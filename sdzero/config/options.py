@@ -1,7 +1,7 @@
 """The one typed option tree: every run option's name, default and help, written once.
 
 Each field of the group dataclasses below (run, objective, SD3 flow matching, data, checkpoints,
-validation, export, profile, speed) carries its default and its help in `option(...)`; `TrainConfig`
+validation, export, profile, speed, LoRA) carries its default and its help in `option(...)`; `TrainConfig`
 (sdzero.config.train_config) is all of them at once, so `cfg.max_steps` stays a plain attribute wherever it is read.
 From these fields come the trainer's argv parser (`argv_parser`, `sdzero/train.py --help`), the options the
 `sdzero` commands share (`cli_option`: `sdzero cache`, `profile` and `advise` take the same inputs group),
@@ -266,6 +266,32 @@ class SpeedOptions:
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass (less memory)")
 
 
+@dataclass(kw_only=True)
+class LoraOptions:
+    """LoRA adapters (docs/lora.md): train low-rank adapters on the network instead of all its weights"""
+
+    lora_rank: int | None = option(
+        None,
+        "train LoRA adapters of this rank (peft) on the UNet / SD3 transformer; the base weights stay frozen "
+        "(default: train every weight)",
+    )
+    lora_alpha: float | None = option(
+        None, "LoRA scaling numerator (scale = alpha / rank); default: the rank"
+    )
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input, in [0, 1)")
+    lora_target_modules: list[str] = option(
+        help="module names (or name suffixes) that get adapters; default: the attention projections "
+        "diffusers' LoRA scripts use (to_k to_q to_v to_out.0; SD3 also add_k/q/v_proj, to_add_out)",
+        factory=list,
+        metavar="MODULE",
+    )
+    export_merged: bool = option(
+        False,
+        "with --export-final on a LoRA run: also write <output-dir>/final/merged, a complete pipeline with the "
+        "adapter fused into the base weights (--export-dtype)",
+    )
+
+
 TRAIN_GROUPS: tuple[type, ...] = (
     RunOptions,
     ObjectiveOptions,
@@ -276,6 +302,7 @@ TRAIN_GROUPS: tuple[type, ...] = (
     ExportOptions,
     ProfileOptions,
     SpeedOptions,
+    LoraOptions,
 )
 """The trainer's option groups, in --help order; `TrainConfig` inherits all of them."""
 

@@ -20,6 +20,7 @@ from typing import Any
 from sdzero.config.data_source import is_shard_source
 from sdzero.config.ds_json import check_ds_values, read_ds_json
 from sdzero.config.ds_schema import check_with_deepspeed
+from sdzero.config.lora_check import check_lora_numbers
 from sdzero.config.lr_rule import LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
 from sdzero.config.options import (
     PREDICTION_TYPES,
@@ -200,6 +201,7 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be >= 0, got {self.num_workers}")
         self._check_checkpoint_options()
+        check_lora_numbers(self)
         if self.profile_out is not None:
             self.profile_out = Path(self.profile_out)
             if not 0 <= self.profile_warmup_steps < self.max_steps:

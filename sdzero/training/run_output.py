@@ -99,8 +99,17 @@ def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=Non
     others wait under a timeout sized for its bytes (sdzero.process.rank0_wait): a shared filesystem can
     take longer to write an SDXL-size fp32 export than --dist-timeout-s allows a collective."""
     from sdzero.checkpoint.export import gathered_state_dict, write_pipeline
+    from sdzero.models.lora import is_lora
     from sdzero.process.rank0_wait import waiting_for_rank0
 
+    if is_lora(
+        engine.module
+    ):  # --lora-rank: the adapter in diffusers' LoRA format (sdzero.checkpoint.adapter)
+        from sdzero.checkpoint.lora_export import export_final_adapter
+
+        merged = DTYPES[cfg.export_dtype] if getattr(cfg, "export_merged", False) else None
+        export_final_adapter(cfg.output_dir / "final", engine, comps, ema, merged)
+        return
     state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
     ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0
     dtype = DTYPES[cfg.export_dtype]  # one dtype for every component (see write_pipeline)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sdzero.checkpoint.adapter import AdapterCheckpoint
 from sdzero.checkpoint.checkpointer import Checkpointer, ResumePoint, TrainState, find_resume
 from sdzero.checkpoint.identity import describe_run
 from sdzero.cluster.shared_storage import check_shared_storage
@@ -31,6 +32,7 @@ from sdzero.data.shards import read_records
 from sdzero.models.encoding import encode_batch
 from sdzero.models.families import Components
 from sdzero.models.loading import DTYPES, detect_family, load_components, resolve_prediction_type
+from sdzero.models.lora import check_targets_on_model, is_lora
 from sdzero.models.objectives import LossInputs, Objective
 from sdzero.models.step_input import StepInput
 from sdzero.process.distributed import Ranks, start_distributed
@@ -265,7 +267,8 @@ class Trainer:
         ema = make_ema(cfg, engine)
         ident = describe_run(cfg, ds, comps, prediction_type, model_reference(cfg.model))
         checkpoints = CheckpointCallback(
-            Checkpointer(cfg.output_dir, cfg.keep_last, engine, ema, ident), cfg.checkpoint_every
+            Checkpointer(cfg.output_dir, cfg.keep_last, engine, ema, ident, adapter_parts(engine, comps)),
+            cfg.checkpoint_every,
         )
         validator = make_validator(cfg, comps)
         state = checkpoints.restore(point)  # a collective when resuming
@@ -307,7 +310,9 @@ def check_inputs(cfg: TrainConfig) -> tuple[DsSettings, CacheIndex | None]:
     """(the DeepSpeed JSON's settings, the latent cache or None), after checking everything that can be
     wrong with the input: run before the process group exists, so that a mistake is one clear line."""
     ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
-    detect_family(cfg.model).check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
+    family = detect_family(cfg.model)
+    family.check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
+    check_targets_on_model(cfg, family)  # --lora-target-modules naming no layer of the network: one line
     read_records(cfg.data)  # a folder's metadata or the tar shards' index: one line if either is wrong
     check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
     if cfg.cache_dir is None:
@@ -340,6 +345,11 @@ def join_run(cfg: TrainConfig, ds: DsSettings) -> tuple[Ranks, ResumePoint | Non
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
     apply_backend_flags(cfg, ranks.device.type)  # TF32 (CUDA only)
     return ranks, point
+
+
+def adapter_parts(engine: Any, comps: Components) -> tuple[AdapterCheckpoint, ...]:
+    """A LoRA run's checkpoints also hold the gathered adapter (sdzero.checkpoint.adapter)."""
+    return (AdapterCheckpoint(engine, comps.family),) if is_lora(engine.module) else ()
 
 
 def make_validator(cfg: TrainConfig, comps: Components) -> Validator:
