@@ -328,12 +328,27 @@ def verdict(o: Outcome, rec: dict[str, Any]) -> str:
     else:
         figures = f"{took}, {spent} {GPU_HOURS}{cost} to train {t['samples']:,} samples"
     return (
-        f"{n} node{'s' if n != 1 else ''} x {rec['gpus_per_node']} ranks, {rec['config_id']} "
+        unmeasured_first(rec)
+        + f"{n} node{'s' if n != 1 else ''} x {rec['gpus_per_node']} ranks, {rec['config_id']} "
         f"(micro-batch {rec['micro_batch']} x accumulation {rec['grad_accum']}, global batch "
         f"{rec['global_batch']}): {figures} ({MODELLED} from {rec['trials_run']} trials on "
         f"{rec['provenance']['trials_ran_on']}, {measured}{link}{error}; node count by "
         f"{'--nodes' if o.rule.name == 'nodes' else o.rule.name.replace('_', ' ') + ' rule'})"
     )
+
+
+UNMEASURED_PICK = "not measured, and no measured config is within noise of it"
+
+
+def unmeasured_first(rec: dict[str, Any]) -> str:
+    """The verdict's opening when the pick is a config no trial ran (advisor.decide.ties.pick_config
+    recommends one only when no measured config is within noise of it): said before anything else, with
+    the best measured config to fall back on."""
+    measured = rec["measured"]
+    if measured.get("recommended_config_measured", True):
+        return ""
+    fallback = measured.get("best_measured_config")
+    return f"{UNMEASURED_PICK}" + (f" (best measured: {fallback})" if fallback else "") + ": "
 
 
 def build_recommendation(o: Outcome) -> dict[str, Any]:

@@ -95,6 +95,19 @@ def check_reachable(
     )
 
 
+def borrowed_halfwidth(timing: TimeModel, c: Candidate, accum: int, step_s: float) -> float:
+    """The relative half-width that holds the step a config of a group no trial ran would have with each
+    measured group's compute it borrows (TimeModel.borrowed_compute_s): 0 for a measured group."""
+    donors = timing.borrowed_compute_s(c.zero_stage, c.precision, c.micro_batch, c.offload)
+    if not donors or step_s <= 0:
+        return 0.0
+    mine = timing.compute_per_micro_s(c.zero_stage, c.precision, c.micro_batch, c.offload)
+    up = max(max(donors) - mine, 0.0) * accum / step_s
+    down = min(max(mine - min(donors), 0.0) * accum / step_s, 0.99)
+    # multiplicative bounds (advisor.model.uncertainty.ratio_bounds): step x (1 + h) and step / (1 + h)
+    return max(up, down / (1 - down))
+
+
 def predict_table(
     candidates: list[Candidate],
     nodes: list[int],
@@ -139,6 +152,7 @@ def predict_table(
                     "frozen_bytes": mem["frozen"],
                     "feasible": mem["total"] <= usable_bytes,
                     "usable_bytes": usable_bytes,  # what the tie rule weighs memory differences against
+                    "borrowed_halfwidth": borrowed_halfwidth(timing, c, accum, step.step_time_s),
                 }
             )
     table = pd.DataFrame(rows)

@@ -81,13 +81,19 @@ def _closest_pair(values: dict[Group, tuple[float, float]], group: Group) -> tup
 
 def _closest(values: dict[Group, float], group: Group) -> float:
     """The group's own figure, else the mean over groups of its precision and offload, else of its precision."""
+    return float(np.mean([values[g] for g in _donors(values, group)]))
+
+
+def _donors(values: dict[Group, float], group: Group) -> list[Group]:
+    """The groups whose figures `_closest` takes for `group`: itself, else those of its precision and
+    offload, else of its precision, else all."""
     if group in values:
-        return values[group]
+        return [group]
     for same in ((lambda g: g[1:] == group[1:]), (lambda g: g[1] == group[1])):
-        near = [v for g, v in values.items() if same(g)]
+        near = [g for g in values if same(g)]
         if near:
-            return float(np.mean(near))
-    return float(np.mean(list(values.values())))
+            return near
+    return list(values)
 
 
 @dataclass
@@ -155,6 +161,21 @@ class TimeModel:
             return max(_closest(fitted, group) + self.slopes[precision] * micro_batch, 1e-9)
         mine = {g: v for g, v in self.proportional.items() if g[1] == precision}
         return max(_closest(mine, group) * micro_batch, 1e-9)
+
+    def borrowed_compute_s(
+        self, stage: int, precision: str, micro_batch: int, offload: str = "none"
+    ) -> list[float]:
+        """A micro-step's compute as each group this config borrows from would give it (each donor's own
+        figure at this micro-batch); empty where the config's group was measured, or the target's compute
+        replaces the fitted one. Their spread is how much the borrowing alone leaves open."""
+        if self.target is not None:
+            return []
+        group = (stage, precision, offload)
+        fitted = set(self.intercepts) | set(self.proportional)
+        if group in fitted or not fitted:
+            return []
+        donors = _donors(dict.fromkeys(fitted, 0.0), group)
+        return [self.compute_per_micro_s(g[0], g[1], micro_batch, g[2]) for g in donors]
 
     def once_s(self, stage: int, precision: str, offload: str, per_micro_s: float) -> float:
         """The once-per-step compute of this group (its own, else the closest group's), never above one
