@@ -6,7 +6,11 @@ trainer's own `train_step`, in interleaved rounds, A B C A B C ...: a few steps 
 so that the machine's drift over the launch falls on every config alike instead of on whichever ran in a
 slow minute. ZeRO partitions and buckets never depend on the micro-batch (DeepSpeed's zero/ code does not
 read it): a config is the batch the same engine is fed and its accumulation
-(`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`).
+(`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`). A config may also switch gradient
+checkpointing on (`MB:GA:gc`): the built network's `enable_gradient_checkpointing()` before its steps and
+`disable_gradient_checkpointing()` before the next config's, so recomputation is measured beside the
+configs that store their activations, in the same launch. Checkpointing changes neither ZeRO's partitions
+nor its buckets, only what the forward keeps for the backward.
 
 Each config's first visit is uncounted: `--profile-warmup-steps` steps (the launch's first config only),
 one *instrumented* step, the only kind with DeepSpeed's comms_logger and wall-clock timers on (the logger
@@ -21,7 +25,7 @@ A *tie* is timed at the end of every round: a fixed matrix product that depends 
 launches of different engines can be put on one machine speed (advisor.measure.launch).
 
 A config that runs out of memory is marked `oom`, its memory freed, and it leaves the rounds with every
-config of the same accumulation at its micro-batch or above; the launch goes on. (A rank that runs out
+config of the same accumulation and checkpointing at its micro-batch or above; the launch goes on. (A rank that runs out
 while the others wait in a collective cannot be saved in-process: the advisor sees the launch stall, keeps
 the configs already written and launches the rest again without it.)
 
@@ -63,30 +67,35 @@ SETTLE_S = 10.0
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """One config of a launch: the micro-batch fed to the engine and the accumulation it is told."""
+    """One config of a launch: the micro-batch fed to the engine, the accumulation it is told and whether
+    the network recomputes its activations in the backward (gradient checkpointing)."""
 
     micro_batch: int
     grad_accum: int
+    checkpointing: bool = False
 
     @property
     def key(self) -> str:
-        return f"mb{self.micro_batch}-ga{self.grad_accum}"
+        return f"mb{self.micro_batch}-ga{self.grad_accum}" + ("-gc" if self.checkpointing else "")
 
 
 def parse_configs(text: str) -> list[SweepConfig]:
-    """`1:1,2:1,4:4` -> configs; one clear line for anything else."""
+    """`1:1,2:1,4:4,8:1:gc` -> configs (`:gc`: with gradient checkpointing); one clear line for anything
+    else."""
     configs: list[SweepConfig] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         pieces = part.split(":")
+        gc = len(pieces) == 3 and pieces[2].strip() == "gc"
         try:
             mb, ga = (int(pieces[0]), int(pieces[1]) if len(pieces) > 1 else 1)
         except ValueError:
             mb, ga = 0, 0
-        if len(pieces) > 2 or mb < 1 or ga < 1:
+        if len(pieces) > (3 if gc else 2) or mb < 1 or ga < 1:
             raise UserError(
-                f"--profile-configs {text!r}: write MICRO_BATCH:ACCUMULATION pairs, e.g. 1:1,4:1,4:4"
+                f"--profile-configs {text!r}: write MICRO_BATCH:ACCUMULATION pairs, e.g. 1:1,4:1,4:4, and "
+                "MICRO_BATCH:ACCUMULATION:gc for one with gradient checkpointing"
             )
-        configs.append(SweepConfig(mb, ga))
+        configs.append(SweepConfig(mb, ga, gc))
     if not configs or len(set(configs)) != len(configs):
         raise UserError(f"--profile-configs {text!r}: at least one config, each once")
     return configs
@@ -192,6 +201,14 @@ class ConfigSweep(Callback):
         self.rounds = 0
         self._instruments = _Instruments(engine)
         self._batches: dict[int, Batches] = {}
+        self.network = comps.network
+        self.switches_checkpointing = any(c.checkpointing for c in configs)
+        """Only a launch whose configs ask for checkpointing switches it (else the network stays as built:
+        a user's --gradient-checkpointing holds for every config)."""
+        if self.switches_checkpointing and not hasattr(self.network, "enable_gradient_checkpointing"):
+            raise UserError(
+                "--profile-configs with ':gc': this network has no gradient checkpointing to switch on"
+            )
 
     def _ds_of(self, c: SweepConfig) -> Any:
         return replace(self.ds, micro_batch=c.micro_batch, grad_accum=c.grad_accum)
@@ -328,7 +345,10 @@ class ConfigSweep(Callback):
     def _drop(self, entry: _Entry, reason: str) -> None:
         """The config ran out of memory: it and every larger micro-batch of its accumulation leave."""
         for other in self.entries:
-            same = other.config.grad_accum == entry.config.grad_accum
+            same = (other.config.grad_accum, other.config.checkpointing) == (
+                entry.config.grad_accum,
+                entry.config.checkpointing,
+            )
             if other.oom is None and same and other.config.micro_batch >= entry.config.micro_batch:
                 other.oom = reason if other is entry else f"above {entry.config.key}, which {reason}"
 
@@ -343,7 +363,18 @@ class ConfigSweep(Callback):
         trainer.ds = entry.probe.ds
         trainer.shape.update(micro_batch=c.micro_batch, grad_accum=c.grad_accum)
         trainer.batches = self._batches_for(trainer, c.micro_batch)
+        self._checkpointing(c.checkpointing)
         self.active = entry.probe
+
+    def _checkpointing(self, on: bool) -> None:
+        """Gradient checkpointing on the built network as the config asks (the trainer's own switch,
+        sdzero.training.engine, is the same call at build time)."""
+        if not self.switches_checkpointing:
+            return
+        if on and not self.network.is_gradient_checkpointing:
+            self.network.enable_gradient_checkpointing()
+        elif not on and self.network.is_gradient_checkpointing:
+            self.network.disable_gradient_checkpointing()
 
     def _batches_for(self, trainer: Any, micro_batch: int) -> Batches:
         """One feed per micro-batch over the launch's dataset (each with its own sampler: two feeds must
@@ -381,6 +412,7 @@ class ConfigSweep(Callback):
         for e in self.entries:
             if e.config.key in ranks[0]:
                 configs[e.config.key] = e.probe.figures([r[e.config.key] for r in ranks])
+                configs[e.config.key]["checkpointing"] = e.config.checkpointing
         write_json_atomic(
             path,
             {

@@ -22,7 +22,10 @@ def test_configs_parse_and_bad_ones_say_how_to_write_them() -> None:
         SweepConfig(8, 1),
     ]
     assert SweepConfig(4, 2).key == "mb4-ga2"
-    for bad in ("", "0:1", "2:x", "1:1:1", "2:1,2:1"):
+    # a config with gradient checkpointing is its own config beside the same shape without
+    assert parse_configs("4:1,4:1:gc") == [SweepConfig(4, 1), SweepConfig(4, 1, True)]
+    assert SweepConfig(4, 1, True).key == "mb4-ga1-gc"
+    for bad in ("", "0:1", "2:x", "1:1:1", "2:1,2:1", "2:1:gc:gc", "2:1:gc,2:1:gc"):
         with pytest.raises(UserError, match="--profile-configs"):
             parse_configs(bad)
 
