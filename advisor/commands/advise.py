@@ -143,6 +143,14 @@ SamplesRuleOption = Annotated[
         help="samples a larger global batch needs for the same quality: same, flux (8x batch: 2.1x samples), sd2.",
     ),
 ]
+Checkpointing = Annotated[
+    str,
+    typer.Option(
+        "--checkpointing",
+        help="gradient checkpointing as a knob of the search: off, or both (each micro-batch with and "
+        "without it, measured in the same launch; the answer says what it costs and what it allows).",
+    ),
+]
 Explain = Annotated[
     bool,
     typer.Option(
@@ -192,6 +200,7 @@ def advise_command(
     replan: Replan = _ADVISE.replan,
     target_tflops: TargetTflops = _ADVISE.target_tflops,
     samples_rule: SamplesRuleOption = _ADVISE.samples_rule,
+    checkpointing: Checkpointing = _ADVISE.checkpointing,
     explain: Explain = False,
 ) -> None:
     """Measure a few trials and the network, predict 1..--max-nodes nodes with the time and GPU-hours to
@@ -239,6 +248,7 @@ def advise_command(
         replan=replan,
         target_tflops=target_tflops,
         samples_rule=samples_rule,
+        checkpointing=checkpointing,
     )
     if replan is None:  # a bad value is refused before the folder or its log exists
         check_request_options(request)

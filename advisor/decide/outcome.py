@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.checkpointing import checkpointing_trade
 from advisor.decide.scaling_table import (
     INTERVAL_COLUMNS,
     MEASURED,
@@ -30,6 +31,7 @@ from advisor.decide.scaling_table import (
 )
 from advisor.decide.search import CHECK_TRIALS, SearchResult
 from advisor.decide.withheld import larger_batch_note, withhold_timing
+from advisor.measure.grid import is_checkpointed
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate
 from advisor.model.target_compute import ComputeBasis
@@ -92,6 +94,8 @@ class Outcome:
     """What the intervals leave out (no noise floor, an assumed link, no held-out errors)."""
     compute: ComputeBasis | None = None
     """Where the target's compute comes from (advisor.model.target_compute); None: this machine's."""
+    recompute: tuple[float, str] | None = None
+    """(compute added per sample by gradient checkpointing, measured or modelled), from the time model."""
 
     @property
     def min_efficiency(self) -> float:
@@ -101,12 +105,18 @@ class Outcome:
 def measured_ids(trials: pd.DataFrame) -> set[str]:
     """config_ids (advisor.model.predict.Candidate) of the trials that finished."""
     ok = trials[trials["status"] == "ok"]
-    return {
-        Candidate(
-            int(r["zero_stage"]), str(r["precision"]), int(r["micro_batch"]), str(r["offload"])
-        ).config_id
-        for _, r in ok.iterrows()
-    }
+    return {candidate_of(r).config_id for _, r in ok.iterrows()}
+
+
+def candidate_of(row: pd.Series) -> Candidate:
+    """The config a trials.csv row measured."""
+    return Candidate(
+        int(row["zero_stage"]),
+        str(row["precision"]),
+        int(row["micro_batch"]),
+        str(row["offload"]),
+        is_checkpointed(row),
+    )
 
 
 def provenance(o: Outcome) -> dict[str, Any]:
@@ -153,9 +163,7 @@ def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
         rate=lambda t: pd.to_numeric(t["samples_per_s"], errors="coerce")
     )
     top = ok.loc[ok["rate"].idxmax()]
-    best_id = Candidate(
-        int(top["zero_stage"]), str(top["precision"]), int(top["micro_batch"]), str(top["offload"])
-    ).config_id
+    best_id = candidate_of(top).config_id
     n = int(o.best["node_count"])
     there = o.predictions[(o.predictions["config_id"] == best_id) & (o.predictions["node_count"] == n)]
     predicted = float(there["samples_per_s"].iloc[0]) if not there.empty else None
@@ -416,6 +424,7 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "tie": str(best.get("tie_note", "") or ""),
         "unmeasured_stages": stages_without_trials(o),
         "unmeasured_groups": groups_without_trials(o),
+        "checkpointing": checkpointing_trade(o.predictions, best, *(o.recompute or (None, ""))),
     }
     rec["verdict"] = verdict(o, rec)
     rec["compute_basis"] = {"kind": o.compute.kind if o.compute else MEASURED, "line": compute_line(o)}

@@ -49,12 +49,13 @@ MIN_LAUNCH_MEASURE_S = 4.0
 
 def group_key(spec: TrialSpec) -> TrialSpec:
     """What one engine fixes: the spec without its micro-batch and accumulation."""
-    return replace(spec, micro_batch=0, grad_accum=None)
+    return replace(spec, micro_batch=0, grad_accum=None, checkpointing=False)
 
 
 def launch_name(spec: TrialSpec) -> str:
     """`z2-bf16-off-none-r2`: the group's id, its trial id without the micro-batch and accumulation."""
-    return "-".join(p for p in spec.trial_id.split("-") if not (p.startswith("mb") or p.startswith("ga")))
+    kept = (p for p in spec.trial_id.split("-") if not (p.startswith("mb") or p.startswith("ga")))
+    return "-".join(p for p in kept if p != "gc")
 
 
 @dataclass
@@ -171,7 +172,7 @@ class LaunchRunner:
         config = write_trial_config(
             self.base, specs[0], folder, specs[0].ranks_per_node * self.settings.hosts
         )
-        sweep = ",".join(f"{s.micro_batch}:{grad_accum_of(s, self.base)}" for s in specs)
+        sweep = ",".join(_sweep_config(s, self.base) for s in specs)
         measure_s = max(measure_s, MIN_LAUNCH_MEASURE_S)
         settings = replace(
             self.settings,
@@ -194,7 +195,7 @@ class LaunchRunner:
         finished: list[str] = []
         failed_here = False
         for spec in specs:
-            key = f"mb{spec.micro_batch}-ga{grad_accum_of(spec, self.base)}"
+            key = f"mb{spec.micro_batch}-ga{grad_accum_of(spec, self.base)}" + ("-gc" * spec.checkpointing)
             row_outcome = self._config_outcome(key, outcome, configs, launch, record)
             if row_outcome is None:
                 if failed_here:
@@ -333,6 +334,11 @@ class LaunchRunner:
             self.launches_path,
             {"setup": self.setup, "launches": [asdict(r) for r in self.launches]},
         )
+
+
+def _sweep_config(spec: TrialSpec, base: dict[str, Any]) -> str:
+    """The spec as the sweep's `--profile-configs` item: MB:GA, and `:gc` with gradient checkpointing."""
+    return f"{spec.micro_batch}:{grad_accum_of(spec, base)}" + (":gc" if spec.checkpointing else "")
 
 
 def read_launches(path: Path, setup: str | None = None) -> list[LaunchRecord]:

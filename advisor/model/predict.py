@@ -29,11 +29,15 @@ class Candidate:
     precision: str
     micro_batch: int
     offload: str = "none"
+    checkpointing: bool = False
+    """Gradient checkpointing; its id ends in `-gc` (ids without it, every earlier folder's, are configs
+    without it)."""
 
     @property
     def config_id(self) -> str:
         return (
             f"z{self.zero_stage}-{self.precision}-mb{self.micro_batch}-off-{self.offload.replace('+', '-')}"
+            + ("-gc" if self.checkpointing else "")
         )
 
 
@@ -124,8 +128,12 @@ def predict_table(
             accum = grad_accum_for(c.micro_batch, world, target)
             if accum is None:
                 continue
-            step = timing.predict(c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload)
-            mem = memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
+            step = timing.predict(
+                c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload, c.checkpointing
+            )
+            mem = memory.per_rank_bytes(
+                c.zero_stage, c.precision, c.micro_batch, c.offload, world, c.checkpointing
+            )
             intra_s, inter_s = step.exposed_intra_s, step.exposed_inter_s
             rows.append(
                 {
@@ -135,6 +143,7 @@ def predict_table(
                     "dtype": c.precision,
                     "micro_batch": c.micro_batch,
                     "offload": c.offload,
+                    "checkpointing": c.checkpointing,
                     "grad_accum": accum,
                     "global_batch": c.micro_batch * accum * world,
                     "world_size": world,

@@ -131,6 +131,12 @@ class TimeModel:
     it replaces the fitted compute of every config, the overlap windows (a GPU's side stream, the FLOP
     split of forward and backward), the trials' transport ratio and their ranks' wait."""
 
+    recompute_share: float = 0.0
+    """Compute added per sample by gradient checkpointing, a fraction of the per-sample compute
+    (advisor.model.recompute): applied to the per-sample part of a checkpointed config's micro-step."""
+    recompute_source: str = ""
+    """Whether `recompute_share` was measured (trials with checkpointing) or modelled; "" before fitted."""
+
     def for_target(self, target: TargetCompute | None) -> TimeModel:
         """This model with the target's compute (unchanged for None)."""
         return self if target is None else replace(self, target=target)
@@ -142,25 +148,44 @@ class TimeModel:
         return grad_accum if repeats else 1
 
     def compute_per_micro_s(
-        self, stage: int, precision: str, micro_batch: int, offload: str = "none"
+        self,
+        stage: int,
+        precision: str,
+        micro_batch: int,
+        offload: str = "none",
+        checkpointing: bool = False,
     ) -> float:
+        fixed, per_sample = self._compute_parts(stage, precision, micro_batch, offload)
+        again = self.recompute_share if checkpointing else 0.0
         if self.target is not None:
-            work = self.target.per_sample(stage, precision, offload) * micro_batch
-            return max(work, self.target.micro_floor_s)
+            return max(per_sample * (1 + again), self.target.micro_floor_s)
+        return max(fixed + per_sample * (1 + again), 1e-9)
+
+    def _compute_parts(
+        self, stage: int, precision: str, micro_batch: int, offload: str
+    ) -> tuple[float, float]:
+        """A micro-step's compute without checkpointing as (fixed, per-sample x micro_batch)."""
+        if self.target is not None:
+            return 0.0, self.target.per_sample(stage, precision, offload) * micro_batch
         if precision not in self.slopes and not any(g[1] == precision for g in self.proportional):
             # A precision never measured borrows a measured one's figures (the same network and data).
             precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]
         group = (stage, precision, offload)
         if group in self.group_slopes:
-            return max(self.intercepts[group] + self.group_slopes[group] * micro_batch, 1e-9)
+            return self.intercepts[group], self.group_slopes[group] * micro_batch
         if precision in self.slopes:
             # A group with a line of its own lends neither figure: its intercept pairs with its own slope.
             fitted = {
                 g: v for g, v in self.intercepts.items() if g[1] == precision and g not in self.group_slopes
             } or {g: v for g, v in self.intercepts.items() if g[1] == precision}
-            return max(_closest(fitted, group) + self.slopes[precision] * micro_batch, 1e-9)
+            return _closest(fitted, group), self.slopes[precision] * micro_batch
         mine = {g: v for g, v in self.proportional.items() if g[1] == precision}
-        return max(_closest(mine, group) * micro_batch, 1e-9)
+        return 0.0, _closest(mine, group) * micro_batch
+
+    def per_sample_part_s(self, stage: int, precision: str, micro_batch: int, offload: str = "none") -> float:
+        """The per-sample part of a micro-step's compute without checkpointing (what recomputation
+        repeats a share of)."""
+        return self._compute_parts(stage, precision, micro_batch, offload)[1]
 
     def borrowed_compute_s(
         self, stage: int, precision: str, micro_batch: int, offload: str = "none"
@@ -235,8 +260,9 @@ class TimeModel:
         nodes: int,
         net: Network,
         offload: str = "none",
+        checkpointing: bool = False,
     ) -> StepPrediction:
-        per_micro = self.compute_per_micro_s(stage, precision, micro_batch, offload)
+        per_micro = self.compute_per_micro_s(stage, precision, micro_batch, offload, checkpointing)
         once = self.once_s(stage, precision, offload, per_micro)
         compute = once + grad_accum * (per_micro - once)
         intra, inter = self.comm_seconds(stage, grad_accum, net.gpus_per_node, nodes, net)

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from advisor.measure.grid import is_checkpointed
 from advisor.measure.launch import repeat_halves
 from advisor.model.leverage import FitPoints, group_of
 from advisor.stats import MEAN_ABS_TO_SIGMA, Z95, pooled_log_spread, rms, sigma_of_interval, t_quantile
@@ -55,7 +56,9 @@ MIN_MEMORY_SPREAD = 0.01
 KEY_COLUMNS = ("zero_stage", "precision", "micro_batch", "offload")
 
 
-ConfigKey = tuple[int, str, int, str]
+ConfigKey = tuple
+"""(stage, precision, micro-batch, offload), and a fifth item, True, for a config with gradient
+checkpointing (`config_key`): keys of older folders and of configs without it are unchanged."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,8 @@ def contended_keys(trials: pd.DataFrame) -> frozenset[ConfigKey]:
 
 def config_key(row: pd.Series | dict) -> ConfigKey:
     stage, precision, offload = group_of(row)
-    return (stage, precision, int(row["micro_batch"]), offload)
+    key = (stage, precision, int(row["micro_batch"]), offload)
+    return (*key, True) if is_checkpointed(row) else key
 
 
 def held_out_errors(validation: pd.DataFrame, quantity: str) -> np.ndarray:

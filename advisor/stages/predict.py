@@ -10,7 +10,7 @@ import pandas as pd
 
 from advisor.decide.recommend import what_would_fit
 from advisor.decide.scaling_table import BatchReach
-from advisor.measure.grid import GridPlan
+from advisor.measure.grid import GridPlan, is_checkpointed
 from advisor.model.batch_growth import SamplesRule, samples_rule
 from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget, Candidate, predict_table
@@ -202,15 +202,19 @@ def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: Measur
 def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:
     """Every grid point, less those above an out-of-memory trial of their ladder."""
     oom = trials[trials["status"] == "oom"]
+    gc = oom.apply(is_checkpointed, axis=1).astype(bool) if not oom.empty else pd.Series(dtype=bool)
     out = []
     for spec in (s for ladder in plan.ladders for s in ladder):
         same = oom[
             (oom["zero_stage"] == spec.zero_stage)
             & (oom["precision"] == spec.precision)
             & (oom["offload"] == spec.offload)
+            & (gc == spec.checkpointing)
         ]
         if same.empty or spec.micro_batch < same["micro_batch"].min():
-            out.append(Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload))
+            out.append(
+                Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.checkpointing)
+            )
     return list(dict.fromkeys(out))
 
 

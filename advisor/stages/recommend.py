@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.checkpointing import with_checkpointing
 from advisor.decide.outcome import Outcome, build_recommendation
 from advisor.decide.recommend import launch_command, recommend
 from advisor.decide.scaling_table import scaling_table
@@ -123,7 +124,7 @@ def write_recommendation(
         inputs.target_gpus,
         inputs.request.hostfile,
         inputs.out_dir / "run",
-        inputs.user_args,
+        with_checkpointing(inputs.user_args, choice.best),
         choice.lr,
     )
     if not timed:
@@ -193,6 +194,7 @@ def _outcome(
         interval_notes=predictions.spread.notes,
         compute=predictions.basis,
         samples_rule=r.samples_rule,
+        recompute=(predictions.timing.recompute_share, predictions.timing.recompute_source),
     )
 
 

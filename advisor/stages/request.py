@@ -95,6 +95,9 @@ class AdviseRequest:
     samples_rule: str = "same"
     """How the samples to reach the same quality grow with the global batch (advisor.model.batch_growth):
     `same`, or a rule from published results (`flux`, `sd2`)."""
+    checkpointing: str = "off"
+    """Gradient checkpointing as a knob of the search: `off` (the trials run as --train-args say) or
+    `both` (each micro-batch with and without it, in the same launch)."""
     replan: Path | None = None
     """Answer again from this earlier run's trials, link probes and fits, measuring nothing
     (advisor.stages.replan); or from a training run's folder (metrics.jsonl and ds_config.json) or a profile file
