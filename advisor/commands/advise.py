@@ -151,6 +151,13 @@ Checkpointing = Annotated[
         "without it, measured in the same launch; the answer says what it costs and what it allows).",
     ),
 ]
+HostMemoryGib = Annotated[
+    float | None,
+    typer.Option(
+        help="RAM of one target node, GiB: offloaded states, pinned buffers, a CPU EMA, loader workers and "
+        "a latent cache's page cache must fit in it (default: a --preset's, else this machine's)."
+    ),
+]
 Explain = Annotated[
     bool,
     typer.Option(
@@ -201,6 +208,7 @@ def advise_command(
     target_tflops: TargetTflops = _ADVISE.target_tflops,
     samples_rule: SamplesRuleOption = _ADVISE.samples_rule,
     checkpointing: Checkpointing = _ADVISE.checkpointing,
+    host_memory_gib: HostMemoryGib = _ADVISE.host_memory_gib,
     explain: Explain = False,
 ) -> None:
     """Measure a few trials and the network, predict 1..--max-nodes nodes with the time and GPU-hours to
@@ -249,6 +257,7 @@ def advise_command(
         target_tflops=target_tflops,
         samples_rule=samples_rule,
         checkpointing=checkpointing,
+        host_memory_gib=host_memory_gib,
     )
     if replan is None:  # a bad value is refused before the folder or its log exists
         check_request_options(request)

@@ -93,6 +93,9 @@ def launch_command(
 def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
     """One line on why this config lost to the recommendation; "within noise" where the two cannot be told
     apart (advisor.decide.ties.is_tie)."""
+    host = row.get("host_reason")
+    if not bool(row["feasible"]) and isinstance(host, str) and host:
+        return host
     if not bool(row["feasible"]):
         return (
             f"memory: needs {row['mem_per_rank_bytes'] / GIB:.2f} GiB per rank, over the "

@@ -255,6 +255,8 @@ def check_request_options(
         raise UserError(f"--lr-reference-batch {r.lr_reference_batch}: must be at least 1")
     user_args = check_train_args(r.train_args)
     check_checkpointing(r.checkpointing, user_args)
+    if r.host_memory_gib is not None and not r.host_memory_gib > 0:
+        raise UserError(f"--host-memory-gib {r.host_memory_gib}: give the RAM of one node in GiB, above 0")
     # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
     build_network(
         None,

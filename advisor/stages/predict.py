@@ -12,6 +12,7 @@ from advisor.decide.recommend import what_would_fit
 from advisor.decide.scaling_table import BatchReach
 from advisor.measure.grid import GridPlan, is_checkpointed
 from advisor.model.batch_growth import SamplesRule, samples_rule
+from advisor.model.host_memory import HostSetup, add_host_memory, host_setup, node_ram, option_value
 from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget, Candidate, predict_table
 from advisor.model.step_time import TimeModel
@@ -23,6 +24,7 @@ from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.target import machine_target
 from sdzero.atomic import write_csv_atomic, write_json_atomic
+from sdzero.config.options import DEFAULTS
 from sdzero.errors import UserError
 
 
@@ -79,6 +81,7 @@ def predict(
     table = add_time_to_train(table, inputs.amount, startup)
     spread = run_spread(inputs, hardware, measured)
     table = add_intervals(table, spread)
+    table = add_host_memory(table, fitted.memory, host_setup_of(inputs, target_net))
     out_dir = inputs.out_dir
     write_csv_atomic(table, out_dir / "predictions.csv")
     trials = measured.trials
@@ -100,6 +103,25 @@ def predict(
             + what_would_fit(fitted.memory, candidates, inputs.node_list, inputs.target_gpus, usable)
         )
     return Predictions(candidates, table, startup, spread, basis, target_net, timing)
+
+
+def host_setup_of(inputs: AdviseInputs, target_net: Network) -> HostSetup:
+    """What decides the plan's host RAM per node (advisor.model.host_memory): the node's RAM (declared, a
+    preset's, or this machine's when the target is nodes like it) and the run's trainer options."""
+    r = inputs.request
+    node = node_ram(r.host_memory_gib, r.preset, not inputs.differs)
+    cost = inputs.model_cost
+    resolution = (
+        cost.resolution if cost is not None else int(option_value(inputs.user_args, "--resolution") or 0)
+    )
+    return host_setup(
+        inputs.user_args,
+        target_net.gpus_per_node,
+        resolution,
+        inputs.amount.samples_per_epoch,
+        node,
+        DEFAULTS.num_workers,
+    )
 
 
 def compute_basis_of(inputs: AdviseInputs) -> ComputeBasis:

@@ -95,6 +95,10 @@ class AdviseRequest:
     samples_rule: str = "same"
     """How the samples to reach the same quality grow with the global batch (advisor.model.batch_growth):
     `same`, or a rule from published results (`flux`, `sd2`)."""
+    host_memory_gib: float | None = None
+    """RAM of one target node, for the plan's host memory (offloaded states, pinned buffers, a CPU EMA,
+    loader workers, the latent cache's page cache); None: a preset's, else this machine's when the target
+    is nodes like it."""
     checkpointing: str = "off"
     """Gradient checkpointing as a knob of the search: `off` (the trials run as --train-args say) or
     `both` (each micro-batch with and without it, in the same launch)."""
