@@ -78,6 +78,9 @@ class LaunchRecord:
     others_cpu_share: float | None
     round_medians_s: dict[str, list[float]] = field(default_factory=dict)
     at: float = 0.0
+    raced: dict[str, str] = field(default_factory=dict)
+    """Configs the launch stopped measuring as clearly slower per sample than its leader, and why
+    (sdzero.training.config_sweep.race)."""
 
     @property
     def step_s(self) -> float:
@@ -239,7 +242,8 @@ class LaunchRunner:
             alone_s,
             outcome.returncode,
             outcome.log_path,
-            notes=[f"launch {record.name}: {launch.get('rounds', 0)} interleaved rounds"],
+            notes=[f"launch {record.name}: {launch.get('rounds', 0)} interleaved rounds"]
+            + ([f"raced out in {record.raced[key]}"] if key in record.raced else []),
             others_cpu_share=outcome.others_cpu_share,
             measured_at=profile.get("measured_at") or outcome.measured_at,
         )
@@ -304,6 +308,7 @@ class LaunchRunner:
             others_cpu_share=outcome.others_cpu_share,
             round_medians_s={k: [float(x) for x in v] for k, v in medians.items()},
             at=time.time(),
+            raced={str(k): str(v) for k, v in (launch.get("raced") or {}).items()},
         )
 
     def _line(self, record: LaunchRecord, outcome: TrialOutcome) -> str:
@@ -311,7 +316,10 @@ class LaunchRunner:
         if outcome.status != "ok":
             return head + (f" ({outcome.reason})" if outcome.reason else "")
         share = record.timed_s / record.wall_s if record.wall_s else 0.0
-        return head + f" (start-up {record.startup_s:.0f} s, {record.timed_s:.0f} s measuring: {share:.0%})"
+        head += f" (start-up {record.startup_s:.0f} s, {record.timed_s:.0f} s measuring: {share:.0%})"
+        if record.raced:
+            head += f"; raced out: {', '.join(record.raced)} (slower per sample than the launch's leader)"
+        return head
 
     # ------------------------------------------------------------------------------------ budget
 

@@ -286,7 +286,9 @@ def _trial_settings(
     # The user's options last: they override the CPU default (argparse keeps the last value).
     train_args = (*(("--num-workers", "1") if on_cpu else ()), *user_args)
     hostfile = trials_host.hostfile if trials_host else None
-    return trial_settings(model, data, steps, warmup, 900.0, 300.0, None, hostfile, train_args)
+    settings = trial_settings(model, data, steps, warmup, 900.0, 300.0, None, hostfile, train_args)
+    # advise races each launch's configs: the search needs the pick, not every config's figure to the end
+    return replace(settings, race=True)
 
 
 CHECKPOINTING_CHOICES = ("off", "both")

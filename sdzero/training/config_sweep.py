@@ -30,7 +30,13 @@ while the others wait in a collective cannot be saved in-process: the advisor se
 the configs already written and launches the rest again without it.)
 
 The launch ends, after any config's turn, once `--profile-max-seconds` of steps are measured and every
-config has `--profile-min-steps` timed steps. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
+config has `--profile-min-steps` timed steps.
+
+With `--profile-race` the launch races its configs (`race`): after each round, a config with at least
+`--profile-min-steps` timed steps whose samples/s interval (the 95% bootstrap interval of its median
+step, sdzero.telemetry.step_interval) lies wholly below the leader's stops being measured (it keeps what it
+measured; `launch.raced` says in which round and behind whom), and the launch ends once the leader is the
+only config left: the launch's pick is decided within its noise, and its remaining time is not spent. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
 single-trial format (sdzero.training.probe); FILE.partial.json the same after every round.
 """
 
@@ -172,6 +178,8 @@ class _Entry:
     visits: int = 0
     oom: str | None = None
     round_medians: list[float] = field(default_factory=list)
+    raced: str | None = None
+    """Why the config stopped being measured (`--profile-race`): slower per sample than the leader."""
 
 
 class ConfigSweep(Callback):
@@ -188,10 +196,12 @@ class ConfigSweep(Callback):
         warmup_steps: int,
         stop_rule: StopRule,
         round_steps: int = 2,
+        race: bool = False,
     ) -> None:
         self.cfg, self.ds, self.engine, self.out = cfg, ds, engine, out
         self.warmup_steps, self.round_steps = warmup_steps, max(1, round_steps)
         self.min_steps = stop_rule.min_steps
+        self.race = race
         self.max_seconds = stop_rule.max_seconds
         frozen = comps.frozen_modules()
         self.entries = [_Entry(c, ConfigProbe(engine, self._ds_of(c), frozen, out)) for c in configs]
@@ -235,7 +245,7 @@ class ConfigSweep(Callback):
         step = trainer.state.step
         while True:
             stopped = False
-            for entry in [e for e in self.entries if e.oom is None]:
+            for entry in self._live():
                 step = self._visit(trainer, entry, step)
                 # judged after every config, so the launch ends when its time is spent, not a round later
                 if self.rounds and self._agree(self._done()):
@@ -243,6 +253,8 @@ class ConfigSweep(Callback):
                     break
             self._time_tie(trainer.device)
             self.rounds += 1
+            if self.race:
+                self._race()
             done = stopped or self._agree(self._done())
             self._write(self.out.with_name(self.out.stem + ".partial.json"))
             if done:
@@ -264,12 +276,40 @@ class ConfigSweep(Callback):
             skipped_images=trainer.skipped_images,
         )
 
+    def _live(self) -> list[_Entry]:
+        return [e for e in self.entries if e.oom is None and e.raced is None]
+
     def _done(self) -> bool:
-        live = [e for e in self.entries if e.oom is None]
+        live = self._live()
         if not live:
             return True
         enough = all(len(e.probe.records) >= self.min_steps for e in live)
+        if self.race and enough and len(live) == 1 and len(self.entries) > 1:
+            return True  # the leader alone is left: the launch's pick is decided
         return enough and self.seconds["timed"] >= self.max_seconds
+
+    def _race(self) -> None:
+        """Rank 0's race after a round, for every rank: configs clearly slower per sample than the leader
+        leave the rounds (`race`)."""
+        verdict = [race(self._rate_intervals(), self.min_steps) if dist.get_rank() == 0 else {}]
+        dist.broadcast_object_list(verdict, src=0)
+        for entry in self.entries:
+            if entry.config.key in verdict[0] and entry.raced is None:
+                entry.raced = f"round {self.rounds}: {verdict[0][entry.config.key]}"
+
+    def _rate_intervals(self) -> dict[str, tuple[float, float, float, int]]:
+        """Per live config: (samples/s, its 95% low, high, timed steps) from its timed steps."""
+        out = {}
+        for e in self._live():
+            times = [r["step_time_s"] for r in e.probe.records]
+            interval = median_interval(times)
+            if not interval.median_s > 0:
+                continue
+            samples = e.config.micro_batch * e.config.grad_accum * dist.get_world_size()
+            lo_s = interval.lo_s if interval.lo_s == interval.lo_s else interval.median_s
+            hi_s = interval.hi_s if interval.hi_s == interval.hi_s else interval.median_s
+            out[e.config.key] = (samples / interval.median_s, samples / hi_s, samples / lo_s, len(times))
+        return out
 
     def _agree(self, mine: bool) -> bool:
         """Rank 0's verdict for every rank (their step times differ a little)."""
@@ -424,6 +464,7 @@ class ConfigSweep(Callback):
                     "seconds": self.seconds,
                     "tie_s": self.tie_s,
                     "oom": {e.config.key: e.oom for e in self.entries if e.oom},
+                    "raced": {e.config.key: e.raced for e in self.entries if e.raced},
                     "round_medians_s": {e.config.key: e.round_medians for e in self.entries},
                     "intervals": {
                         e.config.key: median_interval(
@@ -471,6 +512,22 @@ class _NoBar:
 
     def set_postfix(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def race(rates: dict[str, tuple[float, float, float, int]], min_steps: int) -> dict[str, str]:
+    """The configs to stop measuring, and why: those with at least `min_steps` timed steps whose samples/s
+    interval (rate, lo, hi, steps) lies wholly below the leader's, the config of the highest rate. A
+    config whose interval still overlaps the leader's may yet be the pick and goes on."""
+    if len(rates) < 2:
+        return {}
+    leader = max(rates, key=lambda k: rates[k][0])
+    floor = rates[leader][1]
+    return {
+        key: f"slower per sample than {leader} ({rate:.3g} vs {rates[leader][0]:.3g} samples/s; its "
+        f"interval {lo:.3g}-{hi:.3g} below the leader's {floor:.3g})"
+        for key, (rate, lo, hi, steps) in rates.items()
+        if key != leader and steps >= min_steps and hi < floor
+    }
 
 
 def _feed(batches: Batches, micro_batch: int, seed: int) -> Batches:
@@ -529,4 +586,6 @@ def start_sweep(cfg: Any, ds: Any, engine: Any, comps: Any, stop_rule: StopRule)
     if getattr(cfg, "buckets", False):
         raise UserError("--profile-configs with --buckets: measure bucketed data one config per launch")
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
-    return ConfigSweep(cfg, ds, engine, comps, Path(out), parse_configs(text), warmup, stop_rule)
+    configs = parse_configs(text)
+    race = bool(getattr(cfg, "profile_race", False))
+    return ConfigSweep(cfg, ds, engine, comps, Path(out), configs, warmup, stop_rule, race=race)
