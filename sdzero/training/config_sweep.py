@@ -35,8 +35,10 @@ config has `--profile-min-steps` timed steps.
 With `--profile-race` the launch races its configs (`race`): after each round, a config with at least
 `--profile-min-steps` timed steps whose samples/s interval (the 95% bootstrap interval of its median
 step, sdzero.telemetry.step_interval) lies wholly below the leader's stops being measured (it keeps what it
-measured; `launch.raced` says in which round and behind whom), and the launch ends once the leader is the
-only config left: the launch's pick is decided within its noise, and its remaining time is not spent. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
+measured; `launch.raced` says in which round and behind whom), and the launch ends once each leader is the
+only config left: the launch's pick is decided within its noise, and its remaining time is not spent.
+Configs race those of their own accumulation only: more micro-steps a step amortise its once-per-step
+costs, so a config at another accumulation (the advisor's check) is no rival, and is measured on. FILE gets {"launch": ..., "configs": {key: profile}}, each profile in the
 single-trial format (sdzero.training.probe); FILE.partial.json the same after every round.
 """
 
@@ -284,14 +286,17 @@ class ConfigSweep(Callback):
         if not live:
             return True
         enough = all(len(e.probe.records) >= self.min_steps for e in live)
-        if self.race and enough and len(live) == 1 and len(self.entries) > 1:
-            return True  # the leader alone is left: the launch's pick is decided
+        if self.race and enough and any(e.raced for e in self.entries):
+            left = [e.config.grad_accum for e in live]
+            if len(left) == len(set(left)):
+                return True  # each accumulation's leader alone is left: the launch's pick is decided
         return enough and self.seconds["timed"] >= self.max_seconds
 
     def _race(self) -> None:
         """Rank 0's race after a round, for every rank: configs clearly slower per sample than the leader
         leave the rounds (`race`)."""
-        verdict = [race(self._rate_intervals(), self.min_steps) if dist.get_rank() == 0 else {}]
+        classes = {e.config.key: e.config.grad_accum for e in self.entries}
+        verdict = [race(self._rate_intervals(), self.min_steps, classes) if dist.get_rank() == 0 else {}]
         dist.broadcast_object_list(verdict, src=0)
         for entry in self.entries:
             if entry.config.key in verdict[0] and entry.raced is None:
@@ -514,20 +519,29 @@ class _NoBar:
         pass
 
 
-def race(rates: dict[str, tuple[float, float, float, int]], min_steps: int) -> dict[str, str]:
+def race(
+    rates: dict[str, tuple[float, float, float, int]],
+    min_steps: int,
+    classes: dict[str, int] | None = None,
+) -> dict[str, str]:
     """The configs to stop measuring, and why: those with at least `min_steps` timed steps whose samples/s
-    interval (rate, lo, hi, steps) lies wholly below the leader's, the config of the highest rate. A
-    config whose interval still overlaps the leader's may yet be the pick and goes on."""
-    if len(rates) < 2:
-        return {}
-    leader = max(rates, key=lambda k: rates[k][0])
-    floor = rates[leader][1]
-    return {
-        key: f"slower per sample than {leader} ({rate:.3g} vs {rates[leader][0]:.3g} samples/s; its "
-        f"interval {lo:.3g}-{hi:.3g} below the leader's {floor:.3g})"
-        for key, (rate, lo, hi, steps) in rates.items()
-        if key != leader and steps >= min_steps and hi < floor
-    }
+    interval (rate, lo, hi, steps) lies wholly below the leader's, the config of the highest rate among
+    those of its class (`classes`: the accumulation; one class without). A config whose interval still
+    overlaps the leader's may yet be the pick and goes on."""
+    out: dict[str, str] = {}
+    for kind in set((classes or {}).get(k, 0) for k in rates):
+        mine = {k: v for k, v in rates.items() if (classes or {}).get(k, 0) == kind}
+        if len(mine) < 2:
+            continue
+        leader = max(mine, key=lambda k: mine[k][0])
+        floor = mine[leader][1]
+        out |= {
+            key: f"slower per sample than {leader} ({rate:.3g} vs {mine[leader][0]:.3g} samples/s; its "
+            f"interval {lo:.3g}-{hi:.3g} below the leader's {floor:.3g})"
+            for key, (rate, lo, hi, steps) in mine.items()
+            if key != leader and steps >= min_steps and hi < floor
+        }
+    return out
 
 
 def _feed(batches: Batches, micro_batch: int, seed: int) -> Batches:

@@ -151,3 +151,19 @@ def test_the_launch_ends_once_its_leader_is_the_only_config_left() -> None:
     sweep.entries[1].raced = "round 3: slower per sample than mb8-ga1"
     assert sweep._done()  # the leader alone: decided, the other 95 s are not spent
     assert not _sweep(False, [("mb8-ga1", 4)])._done()  # without racing the time is spent
+
+
+def test_configs_race_those_of_their_own_accumulation_only() -> None:
+    """The check at accumulation 4 amortises the once-per-step costs: faster per sample, but no rival of
+    the accumulation-1 configs, and alone in its class it is never raced out."""
+    rates = {
+        "mb8-ga1": (100.0, 95.0, 105.0, 6),
+        "mb2-ga1": (60.0, 55.0, 64.0, 6),
+        "mb8-ga4": (300.0, 290.0, 310.0, 6),
+    }
+    classes = {"mb8-ga1": 1, "mb2-ga1": 1, "mb8-ga4": 4}
+    assert set(race(rates, 5, classes)) == {"mb2-ga1"}
+    assert set(race(rates, 5)) == {"mb8-ga1", "mb2-ga1"}  # one class: the check would lead them all
+    sweep = _sweep(True, [("mb8-ga1", 6), ("mb2-ga1", 6), ("mb8-ga4", 6)])
+    sweep.entries[1].raced = "round 4"
+    assert sweep._done()  # each accumulation's leader alone is left
