@@ -44,11 +44,14 @@ def fit_models(
     timing = fit_time_model(plain, measured_net, numels, zero)
     recompute = fit_recompute(plain, checkpointed, _extra_per_sample(timing, checkpointed))
     timing.recompute_share, timing.recompute_source = recompute.share, recompute.source
+    timing.recompute_shares = dict(recompute.by_group)
     memory.checkpointed = recompute.activations
     return Models(memory, timing, recompute)
 
 
-def _extra_per_sample(timing: TimeModel, checkpointed: pd.DataFrame) -> list[float]:
+def _extra_per_sample(
+    timing: TimeModel, checkpointed: pd.DataFrame
+) -> list[tuple[tuple[int, str, str], float]]:
     """Per ok checkpointed trial: its compute beyond the plain fit's for its config, per unit of that
     config's per-sample compute."""
     ok = checkpointed[checkpointed["status"] == "ok"] if not checkpointed.empty else checkpointed
@@ -61,7 +64,12 @@ def _extra_per_sample(timing: TimeModel, checkpointed: pd.DataFrame) -> list[flo
         key = (int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"]), str(row["offload"]))
         per_sample = timing.per_sample_part_s(*key)
         if per_sample > 0:
-            extra.append((float(compute[i]) - timing.compute_per_micro_s(*key)) / per_sample)
+            extra.append(
+                (
+                    (key[0], key[1], key[3]),
+                    (float(compute[i]) - timing.compute_per_micro_s(*key)) / per_sample,
+                )
+            )
     return extra
 
 

@@ -6,8 +6,9 @@ block's forward again inside it: the forward is counted twice. So:
 - **compute**: a checkpointed config's per-sample compute is the same config's without it, plus `share`
   of it. Where trials ran with checkpointing (in the same launch as those without,
   sdzero.training.config_sweep), `share` is measured: the median over them of their compute beyond the
-  fitted compute of the same config without it, per unit of that config's per-sample compute. Where none
-  did, it is the forward pass's share of the trials' compute (their phase timers: forward / (forward +
+  fitted compute of the same config without it, per unit of that config's per-sample compute; per ZeRO
+  stage, precision and offload where that group ran with it (`by_group`: at ZeRO-3 the recomputed
+  forward gathers its parameters again), the median over the groups elsewhere. Where none did, it is the forward pass's share of the trials' compute (their phase timers: forward / (forward +
   backward)), labelled modelled. The fixed per-micro-step costs (ZeRO's hooks, the optimizer) do not
   repeat.
 - **memory**: a checkpointed config's activations are fitted, as the others' are (a + b x micro-batch), on
@@ -21,7 +22,7 @@ The trials with checkpointing are kept out of the fits of the configs without it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -42,6 +43,11 @@ class Recompute:
     activations: ActivationFit | None = None
     """Activation bytes with checkpointing, fitted to its trials; None: none ran."""
     trials: int = 0
+    by_group: dict[tuple[int, str, str], float] = field(default_factory=dict)
+    """The measured share of each (stage, precision, offload) that ran with checkpointing."""
+
+    def share_of(self, group: tuple[int, str, str]) -> float:
+        return self.by_group.get(group, self.share)
 
     def describe(self) -> str:
         how = (
@@ -78,17 +84,24 @@ def forward_share(trials: pd.DataFrame) -> float:
 
 
 def fit_recompute(
-    plain: pd.DataFrame, checkpointed: pd.DataFrame, extra_per_sample: list[float]
+    plain: pd.DataFrame,
+    checkpointed: pd.DataFrame,
+    extra_per_sample: list[tuple[tuple[int, str, str], float]],
 ) -> Recompute:
-    """The Recompute of a run: `extra_per_sample` holds, per ok checkpointed trial, its measured compute
-    beyond the plain fit's for its config, divided by that config's per-sample compute (the caller,
-    advisor.model.prediction_error, has the time model)."""
+    """The Recompute of a run: `extra_per_sample` holds, per ok checkpointed trial, its group and its
+    measured compute beyond the plain fit's for its config, divided by that config's per-sample compute
+    (the caller, advisor.model.prediction_error, has the time model)."""
     ok = checkpointed[checkpointed["status"] == "ok"] if not checkpointed.empty else checkpointed
     activations = None
     if not ok.empty:
         activations = ActivationFit.fit(ok["micro_batch"].to_numpy(), ok["activation_bytes"].to_numpy())
-    measured = [e for e in extra_per_sample if math.isfinite(e)]
+    measured = [(g, e) for g, e in extra_per_sample if math.isfinite(e)]
     if measured:
-        return Recompute(max(float(np.median(measured)), 0.0), MEASURED, activations, len(measured))
+        groups: dict[tuple[int, str, str], list[float]] = {}
+        for group, extra in measured:
+            groups.setdefault(group, []).append(extra)
+        by_group = {g: max(float(np.median(v)), 0.0) for g, v in groups.items()}
+        overall = float(np.median(list(by_group.values())))
+        return Recompute(overall, MEASURED, activations, len(measured), by_group)
     share = forward_share(plain)
     return Recompute(0.0 if math.isnan(share) else share, MODELLED, activations, 0)

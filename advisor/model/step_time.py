@@ -134,6 +134,8 @@ class TimeModel:
     recompute_share: float = 0.0
     """Compute added per sample by gradient checkpointing, a fraction of the per-sample compute
     (advisor.model.recompute): applied to the per-sample part of a checkpointed config's micro-step."""
+    recompute_shares: dict[Group, float] = field(default_factory=dict)
+    """The share per group measured with checkpointing (the others take `recompute_share`)."""
     recompute_source: str = ""
     """Whether `recompute_share` was measured (trials with checkpointing) or modelled; "" before fitted."""
 
@@ -156,7 +158,8 @@ class TimeModel:
         checkpointing: bool = False,
     ) -> float:
         fixed, per_sample = self._compute_parts(stage, precision, micro_batch, offload)
-        again = self.recompute_share if checkpointing else 0.0
+        share = self.recompute_shares.get((stage, precision, offload), self.recompute_share)
+        again = share if checkpointing else 0.0
         if self.target is not None:
             return max(per_sample * (1 + again), self.target.micro_floor_s)
         return max(fixed + per_sample * (1 + again), 1e-9)

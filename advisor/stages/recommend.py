@@ -19,6 +19,7 @@ from advisor.decide.outcome import Outcome, build_recommendation
 from advisor.decide.recommend import launch_command, recommend
 from advisor.decide.scaling_table import scaling_table
 from advisor.model.prediction_error import ERROR_EXPLAINED, error_summary
+from advisor.model.step_time import TimeModel
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
@@ -194,7 +195,7 @@ def _outcome(
         interval_notes=predictions.spread.notes,
         compute=predictions.basis,
         samples_rule=r.samples_rule,
-        recompute=(predictions.timing.recompute_share, predictions.timing.recompute_source),
+        recompute=(recompute_share_of(predictions.timing, choice.best), predictions.timing.recompute_source),
     )
 
 
@@ -203,3 +204,9 @@ def noise_floor(out_dir: Path) -> float | None:
     from advisor.model.uncertainty import run_noise_floor
 
     return run_noise_floor(out_dir)[0]
+
+
+def recompute_share_of(timing: TimeModel, best: pd.Series) -> float:
+    """What checkpointing adds per sample for the pick's ZeRO stage, precision and offload."""
+    group = (int(best["zero_stage"]), str(best["dtype"]), str(best["offload"]))
+    return timing.recompute_shares.get(group, timing.recompute_share)

@@ -217,3 +217,22 @@ def test_checkpointing_both_refuses_the_trainer_flag_beside_it():
         check_checkpointing("both", (FLAG,))
     with pytest.raises(UserError, match="choose off or both"):
         check_checkpointing("sometimes", ())
+
+
+def test_recomputation_is_measured_per_stage_where_each_stage_ran_with_it():
+    """At ZeRO-3 the recomputed forward gathers its parameters again: its share is its own, and a stage
+    that ran no trial with checkpointing takes the median of the others'."""
+    measured_net, _ = nets()
+    trials = trials_with_checkpointing()
+    z3 = (trials["zero_stage"] == 3) & trials["checkpointing"].astype(bool)
+    extra = SLOPE * trials.loc[z3, "micro_batch"] * 0.5  # ZeRO-3: 80% instead of 30%
+    trials.loc[z3, "step_time_s"] += extra
+    no_z1 = trials[~((trials["zero_stage"] == 1) & trials["checkpointing"].astype(bool))]
+    models = fit_models(no_z1, NUMELS, ZERO, measured_net)
+    shares = models.recompute.by_group
+    assert shares[(2, "bf16", "none")] == pytest.approx(RECOMPUTE, 1e-6)
+    assert shares[(3, "bf16", "none")] == pytest.approx(RECOMPUTE + 0.5, 1e-6)
+    assert (1, "bf16", "none") not in shares
+    z1 = models.timing.compute_per_micro_s(1, "bf16", 4, checkpointing=True)
+    median = (RECOMPUTE + RECOMPUTE + 0.5) / 2
+    assert z1 == pytest.approx(COMPUTE[1] + SLOPE * 4 * (1 + median), rel=1e-6)
