@@ -206,6 +206,18 @@ def test_an_advise_run_measures_checkpointing_in_the_same_launch_and_picks_it_wh
     assert rec["checkpointing"]["line"].startswith("+30% compute per sample (measured)")
     assert re.search(r"allows micro-batch 8 where [12] fit without", rec["checkpointing"]["line"])
     assert f" {FLAG} " in rec["launch_command"]
+    # a replan into another folder keeps the knob: the same pick from the same trials, in seconds
+    again = advise.run_advise(
+        advise.AdviseRequest(
+            replan=tmp_path / "out",
+            out_dir=tmp_path / "again",
+            max_nodes=1,
+            global_batch="16",
+            device_memory_gib=gib,
+        )
+    )
+    assert again.recommendation["config_id"] == rec["config_id"]
+    assert again.recommendation["checkpointing"]["line"] == rec["checkpointing"]["line"]
 
 
 def test_checkpointing_both_refuses_the_trainer_flag_beside_it():
