@@ -102,6 +102,9 @@ class TrialSettings:
     """A launch of several configs (sdzero.training.config_sweep): `MB:GA,...`; "" for one config."""
     launch_measure_s: float = 0.0
     """A launch's seconds of timed steps, all its configs together (advisor.measure.launch)."""
+    race: bool = False
+    """A launch races its configs (`--profile-race`, sdzero.training.config_sweep.race): one clearly
+    slower per sample than the leader stops being measured, and the launch ends once the leader is alone."""
 
     @property
     def step_cap(self) -> int:
@@ -177,6 +180,7 @@ def sweep_args(settings: TrialSettings) -> list[str]:
         str(settings.steps),
         "--profile-max-seconds",
         f"{settings.launch_measure_s:g}",
+        *(["--profile-race"] if settings.race else []),
     ]
 
 

@@ -289,6 +289,9 @@ class MemoryModel:
     device: str = "cpu"
     """The device the predictions are for: "cuda" adds the device overheads (`device_overheads`) to what
     must fit. `fit_memory_model` reads it from the trials (a CUDA allocator peak in `cuda_peak_bytes`)."""
+    checkpointed: ActivationFit | None = None
+    """Activations with gradient checkpointing, fitted to its trials (advisor.model.recompute); None: no
+    trial ran with it, and a checkpointed config is taken to need `activations`."""
 
     @property
     def psi(self) -> int:
@@ -308,6 +311,11 @@ class MemoryModel:
             return self.bucket_extra_bytes.get(stage, 0.0)
         copies = 2 if stage in (1, 2) and self.zero.overlap_comm else 1
         return copies * 2 * self.zero.reduce_bucket_size + self.bucket_extra_bytes.get(stage, 0.0)
+
+    def activation_bytes(self, micro_batch: int, checkpointing: bool = False) -> float:
+        """One micro-batch's saved activations, with or without recomputation."""
+        fit = self.checkpointed if checkpointing and self.checkpointed is not None else self.activations
+        return fit.predict(micro_batch)
 
     def step_bytes(self, stage: int, precision: str, offload: str, world: int) -> dict[str, float]:
         """Bytes at the optimizer step (activations freed), read from DeepSpeed 0.19.8's step().
@@ -381,7 +389,13 @@ class MemoryModel:
         }
 
     def per_rank_bytes(
-        self, stage: int, precision: str, micro_batch: int, offload: str, world: int
+        self,
+        stage: int,
+        precision: str,
+        micro_batch: int,
+        offload: str,
+        world: int,
+        checkpointing: bool = False,
     ) -> dict[str, float]:
         """Device bytes per rank by part; `allocated` is the allocator's peak (offloaded states excluded):
         the larger of the end of backward (`fwd_bwd`: model states, buckets, frozen, activations) and the
@@ -398,7 +412,7 @@ class MemoryModel:
             "model_states": float(sum(states.values()) - offloaded),
             "buckets": self.bucket_bytes(stage),
             "frozen": self.frozen_bytes,
-            "activations": self.activations.predict(micro_batch),
+            "activations": self.activation_bytes(micro_batch, checkpointing),
         }
         fwd_bwd = sum(parts.values())
         step = self.step_bytes(stage, precision, offload, world)

@@ -44,6 +44,7 @@ from advisor.stages.inputs import (
     claim_out,
     counted_cost,
     dataset_size,
+    with_checkpointing_knob,
 )
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.profile_source import is_profile_source, profile_stages
@@ -69,7 +70,7 @@ the input measurements (advisor.measure.input_figures)."""
 def write_plan_inputs(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Path:
     """<out>/plan_inputs.json: what a replan needs besides the trials and the link probes."""
     r = inputs.request
-    grid = r.grid or (CPU_GRID if inputs.on_cpu else GridRequest())
+    grid = with_checkpointing_knob(r.grid or (CPU_GRID if inputs.on_cpu else GridRequest()), r)
     payload = {
         "version": PLAN_VERSION,
         "setup_id": inputs.setup,

@@ -229,6 +229,11 @@ class ProfileOptions:
         "measure several configs in this one launch, in interleaved rounds: MICRO_BATCH:ACCUMULATION pairs "
         "such as 1:1,4:1,4:4 (sdzero/training/config_sweep.py); --profile-out then holds each config's profile",
     )
+    profile_race: bool = option(
+        False,
+        "with --profile-configs: a config whose samples/s interval lies wholly below the leader's stops "
+        "being measured, and the launch ends once the leader is the only config left",
+    )
     profile_target_halfwidth: float = option(
         0.0,
         "stop once the 95% interval of the median measured step is within this fraction of it on each "
