@@ -139,7 +139,14 @@ class RemoteLaunch:
 
     def popen(self, **kwargs: Any) -> subprocess.Popen[bytes]:
         """The runner started in its folder with its environment (inside `secrets_written`); for callers
-        that watch it themselves (own session, log file, timeouts)."""
+        that watch it themselves (own session, log file, timeouts). A launch in a session of its own is
+        guarded: it ends, here and on the remote hosts, if this process dies (sdzero.process.orphan_guard)."""
+        from sdzero.process.orphan_guard import popen_guarded
+
+        if kwargs.pop("start_new_session", False):
+            return popen_guarded(
+                self.command, self.remote_kill(), cwd=self.runner_cwd, env=self.runner_env, **kwargs
+            )
         return subprocess.Popen(self.command, cwd=self.runner_cwd, env=self.runner_env, **kwargs)
 
     def run(self) -> int:
@@ -153,7 +160,7 @@ class RemoteLaunch:
         output_dir = self.output_dir or output_dir_of(decode_argv(self.command))
         with self.secrets_written():
             runner = self.popen(start_new_session=True)
-            return wait_forwarding(runner, remote, output_dir=output_dir, remote_kill=self.remote_kill())
+            return wait_forwarding(runner, remote, output_dir=output_dir)
 
     def remote_kill(self) -> list[str] | None:
         """The command that SIGKILLs this launch's ranks on every remote host (None: no remote ranks)."""

@@ -107,18 +107,14 @@ def wait_forwarding(
     remote: RemoteSignal | None = None,
     *,
     output_dir: Path | None = None,
-    remote_kill: Sequence[str] | None = None,
 ) -> int:
     """Wait for `launch` (started with start_new_session=True), forwarding FORWARDED signals to its ranks;
     its exit code, 128 + N when a signal N ended it, EXIT_STALLED when its ranks named a stall in
-    `output_dir` (sdzero.process.stall_exit). A guard ends the launch if this process dies without a word
-    (sdzero.process.orphan_guard); `remote_kill` is the command that ends its ranks on other hosts."""
-    from sdzero.process.orphan_guard import LaunchGuard
+    `output_dir` (sdzero.process.stall_exit)."""
     from sdzero.process.stall_exit import StallCheck
 
     forwarder = SignalForwarder(launch, remote)
     stall = StallCheck(output_dir)
-    guard = LaunchGuard(launch.pid, remote_kill).start()
     previous = {sig: signal.signal(sig, forwarder) for sig in FORWARDED}
     try:
         while (code := launch.poll()) is None:
@@ -129,7 +125,6 @@ def wait_forwarding(
         forwarder._kill_all()  # this process is going: take the launch with it
         raise
     finally:
-        guard.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stall.named():
@@ -145,10 +140,11 @@ def run_forwarding(
     remote: RemoteSignal | None = None,
     output_dir: Path | None = None,
 ) -> int:
-    """Run a launch command in its own session and wait for it with the signals forwarded."""
-    launch = subprocess.Popen(
-        list(command), cwd=cwd, env=None if env is None else dict(env), start_new_session=True
-    )
+    """Run a launch command in its own session (guarded: it ends if this process dies, see
+    sdzero.process.orphan_guard) and wait for it with the signals forwarded."""
+    from sdzero.process.orphan_guard import popen_guarded
+
+    launch = popen_guarded(list(command), cwd=cwd, env=None if env is None else dict(env))
     return wait_forwarding(launch, remote, output_dir=output_dir)
 
 

@@ -100,6 +100,20 @@ class LaunchGuard:
         self.process = None
 
 
+def popen_guarded(
+    command: Sequence[str], remote_kill: Sequence[str] | None = None, **kwargs: object
+) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen(command, start_new_session=True, **kwargs)` with a LaunchGuard beside it. The
+    guard leaves by itself once the launch's process group is empty (the launch ended, or was killed)."""
+    launch: subprocess.Popen[bytes] = subprocess.Popen(list(command), start_new_session=True, **kwargs)  # type: ignore[call-overload]
+    try:
+        LaunchGuard(launch.pid, remote_kill).start()
+    except OSError:
+        launch.kill()
+        raise
+    return launch
+
+
 def _group_exists(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
