@@ -198,6 +198,7 @@ class StallWatch:
         self.progress_dir = self.output_dir / PROGRESS_DIR
         self.nccl, self.exit_fn = nccl, exit_fn
         self.world: int | None = None
+        self.publishing = False
         self.leader: Leader | None = None
         self._seen: dict[str, tuple[Any, float]] = {}  # host file -> (its beat, when it last changed)
         self._beat = 0
@@ -207,13 +208,18 @@ class StallWatch:
         self._thread = threading.Thread(target=self._run, name="sdzero-stall-watch", daemon=True)
 
     def start(self) -> StallWatch:
-        self.progress_dir.mkdir(parents=True, exist_ok=True)
         (self.records_folder / STOP_FLAG).unlink(missing_ok=True)  # an earlier stalled run's, same key
         self._thread.start()
         return self
 
     def set_world(self, world: int) -> None:
         self.world = world
+
+    def output_ready(self) -> None:
+        """The run holds its output folder now (sdzero.checkpoint.checkpointer.find_resume claimed it): host
+        files may go there. Not before: a folder that holds anything but sdzero's mark is refused."""
+        self.progress_dir.mkdir(parents=True, exist_ok=True)
+        self.publishing = True
 
     def stop(self) -> None:
         self._stop.set()
@@ -259,7 +265,7 @@ class StallWatch:
         return [s for s in pids_alive if self.world is None or s.rank < self.world]
 
     def _publish(self, local: list[Snapshot]) -> None:
-        if not local:
+        if not local or not self.publishing:
             return
         self._beat += 1
         now = time.time()

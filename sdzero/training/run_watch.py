@@ -50,6 +50,12 @@ def joined(world: int) -> None:
         _WATCH.set_world(world)
 
 
+def output_ready() -> None:
+    """The output folder is the run's (claimed): the watch may write its host files there."""
+    if _WATCH is not None:
+        _WATCH.output_ready()
+
+
 def startup_line(phases: list[tuple[str, float]]) -> str:
     """`start-up 41 s: engine build 30 s, model load 6.1 s, ...` (largest first)."""
     total = sum(s for _, s in phases)

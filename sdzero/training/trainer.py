@@ -356,6 +356,7 @@ def join_run(cfg: TrainConfig, ds: DsSettings) -> tuple[Ranks, ResumePoint | Non
     point = find_resume(  # all ranks agree; on another world size with --resume-elastic, converted once
         cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, ranks.world, cfg.resume_elastic, ds.raw
     )
+    run_watch.output_ready()  # claimed by find_resume: the watch's host files may go there now
     adopt_checkpoint_seed(cfg, point, ranks.rank)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
     apply_backend_flags(cfg, ranks.device.type)  # TF32 (CUDA only)

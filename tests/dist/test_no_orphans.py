@@ -93,3 +93,38 @@ def test_sigkill_of_sdzero_advise_mid_trial_ends_the_trial(tmp_path):
     out = tmp_path / "advise"
     command = start([SDZERO, "advise", "--out", str(out), "--max-nodes", "2", "--budget-minutes", "5"], log)
     kill_and_check(command, wait_for_rank(command, log))
+
+
+def test_a_stopped_local_rank_is_named_and_sdzero_train_exits_restartable(tiny_model, synth_data, tmp_path):
+    """One host, `sdzero train`: rank 1 SIGSTOPped mid-run is named in stall.json within --stall-seconds +
+    15 s, and the command exits with EXIT_STALLED though the stopped rank could not exit by itself."""
+    import json
+
+    from sdzero.process.stall_watch import EXIT_STALLED, STALL_FILE
+
+    out = tmp_path / "run"
+    args = trainer_args(
+        CONFIGS / "zero2_bf16.json", tiny_model, synth_data, out, 100000, "--stall-seconds", "8"
+    )
+    log = tmp_path / "train.log"
+    command = start([SDZERO, "train", "--num-gpus", "2", *args], log)
+    tree = wait_for_rank(command, log)
+    victim = next(p for p in tree if _is_rank(p) and "--local_rank=1" in p.cmdline())
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().split()) < 2:
+            assert time.monotonic() < deadline and command.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)  # the watch is armed once every rank is in the training loop
+        victim.suspend()
+        stopped_at = time.time()
+        code = command.wait(timeout=60)
+    finally:
+        with contextlib.suppress(psutil.Error):
+            victim.kill()
+    text = log.read_text()
+    assert code == EXIT_STALLED, text[-3000:]
+    assert (out / STALL_FILE).stat().st_mtime - stopped_at <= 8 + 15
+    stall = json.loads((out / STALL_FILE).read_text())
+    assert stall["summary"].startswith("rank 1 (") and "(not responding); rank 0 (" in stall["summary"]
+    assert f"exit {EXIT_STALLED}: restart with --resume auto" in text
+    assert not left_running(tree)

@@ -108,8 +108,8 @@ def watch_of(record: ProgressRecord, shm: Path, out: Path, stall_s: float) -> St
         raise Exited(code)
 
     watch = StallWatch(record, shm, out, stall_s, exit_fn=exit_fn)
-    watch.progress_dir.mkdir(parents=True)
     watch.set_world(2)
+    watch.output_ready()
     return watch
 
 
