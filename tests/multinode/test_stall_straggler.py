@@ -89,6 +89,6 @@ def test_a_slow_host_is_named_in_metrics_terminal_and_report(cluster, args, tmp_
     assert named[0]["slower_by"] > 0.5 and 0 < named[0]["wait_share"] < 1
     lines = [line for line in log.splitlines() if f"slow host {slow.hostname} (rank 1)" in line]
     assert len(lines) == 1, log[-4000:]  # one line for the run, not one per step
-    page = write_training_report(out).read_text()
+    page = write_training_report(out, work / "report.html").read_text()
     assert f"Slow host: {slow.hostname} (ranks 1)" in page and 'id="fig-hosts"' in page
     print(f"straggler line: {lines[0][lines[0].index('slow host') :]}")
