@@ -35,6 +35,7 @@ import pandas as pd
 from PIL import Image
 
 from advisor.report import figures
+from advisor.report.hosts_section import hosts_items
 from advisor.report.page import (
     CodeItem,
     FigureItem,
@@ -349,6 +350,7 @@ def speed_section(run: TrainingRun) -> Section:
     items: list[Item] = [
         FigureItem("throughput", "Throughput and step time", CAPTIONS["throughput"] + bin_note(len(m)), svg),
         frame_table("phases", "Step-time phases", CAPTIONS["phases"], table),
+        *hosts_items(m),  # per-host compute time and the slow host named (sdzero.training.straggler)
     ]
     return Section("speed", "Speed", items)
 

@@ -34,6 +34,7 @@ from jinja2 import Environment, StrictUndefined
 from sdzero.cluster.launch_command import TRAIN_SCRIPT
 from sdzero.config.output_folder import LOCK_NAME
 from sdzero.errors import UserError
+from sdzero.process.stall_watch import EXIT_STALLED
 
 TIME_LIMIT = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -110,6 +111,13 @@ done
 # Exit 143 without a signal here: the ranks were signalled themselves (`scancel --signal=USR1`, steps only).
 if [ "$warned" -eq 1 ] || { [ "$code" -eq 143 ] && [ "$ending" -eq 0 ]; }; then
   echo "sdzero: stopped with exit $code after a preemption warning; requeueing job $SLURM_JOB_ID (resumes with --resume auto)"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+# A stall named by the ranks' watcher (stall.json in the output folder): no new checkpoint, but the job
+# can go on from the newest complete one, on another allocation if a node is bad.
+if [ "$code" -eq {{ stalled_code }} ] && [ "$ending" -eq 0 ]; then
+  echo "sdzero: the run stalled (see $OUT/stall.json); requeueing job $SLURM_JOB_ID (resumes with --resume auto)"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
@@ -235,6 +243,7 @@ def render(job: SlurmJob) -> str:
         **{k: getattr(job, k) for k in job.__dataclass_fields__ if k != "train_args"},
         output_dir=shlex.quote(str(Path(out).absolute())),
         lock_name=LOCK_NAME,
+        stalled_code=EXIT_STALLED,
         workdir=shlex.quote(str(Path.cwd())),
         # Slurm opens the log before the script runs, so it goes to a folder that exists at submit time.
         log_pattern=sbatch_file_pattern(Path.cwd(), LOG_NAME),

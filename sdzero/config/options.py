@@ -87,6 +87,17 @@ class RunOptions:
         "seconds a collective waits for a peer before the process group raises: a rank whose host died "
         "makes the others fail (and the job exit non-zero) within this bound instead of hanging for ever",
     )
+    stall_seconds: float = option(
+        300.0,
+        "once every rank is training, when no rank has advanced for this long, name the rank, host, phase "
+        "and step that hold the job in <output-dir>/stall.json and exit 142 (restartable with --resume "
+        "auto); longer than a checkpoint save, under --dist-timeout-s (0: off)",
+    )
+    straggler_every: int = option(
+        50,
+        "every N steps the ranks share their own compute time per step; a host persistently slower than "
+        "the others is named in metrics.jsonl, on the terminal and in the report (0: off)",
+    )
 
 
 @dataclass(kw_only=True)

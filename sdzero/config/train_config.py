@@ -200,6 +200,10 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
         self._check_cache_options()
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.stall_seconds < 0:
+            raise UserError(f"--stall-seconds must be >= 0 (0: off), got {self.stall_seconds}")
+        if self.straggler_every < 0:
+            raise UserError(f"--straggler-every must be >= 0 (0: off), got {self.straggler_every}")
         self._check_checkpoint_options()
         check_lora_numbers(self)
         if self.profile_out is not None:
