@@ -37,7 +37,7 @@ from typing import Any
 
 from advisor.measure.contention import CpuSample, others_cpu_share, sample
 from advisor.measure.grid import TrialSpec
-from sdzero.atomic import write_text_atomic
+from sdzero.atomic import open_no_follow, write_text_atomic
 from sdzero.checkpoint.checkpointer import CHECKPOINTS
 from sdzero.cluster.hostfile import HostEntry, parse_hostfile
 from sdzero.cluster.launch_command import TRAIN_SCRIPT, one_host_command
@@ -313,7 +313,7 @@ def run_trial(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     launch = trial_launch(spec, settings, ds_config, trial_dir, env)
     started = time.monotonic()
-    with log_path.open("w") as log, launch.secrets_written():
+    with open_no_follow(log_path, "w") as log, launch.secrets_written():
         log.write("$ " + " ".join(launch.command) + "\n")
         log.flush()
         # Own session: the launcher, its ranks and their data-loader workers share one process group,

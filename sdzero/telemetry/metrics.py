@@ -10,6 +10,8 @@ from typing import Any, TextIO
 
 import torch
 
+from sdzero.atomic import open_no_follow, refuse_link
+
 
 def peak_memory_bytes() -> int:
     """Peak bytes this rank held: accelerator allocations on CUDA, else the process's peak RSS."""
@@ -26,7 +28,7 @@ class MetricsWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = open(self.path, "a")  # noqa: SIM115 (held open for the whole run)
+        self._file: TextIO = open_no_follow(self.path, "a")  # held open for the whole run
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -39,6 +41,7 @@ class MetricsWriter:
 def rotate_previous(path: Path) -> Path | None:
     """Move an earlier run's file aside (metrics.1.jsonl, ...) so a new run never overwrites it."""
     path = Path(path)
+    refuse_link(path)  # a planted link is named, not moved aside and later read as this run's history
     if not path.exists():
         return None
     n = 1

@@ -1,0 +1,325 @@
+"""Issue #50, the write side: a link planted at any path sdzero writes is refused in one line naming it, and
+nothing outside the folder is touched; a save onto a really full filesystem is one line naming the device,
+with the previous checkpoint intact and no staging folder left.
+
+The writers are called as the commands call them; a few cases run the trainer's own `main` (in this process,
+launcher variables set, as in tests/unit/test_issue44_probes.py) to show the refusal reaches the user as one
+line with exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from launch import CONFIGS, fp32_config, write_config
+
+from sdzero.errors import EXIT_USER_ERROR, UserError
+
+VICTIM_TEXT = "the user's own file\n"
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    """A user's file outside the folder sdzero writes to: it must keep its bytes whatever happens."""
+    path = tmp_path / "outside" / "users-file.txt"
+    path.parent.mkdir()
+    path.write_text(VICTIM_TEXT)
+    return path
+
+
+def plant(path: Path, target: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(target)
+    return path
+
+
+def _atomic_text(p: Path) -> None:
+    from sdzero.atomic import write_text_atomic
+
+    write_text_atomic(p, "new\n")
+
+
+def _atomic_json(p: Path) -> None:
+    from sdzero.atomic import write_json_atomic
+
+    write_json_atomic(p, {"a": 1})
+
+
+def _atomic_csv(p: Path) -> None:
+    import pandas as pd
+
+    from sdzero.atomic import write_csv_atomic
+
+    write_csv_atomic(pd.DataFrame({"a": [1]}), p)
+
+
+def _append(p: Path) -> None:
+    from sdzero.atomic import open_no_follow
+
+    with open_no_follow(p, "a") as f:
+        f.write("x\n")
+
+
+def _truncate(p: Path) -> None:
+    from sdzero.atomic import open_no_follow
+
+    with open_no_follow(p, "w") as f:
+        f.write("x\n")
+
+
+def _metrics(p: Path) -> None:
+    from sdzero.telemetry.metrics import MetricsWriter
+
+    MetricsWriter(p).write({"step": 1})
+
+
+def _rotate(p: Path) -> None:
+    from sdzero.telemetry.metrics import rotate_previous
+
+    rotate_previous(p)
+
+
+def _chatter(p: Path) -> None:
+    from sdzero.library_logs import ChatterLog
+
+    ChatterLog(p).write("hello")
+
+
+def _lock(p: Path) -> None:
+    from sdzero.config.output_lock import claim_output_dir, release_output_dir
+
+    try:
+        claim_output_dir(p.parent)
+    finally:
+        release_output_dir(p.parent)
+
+
+def _trial_config(p: Path) -> None:
+    from advisor.measure.grid import TrialSpec, write_trial_config
+
+    base = json.loads((CONFIGS / "zero0_bf16.json").read_text())
+    spec = TrialSpec(zero_stage=0, precision="bf16", micro_batch=1, offload="none", ranks_per_node=1)
+    write_trial_config(base, spec, p.parent, 1)
+
+
+def _publish(p: Path) -> None:
+    from sdzero.atomic import publish_dir
+
+    tmp = p.parent / ".tmp-new"
+    tmp.mkdir()
+    publish_dir(tmp, p)
+
+
+def _new_dir(p: Path) -> None:
+    from sdzero.atomic import new_dir
+
+    with new_dir(p) as tmp:
+        (tmp / "x").write_text("x")
+
+
+def _remove_tree(p: Path) -> None:
+    from sdzero.atomic import remove_tree
+
+    remove_tree(p)
+
+
+# (writer, the name it writes in its folder, whether the planted link points at a folder)
+WRITERS: dict[str, tuple[Callable[[Path], None], str, bool]] = {
+    "atomic text (LATEST, reports, recommended_ds_config.json)": (_atomic_text, "latest", False),
+    "atomic json (environment.json, plan_inputs.json)": (_atomic_json, "recommended_ds_config.json", False),
+    "atomic csv (trials.csv, validation.csv)": (_atomic_csv, "trials.csv", False),
+    "append (a log)": (_append, "log.txt", False),
+    "truncate (a launch's log.txt)": (_truncate, "log.txt", False),
+    "metrics.jsonl": (_metrics, "metrics.jsonl", False),
+    "metrics.jsonl rotation": (_rotate, "metrics.jsonl", False),
+    "library chatter log": (_chatter, "library.log", False),
+    ".sdzero.lock": (_lock, ".sdzero.lock", False),
+    "a trial's ds_config.json": (_trial_config, "ds_config.json", False),
+    "a published folder (export)": (_publish, "final", True),
+    "a new folder (tiny model, synthetic data)": (_new_dir, "tiny", True),
+    "a removed folder (universal conversion, storage probe)": (_remove_tree, "probe", True),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITERS), ids=list(WRITERS))
+def test_every_writer_refuses_a_link_planted_where_it_writes(tmp_path, victim, case):
+    write, name, folder = WRITERS[case]
+    target = victim.parent if folder else victim
+    link = plant(tmp_path / "run" / name, target)
+    before = sorted(p.name for p in victim.parent.iterdir())
+    with pytest.raises(UserError, match=rf"{link} is a symbolic link \(to {target}\).*nothing was written"):
+        write(link)
+    assert victim.read_text() == VICTIM_TEXT
+    assert sorted(p.name for p in victim.parent.iterdir()) == before
+    assert link.is_symlink()  # named, not removed: the user sees what was planted
+
+
+def test_a_users_own_env_file_link_is_still_written_through(tmp_path):
+    """The one writer allowed to follow a link: the user's `.deepspeed_env`, a file they named themselves
+    (a dotfile kept in a repository and linked into place)."""
+    from sdzero.cluster.env_file import merge_env_file
+
+    real = tmp_path / "dotfiles" / "deepspeed_env"
+    real.parent.mkdir()
+    real.write_text("A=1\n")
+    link = plant(tmp_path / ".deepspeed_env", real)
+    merge_env_file(link, {"B": "2"})
+    assert link.is_symlink() and real.read_text() == "A=1\nB=2\n"
+
+
+# ------------------------------------------------------------------------- the trainer, as the user runs it
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+
+
+@pytest.mark.parametrize("name", [".sdzero.lock", "ds_config.json", "run_config.json", "environment.json"])
+def test_the_trainer_refuses_a_link_planted_in_its_output_folder(
+    tmp_path, tiny_model, synth_data, launched, capsys, victim, name
+):
+    from sdzero.train import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    if name != ".sdzero.lock":
+        (out / ".sdzero.lock").write_text("")  # an earlier run's folder: sdzero's own, so written into
+    link = plant(out / name, victim)
+    config = write_config(tmp_path / "ds.json", fp32_config(0, micro=1))
+    argv = ["--deepspeed_config", str(config), "--model", str(tiny_model), "--data", str(synth_data)]
+    code = main([*argv, "--max-steps", "1", "--output-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == EXIT_USER_ERROR and f"{link} is a symbolic link" in err, err
+    assert victim.read_text() == VICTIM_TEXT and link.is_symlink()
+
+
+def test_advise_out_refuses_a_planted_lock(tmp_path, victim):
+    from sdzero.config.output_folder import LOCK_NAME
+    from sdzero.config.output_lock import claim_output_dir
+
+    out = tmp_path / "advise"
+    out.mkdir()
+    (out / "plan_inputs.json").write_text("{}")
+    link = plant(out / LOCK_NAME, victim)
+    with pytest.raises(UserError, match=f"{link} is a symbolic link"):
+        claim_output_dir(out, "--out")
+    assert victim.read_text() == VICTIM_TEXT
+
+
+# --------------------------------------------------------------------------------- checkpoints and staging
+
+
+class TinyEngine:
+    """A real DeepSpeed engine of a small linear model (one rank, gloo), as the checkpointer drives it."""
+
+    def __init__(self, width: int) -> None:
+        import deepspeed
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(width, width)
+        config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9}
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+        )
+
+
+@pytest.fixture
+def engine(process_group, monkeypatch) -> Iterator[TinyEngine]:
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    tiny = TinyEngine(256)
+    yield tiny
+    tiny.engine.destroy()
+
+
+def checkpointer(output_dir: Path, engine: TinyEngine):
+    from sdzero.checkpoint import checkpointer as ck
+
+    ident = ck.RunIdentity(
+        zero_stage=0, dtype="fp32", world_size=1, seed=0, model="m", prediction_type="epsilon"
+    )
+    return ck.Checkpointer(output_dir, 3, engine.engine, None, ident)
+
+
+@pytest.mark.parametrize("where", ["staging", "final", "checkpoints folder"])
+def test_a_link_planted_at_the_staging_or_checkpoint_folder_is_refused(tmp_path, engine, where):
+    """A link at `.incoming-step_N` once took a checkpoint into another folder, over a user's manifest.json
+    there, never to be pruned."""
+    from sdzero.checkpoint import checkpointer as ck
+
+    elsewhere = tmp_path / "users-folder"
+    elsewhere.mkdir()
+    (elsewhere / "manifest.json").write_text("mine\n")
+    root = ck.checkpoint_root(tmp_path / "run")
+    names = {"staging": f"{ck.STAGING_PREFIX}{ck.step_tag(1)}", "final": ck.step_tag(1)}
+    link = plant(root / names[where], elsewhere) if where in names else plant(root, elsewhere)
+    with pytest.raises(UserError, match=f"{link} is a symbolic link"):
+        checkpointer(tmp_path / "run", engine).save(ck.TrainState(step=1))
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["manifest.json"]
+    assert (elsewhere / "manifest.json").read_text() == "mine\n"
+
+
+def _checkpoint_bytes(tmp_path: Path, engine: TinyEngine) -> int:
+    from sdzero.checkpoint import checkpointer as ck
+
+    probe = tmp_path / "size-probe"
+    checkpointer(probe, engine).save(ck.TrainState(step=1))
+    return sum(p.stat().st_size for p in probe.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def small_filesystem(tmp_path) -> Iterator[Callable[[int], Path]]:
+    """Mounts a real tmpfs of a given size (root only) and unmounts it at the end."""
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs to fill needs root (mount -t tmpfs); run as root to prove it")
+        point = tmp_path / "small-disk"
+        point.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "sdzero-full-test", str(point)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(
+                f"cannot mount a tmpfs here ({done.stderr.strip()}); a container without CAP_SYS_ADMIN"
+            )
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_a_save_onto_a_really_full_filesystem_is_one_line_naming_the_device(
+    tmp_path, engine, small_filesystem
+):
+    """No faked OSError: the second checkpoint does not fit on a tmpfs that holds the first one and a half."""
+    from sdzero.checkpoint import checkpointer as ck
+
+    one = _checkpoint_bytes(tmp_path, engine)
+    page = 4096
+    disk = small_filesystem(((one * 3 // 2) // page + 1) * page)
+    saver = checkpointer(disk / "run", engine)
+    saver.save(ck.TrainState(step=1))
+    with pytest.raises(UserError) as refused:
+        saver.save(ck.TrainState(step=2))
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith(f"no space left on sdzero-full-test (mounted at {disk}) while saving step 2")
+    assert "the previous checkpoint 1 is intact" in line
+    root = ck.checkpoint_root(disk / "run")
+    assert [m.step for _, m in ck.complete_checkpoints(root)] == [1]
+    assert ck.distributed_verify(*ck.complete_checkpoints(root)[0]) == []
+    assert not list(root.glob(f"{ck.STAGING_PREFIX}*"))  # the half save's space is given back
