@@ -11,6 +11,8 @@ from typing import Any, TextIO
 import torch
 
 from sdzero.atomic import open_no_follow, refuse_link
+from sdzero.config.user_file import parse_json_text, read_user_text
+from sdzero.errors import UserError
 
 
 def peak_memory_bytes() -> int:
@@ -49,6 +51,26 @@ def rotate_previous(path: Path) -> Path | None:
         n += 1
     path.rename(moved)
     return moved
+
+
+def read_metric_lines(path: Path, flag: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """(line number, record) of each JSON object line of a metrics.jsonl, and how many lines were skipped:
+    a line cut by a kill, not JSON, or nested beyond reason (one nested 100,000 deep was a RecursionError).
+    The file itself must be a regular file within the reader's bounds (sdzero.config.user_file)."""
+    records, skipped = [], 0
+    for number, line in enumerate(read_user_text(path, flag).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json_text(line, f"{path} line {number}")
+        except UserError:
+            skipped += 1
+            continue
+        if isinstance(record, dict):
+            records.append((number, record))
+        else:
+            skipped += 1
+    return records, skipped
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
