@@ -69,10 +69,9 @@ from advisor.stages.request import AdviseRequest
 from advisor.stages.target import TARGET_GPUS
 from sdzero.atomic import write_csv_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
-from sdzero.config.user_file import read_user_json, read_user_text
+from sdzero.config.user_file import read_json_lines, read_user_json, read_user_text
 from sdzero.constants import GIB
 from sdzero.errors import UserError
-from sdzero.telemetry.metrics import read_metric_lines
 
 SOURCE = "profile"
 """trials.csv's `source` of a row read from a profile or a run folder (advisor.stages.fit dispatches on it)."""
@@ -288,7 +287,7 @@ def _metric_steps(path: Path, where: str) -> list[MetricsStepIn]:
     """The steps of a run's metrics.jsonl, each checked by the schema (a step time of 0 or NaN is one line
     naming its line); a line that is not JSON, or nested beyond reason, is skipped and counted, as a line
     cut by a kill is."""
-    lines, _skipped = read_metric_lines(path, f"{where}:")
+    lines, _skipped = read_json_lines(path, f"{where}:")
     return [
         check(MetricsStepIn, record, f"{path} line {number}")
         for number, record in lines

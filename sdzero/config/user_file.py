@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from sdzero.errors import UserError
 
@@ -121,3 +122,23 @@ def read_user_json(
     """A regular file of at most `limit` bytes, UTF-8, JSON nested at most `max_depth` deep; anything else
     (a FIFO, a device, a link loop, an oversized or non-JSON file) is one UserError naming `flag` and the path."""
     return parse_json_text(read_user_text(path, flag, limit), f"{flag} {path}", max_depth)
+
+
+def read_json_lines(path: Path | str, flag: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """(line number, object) of each JSON object line of a JSON-lines file (metrics.jsonl), and how many
+    lines were skipped: a line cut by a kill, not JSON, or nested beyond reason (one nested 100,000 deep
+    was a RecursionError). The file itself must be a regular file within the reader's bounds."""
+    records, skipped = [], 0
+    for number, line in enumerate(read_user_text(path, flag).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json_text(line, f"{path} line {number}")
+        except UserError:
+            skipped += 1
+            continue
+        if isinstance(record, dict):
+            records.append((number, record))
+        else:
+            skipped += 1
+    return records, skipped

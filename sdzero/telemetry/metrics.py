@@ -11,8 +11,7 @@ from typing import Any, TextIO
 import torch
 
 from sdzero.atomic import open_no_follow, refuse_link
-from sdzero.config.user_file import parse_json_text, read_user_text
-from sdzero.errors import UserError
+from sdzero.config.user_file import read_json_lines
 
 
 def peak_memory_bytes() -> int:
@@ -54,23 +53,9 @@ def rotate_previous(path: Path) -> Path | None:
 
 
 def read_metric_lines(path: Path, flag: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
-    """(line number, record) of each JSON object line of a metrics.jsonl, and how many lines were skipped:
-    a line cut by a kill, not JSON, or nested beyond reason (one nested 100,000 deep was a RecursionError).
-    The file itself must be a regular file within the reader's bounds (sdzero.config.user_file)."""
-    records, skipped = [], 0
-    for number, line in enumerate(read_user_text(path, flag).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = parse_json_text(line, f"{path} line {number}")
-        except UserError:
-            skipped += 1
-            continue
-        if isinstance(record, dict):
-            records.append((number, record))
-        else:
-            skipped += 1
-    return records, skipped
+    """(line number, record) of each step line of a metrics.jsonl, and the count of lines skipped
+    (sdzero.config.user_file.read_json_lines: a line cut by a kill, or nested beyond reason)."""
+    return read_json_lines(path, flag)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
