@@ -402,11 +402,15 @@ def load_fits(path: Path) -> list[AlphaBetaFit]:
     data = read_user_json(path, "the link fits")  # a FIFO or a device: named, never read for ever
     if not isinstance(data, dict) or data.get("schema") != FIT_SCHEMA:
         schema = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise UserError(f"{path}: not a {FIT_SCHEMA} file (schema={schema!r}); rerun sdzero comm")
+        raise UserError(
+            f"{path}: not a comm_fit.json this version reads (schema {schema!r}, not {FIT_SCHEMA}); rerun sdzero comm"
+        )
     try:
         return [AlphaBetaFit.from_dict(item) for item in data["fits"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"{path}: a fit without its fields ({exc!r}); rerun sdzero comm") from None
+        raise UserError(
+            f"{path}: not a comm_fit.json this version reads (a fit without its fields: {exc!r}); rerun sdzero comm"
+        ) from None
 
 
 def is_positive_finite(value: float) -> bool:

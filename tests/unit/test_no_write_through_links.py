@@ -10,11 +10,14 @@ line with exit 2.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from launch import CONFIGS, fp32_config, write_config
+from launch import CONFIGS, REPO_ROOT, fp32_config, write_config
 
 from sdzero.errors import EXIT_USER_ERROR, UserError
 
@@ -179,22 +182,59 @@ def launched(monkeypatch):
         monkeypatch.setenv(var, value)
 
 
-@pytest.mark.parametrize("name", [".sdzero.lock", "ds_config.json", "run_config.json", "environment.json"])
-def test_the_trainer_refuses_a_link_planted_in_its_output_folder(
-    tmp_path, tiny_model, synth_data, launched, capsys, victim, name
+def test_the_trainer_refuses_a_planted_lock_in_one_line(
+    tmp_path, tiny_model, synth_data, launched, capsys, victim
 ):
+    """The lock is taken before any process group or model exists: the trainer's own `main`, in this process."""
     from sdzero.train import main
 
     out = tmp_path / "run"
     out.mkdir()
-    if name != ".sdzero.lock":
-        (out / ".sdzero.lock").write_text("")  # an earlier run's folder: sdzero's own, so written into
-    link = plant(out / name, victim)
+    link = plant(out / ".sdzero.lock", victim)
     config = write_config(tmp_path / "ds.json", fp32_config(0, micro=1))
     argv = ["--deepspeed_config", str(config), "--model", str(tiny_model), "--data", str(synth_data)]
     code = main([*argv, "--max-steps", "1", "--output-dir", str(out)])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == EXIT_USER_ERROR and f"{link} is a symbolic link" in err, err
+    assert victim.read_text() == VICTIM_TEXT and link.is_symlink()
+
+
+def test_a_real_run_refuses_a_planted_ds_config_json_and_writes_nothing_outside(
+    tmp_path, tiny_model, synth_data, victim
+):
+    """ds_config.json is written once the run has its process group and model: a real trainer process (as
+    the launcher starts it), not this one, so no process group of another test is in its way."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".sdzero.lock").write_text("")  # an earlier run's folder: sdzero's own, so written into
+    link = plant(out / "ds_config.json", victim)
+    config = write_config(tmp_path / "ds.json", fp32_config(0, micro=1))
+    argv = ["--deepspeed_config", str(config), "--model", str(tiny_model), "--data", str(synth_data)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "sdzero" / "train.py"),
+            *argv,
+            "--max-steps",
+            "1",
+            "--num-workers",
+            "0",
+            "--output-dir",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    assert (
+        done.returncode == EXIT_USER_ERROR
+        and last.startswith("sdzero: error: ")
+        and f"{link} is a symbolic link" in last
+    ), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
     assert victim.read_text() == VICTIM_TEXT and link.is_symlink()
 
 
