@@ -5,6 +5,7 @@ JSON and hold that every input ends in a profile or in one line, within bounded 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tracemalloc
 from pathlib import Path
@@ -208,7 +209,22 @@ values = st.recursive(
     ),
     max_leaves=30,
 )
-documents = st.dictionaries(st.sampled_from(KEYS), values, max_size=10)
+TOP = {"device": "h200", "gpus_per_node": 8, "model": "sd2-base-unet", "dataset_images": 1000}
+CONFIG = {"zero_stage": 2, "precision": "bf16", "micro_batch": 8, "samples_per_s": 100.0}
+CONFIG_KEYS = KEYS[KEYS.index("zero_stage") :]
+documents = st.one_of(
+    st.dictionaries(st.sampled_from(KEYS), values, max_size=10),  # anything at all
+    st.builds(  # a good profile with a few keys replaced, removed or added, at the top and in its config
+        lambda top, config, dropped: {
+            **{k: v for k, v in TOP.items() if k != dropped},
+            **top,
+            "configs": [{**{k: v for k, v in CONFIG.items() if k != dropped}, **config}],
+        },
+        st.dictionaries(st.sampled_from(KEYS[: KEYS.index("zero_stage")]), values, max_size=2),
+        st.dictionaries(st.sampled_from(CONFIG_KEYS) | st.text(max_size=8), values, max_size=2),
+        st.sampled_from([None, *TOP, *CONFIG]),
+    ),
+)
 BOUNDED = settings(
     max_examples=60,
     deadline=2000,
@@ -216,6 +232,20 @@ BOUNDED = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 PEAK_BYTES = 64 << 20
+
+
+def assert_within_the_schema(profile) -> None:
+    """What a profile that was let through may hold: positive, finite figures in the schema's ranges (the
+    old reader let `parameters: -5`, `lr: .nan` and NaN memory through)."""
+    finite = math.isfinite
+    assert 1 <= profile.gpus_per_node <= 1024 and 1 <= profile.nodes <= 100_000
+    assert profile.numels and all(n >= 1 for n in profile.numels) and sum(profile.numels) <= 10**12
+    lr = profile.base["optimizer"]["params"]["lr"]
+    assert finite(lr) and 0 < lr <= 1
+    for c in profile.configs:
+        assert finite(c.step_time_s) and c.step_time_s > 0
+        assert math.isnan(c.memory_bytes) or (finite(c.memory_bytes) and c.memory_bytes > 0)
+        assert c.micro_batch >= 1 and c.grad_accum >= 1 and c.zero_stage in (0, 1, 2, 3)
 
 
 def ends_in_a_profile_or_one_line(path: Path) -> None:
@@ -226,7 +256,7 @@ def ends_in_a_profile_or_one_line(path: Path) -> None:
     try:
         profile = read_profile(path)
         assert isinstance(profile, Profile)
-        assert all(0 < c.step_time_s < float("inf") for c in profile.configs)
+        assert_within_the_schema(profile)
     except UserError as exc:
         assert "\n" not in str(exc), str(exc)
     finally:
