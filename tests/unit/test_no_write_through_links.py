@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from launch import CONFIGS, REPO_ROOT, fp32_config, write_config
 
 from sdzero.errors import EXIT_USER_ERROR, UserError
@@ -108,6 +109,20 @@ def _trial_config(p: Path) -> None:
     write_trial_config(base, spec, p.parent, 1)
 
 
+def _cache_shard(p: Path) -> None:
+    from sdzero.data.cache_build import _write_shard
+
+    _write_shard(p, {"x": torch.zeros(2)}, {"format": "test"})
+
+
+def _cache_shard_temporary(p: Path) -> None:
+    from sdzero.data.cache_build import _tmp_name, _write_shard
+
+    final = p.with_name("shard-00000.safetensors")
+    assert _tmp_name(final) == p
+    _write_shard(final, {"x": torch.zeros(2)}, {"format": "test"})
+
+
 def _publish(p: Path) -> None:
     from sdzero.atomic import publish_dir
 
@@ -141,6 +156,12 @@ WRITERS: dict[str, tuple[Callable[[Path], None], str, bool]] = {
     "library chatter log": (_chatter, "library.log", False),
     ".sdzero.lock": (_lock, ".sdzero.lock", False),
     "a trial's ds_config.json": (_trial_config, "ds_config.json", False),
+    "a cache shard": (_cache_shard, "shard-00000.safetensors", False),
+    "a cache shard's temporary": (
+        _cache_shard_temporary,
+        f".shard-00000.safetensors.tmp-{os.getpid()}",
+        False,
+    ),
     "a published folder (export)": (_publish, "final", True),
     "a new folder (tiny model, synthetic data)": (_new_dir, "tiny", True),
     "a removed folder (universal conversion, storage probe)": (_remove_tree, "probe", True),
