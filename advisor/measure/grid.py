@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from sdzero.atomic import write_json_atomic
 from sdzero.errors import UserError
 
 STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -295,7 +296,7 @@ def write_trial_config(base: dict[str, Any], spec: TrialSpec, trial_dir: Path, w
 
     trial_dir.mkdir(parents=True, exist_ok=True)
     path = trial_dir / "ds_config.json"
-    path.write_text(json.dumps(trial_ds_config(base, spec), indent=2) + "\n")
+    write_json_atomic(path, trial_ds_config(base, spec))
     load_ds_config(path, world_size)
     return path
 

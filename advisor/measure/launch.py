@@ -22,8 +22,8 @@ launch's start-up and the config's own steps).
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -39,7 +39,9 @@ from advisor.measure.grid import TrialSpec, finished_trials, grad_accum_of, writ
 from advisor.measure.trial_table import append_row, latest_rows, read_trials, trial_row
 from advisor.measure.trials import OOM_PATTERNS, TrialOutcome, TrialSettings
 from sdzero.atomic import write_json_atomic
+from sdzero.config.user_file import parse_json_text, read_user_text
 from sdzero.constants import GIB
+from sdzero.errors import UserError
 
 LAUNCHES_FILE = "launches.json"
 LAUNCH_MEASURE_S = 24.0
@@ -377,9 +379,14 @@ def repeat_halves(folder: Path) -> list[list[float]]:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A record of an earlier launch, or None when missing or torn (a kill mid-write of an older version);
+    a FIFO, a device or an oversized file is one line naming it (it once hung --replan for ever)."""
+    if not os.path.lexists(path):
+        return None
+    text = read_user_text(path, "an earlier launch's record")
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        data = parse_json_text(text, str(path))
+    except UserError:
         return None
     return data if isinstance(data, dict) else None
 

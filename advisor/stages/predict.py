@@ -3,6 +3,7 @@ them: predictions.csv, trials.csv (the report's columns) and environment.json.""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -226,7 +227,7 @@ def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: Measur
 
     inter = hardware.target_net.inter
     assumed = not inter.source.startswith("measured")
-    fits = load_fits(hardware.fit_path) if hardware.fit_path.is_file() else []
+    fits = load_fits(hardware.fit_path) if os.path.lexists(hardware.fit_path) else []
     rel = link_spread(f.rel_rmse for f in fits if f.link_level == "inter")
     floor, dof = run_noise_floor(inputs.out_dir)
     return estimate_spread(

@@ -17,7 +17,7 @@ sizes differ) or another config (base JSON or --train-args), and the options tha
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from advisor.decide.search import SearchResult
+from advisor.measure.csv_tables import read_table
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config, plan_grid
 from advisor.measure.input_figures import INPUT_FILE
 from advisor.measure.launch import LAUNCHES_FILE
@@ -52,6 +53,7 @@ from advisor.stages.request import CPU_GRID, AdviseRequest
 from advisor.stages.target import machine_target, target_differs, target_memory
 from sdzero.atomic import write_json_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
+from sdzero.config.user_file import read_user_json
 from sdzero.constants import GIB
 from sdzero.errors import UserError
 
@@ -124,15 +126,12 @@ def read_plan_inputs(folder: Path) -> dict[str, Any]:
     path = folder / PLAN_INPUTS
     if not folder.is_dir():
         raise UserError(f"--replan {folder}: no such folder; give the --out of an earlier sdzero advise")
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise UserError(
             f"--replan {folder}: no {PLAN_INPUTS} there (written by sdzero advise from this version on); "
             f"run `sdzero advise --out {folder}` once: its finished trials are reused"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--replan {path}: unreadable ({exc}); rerun sdzero advise --out {folder}") from None
+        )
+    record = read_user_json(path, "--replan")  # a FIFO, /dev/zero, a loop: named, never read for ever
     if not isinstance(record, dict) or record.get("version") != PLAN_VERSION:
         raise UserError(f"--replan {path}: written by another version of sdzero; rerun sdzero advise there")
     return record
@@ -288,9 +287,9 @@ def replan_trials(inputs: AdviseInputs, record: dict[str, Any], folder: Path) ->
     """The trials the run fitted (its trials.csv: the last attempt of each, of its setup) and its
     held-out checks."""
     path = folder / "trials.csv"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"--replan {folder}: no trials.csv there; rerun sdzero advise --out {folder}")
-    trials = pd.read_csv(path, dtype={c: str for c in TEXT_COLUMNS})
+    trials = read_table(path, "--replan", dtype={c: str for c in TEXT_COLUMNS})
     trials = trials.drop(columns=[c for c in REPORT_ONLY if c in trials])  # the predict stage's additions
     if "setup_id" in trials and (trials["setup_id"].astype(str) != str(record["setup_id"])).any():
         raise UserError(
@@ -299,7 +298,9 @@ def replan_trials(inputs: AdviseInputs, record: dict[str, Any], folder: Path) ->
     if trials[trials["status"] == "ok"].empty:
         raise UserError(f"--replan {folder}: no finished trial in trials.csv")
     validation_path = folder / "validation.csv"
-    validation = pd.read_csv(validation_path) if validation_path.is_file() else pd.DataFrame()
+    validation = (
+        read_table(validation_path, "--replan") if os.path.lexists(validation_path) else pd.DataFrame()
+    )
     search = record["search"]
 
     def no_trials(_specs: list[Any]) -> pd.DataFrame:

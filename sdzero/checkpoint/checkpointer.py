@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sdzero.atomic import fsync_dir, write_text_atomic
+from sdzero.atomic import fsync_dir, planted_link, write_text_atomic
 from sdzero.checkpoint.identity import ELASTIC_MAY_CHANGE, SAFE_TO_CHANGE, differences
 from sdzero.checkpoint.manifest import (
     CHECKPOINTS,
@@ -369,19 +369,21 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def disk_full(exc: BaseException, root: Path) -> bool:
-    """Whether a failed save ran out of space. torch.save reports it as a RuntimeError ("file write
-    failed") without the errno, so a RuntimeError counts when the filesystem has (next to) nothing free."""
-    if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
-        return True
-    if "No space left" in str(exc) or "Disk quota exceeded" in str(exc):
-        return True
-    if isinstance(exc, RuntimeError) and "write" in str(exc).lower():
-        try:
-            usage = shutil.disk_usage(root if root.exists() else root.parent)
-        except OSError:
-            return False
-        return usage.free < max(usage.total // 1000, 1 << 20)
-    return False
+    """Whether a failed save ran out of space: an ENOSPC/EDQUOT anywhere in the exception's chain, or an
+    error without an errno (torch.save on a full disk says "basic_ios::clear: iostream error", then "unexpected
+    pos N vs M": no errno, no "write") while the filesystem has (next to) nothing free."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # the chain is short; a bound, in case of a cycle
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in FULL_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        usage = shutil.disk_usage(root if root.exists() else root.parent)
+    except OSError:
+        return False
+    return usage.free < max(usage.total // 1000, 1 << 20)
 
 
 def filesystem_of(path: Path) -> str:
@@ -457,6 +459,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         tag = step_tag(state.step)
         staging = self.root / f"{STAGING_PREFIX}{tag}"
+        final = self.root / tag
+        # A link planted at any of these would take the shards (or the commit) into another folder: every
+        # rank stops together on it, before DeepSpeed writes a byte.
+        replaced = final.with_name(f"{final.name}.replaced")
+        agree_on_refusal(planted_link(self.root, staging, final, replaced, self.root / LATEST))
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # a crashed save of the same step
@@ -483,7 +490,6 @@ class Checkpointer:
         dist.all_gather_object(shares, mine)
         t_hash = time.perf_counter()
 
-        final = self.root / tag
         if self.before_commit is not None:
             self.before_commit(state.step, staging)
         if self.rank == 0:

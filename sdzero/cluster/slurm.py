@@ -147,11 +147,16 @@ class SlurmJob:
 
 
 def output_dir_of(train_args: list[str]) -> str:
+    """The trainer's --output-dir among `train_args`: the last one given, as the trainer's parser takes it
+    (the first was once checked against the shared volume while the trainer wrote to a second one)."""
+    found = None
     for i, arg in enumerate(train_args):
         if arg == "--output-dir" and i + 1 < len(train_args):
-            return train_args[i + 1]
-        if arg.startswith("--output-dir="):
-            return arg.split("=", 1)[1]
+            found = train_args[i + 1]
+        elif arg.startswith("--output-dir="):
+            found = arg.split("=", 1)[1]
+    if found is not None:
+        return found
     raise UserError(
         "pass the trainer's --output-dir after `--`: checkpoints, metrics and the hostfile go there, and a "
         "requeued job resumes from it"
@@ -217,14 +222,14 @@ def check_job(job: SlurmJob) -> None:
         raise UserError(f"--nodes {job.nodes}: must be at least 1")
     if job.ranks_per_node < 1:
         raise UserError(f"--gpus-per-node {job.ranks_per_node}: must be at least 1 (ranks per node)")
-    if not TIME_LIMIT.match(job.time_limit):
+    if not TIME_LIMIT.fullmatch(job.time_limit):
         raise UserError(f"--time {job.time_limit!r}: use Slurm's format, e.g. 24:00:00 or 2-00:00:00")
     for flag, value in (
         ("--partition", job.partition),
         ("--account", job.account),
         ("--job-name", job.job_name),
     ):
-        if value is not None and not NAME.match(value):
+        if value is not None and not NAME.fullmatch(value):
             raise UserError(f"{flag} {value!r}: letters, digits, '.', '_' and '-' only")
     if not 10 <= job.signal_lead_s <= 3600:
         raise UserError(

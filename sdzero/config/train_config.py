@@ -35,6 +35,10 @@ MODE_SCALE_MAX = 2 / (math.pi - 2)
 """Above this the `mode` density is not monotone in u (SD3 paper, eq. 20: -1 <= s <= 2/(pi-2))."""
 
 
+MAX_NOISE_OFFSET = 1.0
+"""Offset noise beyond the noise itself (a unit Gaussian) drowns the signal; larger is a typo."""
+
+
 def world_size_from_env() -> int:
     """World size as the launcher announced it (deepspeed/torchrun, OpenMPI, or a PMI launcher)."""
     for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
@@ -192,8 +196,11 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
             )
         if self.snr_gamma is not None and self.snr_gamma <= 0:
             raise UserError(f"--snr-gamma must be positive, got {self.snr_gamma}")
-        if self.noise_offset < 0:
-            raise UserError(f"--noise-offset must be >= 0, got {self.noise_offset}")
+        if not 0 <= self.noise_offset <= MAX_NOISE_OFFSET:
+            # finite is not enough: 1e308 times a unit Gaussian overflows the noise, and the loss is NaN
+            raise UserError(
+                f"--noise-offset must be in [0, {MAX_NOISE_OFFSET}], got {self.noise_offset} (0.05 to 0.1 is usual)"
+            )
         self._check_flow_options()
         if not (0 < self.max_bad_fraction <= 1):
             raise UserError(f"--max-bad-fraction must be in (0, 1], got {self.max_bad_fraction}")
