@@ -350,6 +350,8 @@ def input_clause(rec: dict[str, Any]) -> str:
     note, advisor.model.input_rate), else nothing: a plan never recommends an input-bound count silently."""
     row = next((r for r in rec.get("scaling_table", []) if r.get("node_count") == rec["node_count"]), {})
     return f"; {row['input_note']}" if row.get("input_note") else ""
+
+
 UNMEASURED_PICK = "not measured, and no measured config is within noise of it"
 
 

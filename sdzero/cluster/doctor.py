@@ -247,7 +247,9 @@ def _remote(
     try:
         return json.loads(lines[-1])
     except ValueError:
-        raise UserError(f"{host or 'this machine'}: `{module} {args[0]}` answered {lines[-1][:80]!r}") from None
+        raise UserError(
+            f"{host or 'this machine'}: `{module} {args[0]}` answered {lines[-1][:80]!r}"
+        ) from None
 
 
 def _probe_pair(a: str, b: str, size_mib: float, rounds: int) -> float:
