@@ -38,9 +38,40 @@ def planted_link(*paths: Path | str) -> str | None:
 
 
 def refuse_link(path: Path | str) -> None:
-    """UserError when `path` itself (its final component) is a symbolic link."""
+    """UserError when `path` itself (its final component), or a folder between it and the nearest folder
+    sdzero holds the lock of, is a symbolic link."""
     if os.path.islink(path):
         raise UserError(link_refusal(path))
+    refuse_linked_subfolder(path)
+
+
+OWNED_MARK = ".sdzero.lock"
+"""The lock every writer of a folder takes (sdzero.config.output_folder.LOCK_NAME, named here too because
+that module imports this one's layer): the mark of a folder sdzero writes into."""
+
+
+def linked_subfolder(path: Path | str) -> Path | None:
+    """The first folder between `path`'s parent and the nearest enclosing folder holding sdzero's lock that
+    is a symbolic link (a `trials/` or `comm/` planted as a link to somewhere else), else None.
+
+    Links above the locked folder are the user's own layout (/shared -> /mnt/nfs) and are followed; below
+    it, inside a folder sdzero owns, none is: a rename through one would land outside the folder. Only
+    lexical parents are looked at (no resolve), a handful of lstat calls per write."""
+    below: list[Path] = []
+    folder = Path(os.path.abspath(path)).parent
+    while True:
+        if os.path.isfile(folder / OWNED_MARK) and not os.path.islink(folder / OWNED_MARK):
+            return next((p for p in reversed(below) if os.path.islink(p)), None)
+        if folder.parent == folder:
+            return None  # no locked folder encloses it: the final component's check is the whole rule
+        below.append(folder)
+        folder = folder.parent
+
+
+def refuse_linked_subfolder(path: Path | str) -> None:
+    linked = linked_subfolder(path)
+    if linked is not None:
+        raise UserError(link_refusal(linked))
 
 
 def open_no_follow(path: Path | str, mode: str) -> IO[str]:
@@ -51,6 +82,7 @@ def open_no_follow(path: Path | str, mode: str) -> IO[str]:
     flags = {"a": os.O_WRONLY | os.O_APPEND, "w": os.O_WRONLY, "a+": os.O_RDWR | os.O_APPEND}
     if mode not in flags:
         raise ValueError(f"open_no_follow: mode {mode!r}")
+    refuse_linked_subfolder(path)
     how = flags[mode] | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, how, NEW_FILE_MODE)

@@ -270,3 +270,35 @@ def test_advise_out_refuses_a_planted_lock(tmp_path, victim):
     with pytest.raises(UserError, match=f"{link} is a symbolic link"):
         claim_output_dir(out, "--out")
     assert victim.read_text() == VICTIM_TEXT
+
+
+@pytest.mark.parametrize("subfolder", ["trials", "comm", "trials/launch-1"])
+def test_a_link_planted_at_a_subfolder_of_a_locked_folder_is_refused(tmp_path: Path, subfolder: str) -> None:
+    """An advise folder's `trials/` or `comm/` planted as a link to another folder: writing a file below it
+    would rename into that other folder. Refused naming the link; the other folder stays empty."""
+    from sdzero.atomic import write_json_atomic
+    from sdzero.config.safe_write import open_no_follow
+
+    out = tmp_path / "advise-out"
+    out.mkdir()
+    (out / ".sdzero.lock").write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = plant(out / subfolder, elsewhere)
+    with pytest.raises(UserError, match=f"{link} is a symbolic link"):
+        write_json_atomic(link / "trials.json", {"a": 1})
+    with pytest.raises(UserError, match="is a symbolic link"):
+        open_no_follow(link / "launch.log", "a")
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_links_above_the_locked_folder_are_the_users_layout_and_followed(tmp_path: Path) -> None:
+    """/shared -> /mnt/nfs above the run folder is the user's own layout: writes below it go on."""
+    from sdzero.atomic import write_json_atomic
+
+    real = tmp_path / "mnt-nfs"
+    (real / "runs" / "first").mkdir(parents=True)
+    (real / "runs" / "first" / ".sdzero.lock").write_text("")
+    shared = plant(tmp_path / "shared", real)
+    write_json_atomic(shared / "runs" / "first" / "trials" / "x.json", {"a": 1})
+    assert json.loads((real / "runs" / "first" / "trials" / "x.json").read_text()) == {"a": 1}
