@@ -156,8 +156,8 @@ def run_case(args: argparse.Namespace) -> None:
     extra: list[str] = []
     source = pattern if args.case == "shards" else str(data)
     if args.case == "cache":
-        build_cache(model, data, args.work / "cache")
-        extra = ["--cache-dir", str(args.work / "cache")]
+        build_cache(model, data, args.work / "latents")
+        extra = ["--cache-dir", str(args.work / "latents")]
     load = [os.getloadavg()[0]]  # the machine is shared: its 1-minute load before and after each part
     answer = advise(model, source, case_dir / "advise", workers + extra, args.budget_minutes)
     load.append(os.getloadavg()[0])

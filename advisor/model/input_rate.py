@@ -55,7 +55,8 @@ class InputPlan:
     source: str = "measured"
     rank_cpu_s_per_sample: float | None = None
     """CPU seconds a rank's own process spends per sample it trains (measured over the launches' timed
-    steps): the part of the node's cores its loader workers cannot have."""
+    steps): the part of the node's cores its loader workers cannot have. None where the trials' workers
+    kept up with the ranks (plan_from): the training rate then holds the cores' sharing already."""
 
     @property
     def workers_per_node(self) -> int:
@@ -108,11 +109,23 @@ def plan_from(
         node_storage_bytes_per_s=_median([s["bytes_per_s"] for s in storage]) if storage else None,
         bytes_per_sample=_median([s["bytes_per_file"] for s in storage]) if storage else None,
         shared_storage_bytes_per_s=None if shared_storage_gbps is None else shared_storage_gbps * 1e9 / 8,
-        rank_cpu_s_per_sample=_median(cpu)
-        if (cpu := [s["rank_cpu_s_per_sample"] for s in found if s.get("rank_cpu_s_per_sample")])
-        else None,
+        rank_cpu_s_per_sample=_rank_cpu(found),
         source=f"measured in {len(found)} launch{'es' if len(found) != 1 else ''}",
     )
+
+
+WAIT_SHARE_KEPT_UP = 0.05
+"""Trials whose ranks waited on their loader workers for less than this share of the step: the workers
+kept up, on the very cores the ranks used."""
+
+
+def _rank_cpu(found: list[dict[str, Any]]) -> float | None:
+    """The ranks' CPU seconds per sample, for the cores' link; None where the trials' workers kept up:
+    their training rate was then measured with the workers on the same cores, so it already holds the
+    cores' sharing (counting it again would put the bound below a rate the trials reached)."""
+    starved = [s for s in found if s.get("loader_wait_share", 1.0) >= WAIT_SHARE_KEPT_UP]
+    cpu = [s["rank_cpu_s_per_sample"] for s in starved if s.get("rank_cpu_s_per_sample")]
+    return _median(cpu) if cpu else None
 
 
 def _median(values: list[float]) -> float:

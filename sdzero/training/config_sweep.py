@@ -487,6 +487,10 @@ class ConfigSweep(Callback):
             return {"error": f"{type(exc).__name__}: {exc}"}
         if self.rank_samples:
             measured["rank_cpu_s_per_sample"] = self.rank_cpu_s / self.rank_samples
+        records = [r for e in self.entries for r in e.probe.records]
+        waited = sum(r.get("input_wait_s", 0.0) for r in records)
+        # the share of the timed steps' wall time the rank waited on its workers (before it was taken out)
+        measured["loader_wait_share"] = waited / max(1e-9, waited + sum(r["step_time_s"] for r in records))
         return measured
 
     # ------------------------------------------------------------------ the result

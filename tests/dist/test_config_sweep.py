@@ -80,6 +80,7 @@ def test_the_launch_measures_one_loader_worker_and_the_storage(swept: tuple[dict
     assert measured["kind"] == "images" and measured["workers_per_rank"] == 1 and measured["local_ranks"] == 2
     assert measured["worker"]["samples"] >= 4 and measured["worker"]["samples_per_s"] > 0
     assert measured["rank_cpu_s_per_sample"] > 0  # the rank's own CPU in its timed steps
+    assert 0 <= measured["loader_wait_share"] < 1
     storage = measured["storage"]
     assert storage["readers"] == 2 and storage["files"] >= 2 and storage["bytes_per_s"] > 0
     assert storage["bytes_per_file"] == pytest.approx(storage["bytes_per_s"] / storage["files_per_s"])

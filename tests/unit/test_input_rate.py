@@ -109,10 +109,11 @@ def test_where_ranks_take_cpu_the_workers_get_what_is_left_of_the_cores():
         bound_predictions(predictions({1: 40.0}), InputPlan(10.0, "images", 1, 2, 2))["samples_per_s"][0]
         == 20
     )
-    assert (
-        plan_from([{**SECTION, "rank_cpu_s_per_sample": 0.05}], 2, None, 2, None).rank_cpu_s_per_sample
-        == 0.05
-    )
+    starved = {**SECTION, "rank_cpu_s_per_sample": 0.05, "loader_wait_share": 0.4}
+    assert plan_from([starved], 2, None, 2, None).rank_cpu_s_per_sample == 0.05
+    # trials whose workers kept up measured their rate with the workers on the same cores already
+    kept_up = {**starved, "loader_wait_share": 0.01}
+    assert plan_from([kept_up], 2, None, 2, None).rank_cpu_s_per_sample is None
 
 
 def test_the_report_table_has_an_input_column():
