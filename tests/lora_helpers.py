@@ -23,14 +23,16 @@ def lora_settings(rank: int, family: Any, alpha: float | None = None) -> LoraSet
 
 
 def trained_network(model: Path, checkpoint: Path, stage: int, rank: int, alpha: float | None = None):
-    """The network as the run trained it: base config + adapters, every weight from DeepSpeed's own
-    consolidation of the checkpoint (zero_to_fp32), independent of sdzero's adapter writer."""
+    """The network as the run trained it: the base from the model folder (a LoRA checkpoint leaves the
+    frozen base out) + adapters whose weights come from DeepSpeed's own consolidation of the checkpoint
+    (zero_to_fp32), independent of sdzero's adapter writer."""
     family = detect_family(str(model))
-    cls = family.network_class()
-    net = cls.from_config(cls.load_config(str(model), subfolder=family.subfolder))
+    net = family.network_class().from_pretrained(str(model), subfolder=family.subfolder)
     add_lora(net, lora_settings(rank, family, alpha))
-    missing, unexpected = net.load_state_dict(consolidated_weights(checkpoint, stage), strict=False)
-    assert not missing and not unexpected, (missing[:3], unexpected[:3])
+    saved = consolidated_weights(checkpoint, stage)
+    missing, unexpected = net.load_state_dict(saved, strict=False)
+    adapters = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert not unexpected and adapters <= set(saved), (unexpected[:3], sorted(adapters - set(saved))[:3])
     return net.eval()
 
 

@@ -68,6 +68,7 @@ from sdzero.checkpoint.safe_load import (
 )
 from sdzero.checkpoint.universal import recorded_files, universal_files, universal_for
 from sdzero.errors import AgreedError, UserError
+from sdzero.models.lora import frozen_base_kwargs
 
 log = logging.getLogger("sdzero.checkpoint.checkpointer")
 
@@ -424,6 +425,8 @@ class Checkpointer:
         """`parts`: more writers into each checkpoint, `save(staging, rank)` on every rank (a LoRA adapter)."""
         import torch.distributed as dist
 
+        self.frozen_kwargs, self.load_kwargs = frozen_base_kwargs(engine)  # a LoRA run's base: not saved
+
         self.root = checkpoint_root(output_dir)
         self.keep_last = keep_last
         self.engine = engine
@@ -474,7 +477,11 @@ class Checkpointer:
             "sdzero": {**asdict(state), "rng": rng, "seed": self.ident.seed, "ema": self._ema_info()}
         }
         self.engine.save_checkpoint(
-            str(self.root), tag=staging.name, client_state=client_state, save_latest=False
+            str(self.root),
+            tag=staging.name,
+            client_state=client_state,
+            save_latest=False,
+            **self.frozen_kwargs,
         )
         if self.ema is not None:
             self.ema.save(staging / EMA_DIR, self.rank)
@@ -561,7 +568,11 @@ class Checkpointer:
         try:
             with guarded_loads(allowed):
                 load_path, client_state = self.engine.load_checkpoint(
-                    str(load_from), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+                    str(load_from),
+                    tag=path.name,
+                    **self.load_kwargs,  # a LoRA run's module state holds no base weight
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=True,
                 )
         except UserError as exc:
             refused = str(exc)

@@ -215,3 +215,13 @@ def merged_state(
     fresh.fuse_lora()
     fresh.unload_lora()
     return {k: v.detach().contiguous() for k, v in fresh.state_dict().items()}
+
+
+def frozen_base_kwargs(engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(save_checkpoint, load_checkpoint) arguments for a network with frozen parameters, a LoRA run's
+    base: it comes from --model at every start (the run identity pins the model), so checkpoints leave it
+    out and hold what training changed, and a load does not expect it. Empty for a full fine-tune."""
+    module = getattr(engine, "module", None)
+    if module is None or all(p.requires_grad for p in module.parameters()):
+        return {}, {}
+    return {"exclude_frozen_parameters": True}, {"load_module_strict": False}

@@ -124,6 +124,13 @@ def test_lora_run_trains_and_saves_whole_adapters(family, stage, lora_runs):
     assert sum(s.numel() for group in states["param_shapes"] for s in group.values()) == sum(
         expected.values()
     )
+    # The frozen base is left out of the checkpoint (it comes from --model): the module state is the adapters'.
+    saved = list(states["module"])  # the adapters and the network's buffers, no base weight
+    assert len([k for k in saved if ".lora_" in k]) == len(expected)
+    assert not [k for k in saved if "base_layer" in k or k.endswith((".to_q.weight", "conv_in.weight"))], (
+        saved
+    )
+    assert not states.get("frozen_param_fragments")
     # The EMA holds the adapters only, and its export loads; validation sampled the LoRA network.
     assert (out / "final" / LORA_EMA_WEIGHTS).is_file()
     assert len(list((out / "validation").rglob("*.png"))) == 1
