@@ -31,8 +31,10 @@ from collections.abc import Sequence
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.2
-LAUNCHER_MARKS = ("deepspeed.launcher.launch", "orted", "prted", "slurmstepd")
-"""Parents whose death must end a rank: a rank's parent runs one of these."""
+LAUNCHER_PROGRAMS = ("orted", "prted", "slurmstepd")
+"""Parents whose death must end a rank: Open MPI's and Slurm's per-node daemons (by program name), and
+DeepSpeed's per-node launcher (PER_NODE_MODULE anywhere on its command line)."""
+PER_NODE_MODULE = "deepspeed.launcher.launch"
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
@@ -46,20 +48,25 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
-def parent_cmdline(pid: int | None = None) -> str:
-    ppid = os.getppid() if pid is None else pid
+def process_argv(pid: int) -> list[str]:
     try:
-        with open(f"/proc/{ppid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
-        return ""
+        return []
+
+
+def is_launcher(argv: list[str]) -> bool:
+    # slurmstepd rewrites its argv to "slurmstepd: [JOB.STEP]"
+    program = os.path.basename(argv[0]).split(":")[0] if argv else ""
+    return program in LAUNCHER_PROGRAMS or PER_NODE_MODULE in argv
 
 
 def die_with_launcher() -> bool:
     """In a rank: SIGKILL when the launcher that started it dies. Only under a launcher: a rank a user
     started by hand (`python sdzero/train.py` under nohup) must not die with its shell. True if set."""
     parent = os.getppid()
-    if not any(mark in parent_cmdline(parent) for mark in LAUNCHER_MARKS):
+    if not is_launcher(process_argv(parent)):
         return False
     if not set_parent_death_signal(signal.SIGKILL):
         return False

@@ -389,13 +389,10 @@ def dump_flight_recorder(folder: Path, rank: int) -> Path | None:
     """This rank's NCCL flight recorder buffer (a pickle that torch's `fr_trace` tool reads), beside
     stall.json; None where torch has no recorder to dump. Only on NCCL runs (not testable on a CPU)."""
     try:
-        import torch.distributed as dist
-
-        dump = dist.distributed_c10d._get_default_group  # noqa: F841 (the group must exist)
         import torch
 
         raw = torch._C._distributed_c10d._dump_nccl_trace()  # type: ignore[attr-defined]
-    except Exception:
+    except Exception:  # no NCCL build, or a torch without the recorder: nothing to dump
         return None
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank_{rank:05d}.pkl"

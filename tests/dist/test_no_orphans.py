@@ -127,4 +127,5 @@ def test_a_stopped_local_rank_is_named_and_sdzero_train_exits_restartable(tiny_m
     stall = json.loads((out / STALL_FILE).read_text())
     assert stall["summary"].startswith("rank 1 (") and "(not responding); rank 0 (" in stall["summary"]
     assert f"exit {EXIT_STALLED}: restart with --resume auto" in text
+    psutil.wait_procs(tree, timeout=5)  # the launch's guard leaves once the stopped rank's group is empty
     assert not left_running(tree)

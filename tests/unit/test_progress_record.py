@@ -153,3 +153,11 @@ def test_read_host_skips_what_is_not_a_record(tmp_path):
     ProgressRecord(tmp_path, 2, host="h").enter("forward")
     (tmp_path / "rank_junk").write_bytes(b"x" * 10)
     assert [s.rank for s in read_host(tmp_path)] == [2]
+
+
+def test_a_rank_dies_with_a_launcher_only():
+    from sdzero.process.orphan_guard import is_launcher
+
+    assert is_launcher(["/venv/bin/python3", "-u", "-m", "deepspeed.launcher.launch", "--world_info=x"])
+    assert is_launcher(["/usr/bin/orted", "-mca", "ess", "env"]) and is_launcher(["slurmstepd: [7.0]"])
+    assert not is_launcher(["/bin/bash"]) and not is_launcher(["/home/sorted/python", "x.py"])
