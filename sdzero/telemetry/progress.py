@@ -195,6 +195,32 @@ def read_host(folder: Path) -> list[Snapshot]:
     return [s for s in found if s is not None]
 
 
+def reap_stale(root: Path = SHM_ROOT, idle_s: float = 60.0) -> int:
+    """Remove the records of ranks that are gone (a killed run cannot remove its own), and record folders
+    left empty for `idle_s`; the records of live processes are left alone. How many records went."""
+    removed = 0
+    for folder in root.glob("sdzero-progress-*"):
+        for path in folder.glob("rank_*"):
+            snap = read_record(path)
+            if snap is not None and not _pid_alive(snap.pid):
+                path.unlink(missing_ok=True)
+                removed += 1
+        with contextlib.suppress(OSError):  # not empty, or another rank just made it: kept
+            if not any(folder.iterdir()) and time.time() - folder.stat().st_mtime > idle_s:
+                folder.rmdir()
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # ------------------------------------------------------------------------------- the process's record
 
 _CURRENT: ProgressRecord | None = None

@@ -14,7 +14,7 @@ import time
 from sdzero.config.train_config import TrainConfig, rank_from_env
 from sdzero.process.stall_watch import StallWatch, enable_flight_recorder
 from sdzero.telemetry import progress
-from sdzero.telemetry.progress import open_record, records_dir, run_key
+from sdzero.telemetry.progress import open_record, reap_stale, records_dir, run_key
 
 log = logging.getLogger("sdzero")
 
@@ -32,6 +32,7 @@ def start_watch(cfg: TrainConfig) -> StallWatch:
     """Open this rank's progress record and start its watcher thread; before the process group forms."""
     global _WATCH
     stop_watch()
+    reap_stale()  # records of this host's killed runs (a SIGKILLed rank cannot remove its own)
     folder = records_dir(run_key(cfg.output_dir))
     record = open_record(folder, rank_from_env())
     nccl = nccl_backend()

@@ -161,3 +161,19 @@ def test_a_rank_dies_with_a_launcher_only():
     assert is_launcher(["/venv/bin/python3", "-u", "-m", "deepspeed.launcher.launch", "--world_info=x"])
     assert is_launcher(["/usr/bin/orted", "-mca", "ess", "env"]) and is_launcher(["slurmstepd: [7.0]"])
     assert not is_launcher(["/bin/bash"]) and not is_launcher(["/home/sorted/python", "x.py"])
+
+
+def test_records_of_gone_processes_are_reaped_and_live_ones_kept(tmp_path):
+    from sdzero.telemetry.progress import reap_stale
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    old, live = tmp_path / "sdzero-progress-old", tmp_path / "sdzero-progress-live"
+    ProgressRecord(old, 0, host="h")
+    raw = bytearray((old / "rank_00000").read_bytes())
+    raw[12:16] = int(dead.stdout).to_bytes(4, "little")  # the pid field of a process that has exited
+    (old / "rank_00000").write_bytes(bytes(raw))
+    ProgressRecord(live, 1, host="h")
+    assert reap_stale(tmp_path, idle_s=0) == 1
+    assert not old.exists() and (live / "rank_00001").exists()
