@@ -152,18 +152,28 @@ def bound_predictions(table: pd.DataFrame, plan: InputPlan | None) -> pd.DataFra
     out["training_samples_per_s"] = out["samples_per_s"]
     out["input_samples_per_s"] = [r for r, _ in rates]
     out["input_link"] = [link for _, link in rates]
-    out["input_bound"] = out["input_samples_per_s"] < out["samples_per_s"]
+    held = out["input_samples_per_s"] < out["samples_per_s"]
     factor = (out["input_samples_per_s"] / out["samples_per_s"]).clip(upper=1.0)
+    # the cores' link is the input's only where the workers take the larger part of a sample's CPU
+    # seconds; else the ranks' own compute fills the cores, and no input remedy would lift it
+    input_share = _worker_cpu_share(plan)
+    out["input_bound"] = held & ((out["input_link"] != CORES) | (input_share >= 0.5))
     for column in RATE_COLUMNS:
         if column in out:
-            out[column] = out[column].where(
-                ~out["input_bound"], out[column].clip(upper=out["input_samples_per_s"])
-            )
+            out[column] = out[column].where(~held, out[column].clip(upper=out["input_samples_per_s"]))
     for column in TIME_COLUMNS:
         if column in out:
             out[column] = out[column] / factor
     out["input_note"] = [bound_note(row, plan) for row in out.to_dict("records")]
     return out
+
+
+def _worker_cpu_share(plan: InputPlan) -> float:
+    """The workers' part of a sample's CPU seconds on the node (1.0 where the ranks' are not counted)."""
+    if not plan.rank_cpu_s_per_sample:
+        return 1.0
+    worker_s = 1.0 / plan.worker_samples_per_s
+    return worker_s / (worker_s + plan.rank_cpu_s_per_sample)
 
 
 def remedies(plan: InputPlan, link: str) -> list[str]:

@@ -124,3 +124,13 @@ def test_the_report_table_has_an_input_column():
     assert input_cell(bound) == "input-bound (loader workers)"
     assert input_cell({**bound, "input_bound": False}) == "12"
     assert input_cell({}) == ""
+
+
+def test_cores_filled_by_the_ranks_own_compute_cap_the_row_without_calling_it_input_bound():
+    # a cache read of 300 samples/s (1/300 CPU-s) beside ranks taking 0.015 CPU-s per sample: the
+    # cores give 2 / 0.0183 = 109/s, below a training rate of 132, but the workers' part is 18%
+    plan = InputPlan(300.0, "cache", 1, 2, 2, rank_cpu_s_per_sample=0.015)
+    table = bound_predictions(predictions({1: 132.0}), plan)
+    assert table["samples_per_s"][0] == pytest.approx(2 / (0.015 + 1 / 300))
+    assert not table["input_bound"][0] and table["input_note"][0] == ""
+    assert table["input_link"][0] == "CPU cores"
