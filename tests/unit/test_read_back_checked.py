@@ -190,3 +190,17 @@ def test_a_torn_launch_record_still_reads_as_none(tmp_path):
     path = tmp_path / "launches.json"
     path.write_text(json.dumps({"setup": "s", "launches": []})[:-5])
     assert read_launches(path) == []
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("where", ["input.json", "profile/z1/profile.json"])
+def test_the_input_figures_read_back_name_what_is_there(tmp_path: Path, kind: str, where: str) -> None:
+    """The input measurements a replan reads back (issue #49's input.json, a launch's profile.json) go
+    through the same reader: a FIFO there was a hang, a link to /dev/zero a read without end."""
+    from advisor.measure.input_figures import launch_input_sections
+
+    special(tmp_path / where, kind)
+    if where.startswith("profile/") and kind == "link loop":
+        assert within(20, lambda: launch_input_sections(tmp_path)) == []  # the search never lists it
+        return
+    refused(lambda: launch_input_sections(tmp_path), KINDS[kind])
