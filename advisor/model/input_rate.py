@@ -161,9 +161,13 @@ def bound_predictions(table: pd.DataFrame, plan: InputPlan | None) -> pd.DataFra
     for column in RATE_COLUMNS:
         if column in out:
             out[column] = out[column].where(~held, out[column].clip(upper=out["input_samples_per_s"]))
+    before_s = out["step_time_s"].copy() if "step_time_s" in out else None
     for column in TIME_COLUMNS:
         if column in out:
             out[column] = out[column] / factor
+    if before_s is not None:
+        # the step's parts still add up: compute + exposed communication + the wait for the input
+        out["input_wait_s"] = out["step_time_s"] - before_s
     out["input_note"] = [bound_note(row, plan) for row in out.to_dict("records")]
     return out
 

@@ -65,7 +65,7 @@ def test_advise_end_to_end_writes_the_contract_files(advised):
     # the embedded default's fine-tune: global batch 256 at every node count, accumulating where needed
     assert sorted(predictions["node_count"].unique()) == [1, 2, 4, 8, 16, 32]
     assert set(predictions["global_batch"]) == {256} and (predictions["time_to_train_s"] > 0).all()
-    parts = predictions["compute_s"] + predictions["exposed_comm_s"]
+    parts = predictions["compute_s"] + predictions["exposed_comm_s"] + predictions.get("input_wait_s", 0.0)
     assert ((parts - predictions["step_time_s"]).abs() < 1e-9 * predictions["step_time_s"]).all()
     rec = json.loads((out / "recommendation.json").read_text())
     assert rec["config_id"] in set(predictions["config_id"]) and rec["lr_scaling"] == DEFAULT_LR_SCALING

@@ -51,6 +51,8 @@ def test_rows_above_the_input_take_its_rate_and_say_so_with_the_remedy():
     assert table["input_bound"].tolist() == [False, True, True]
     assert table["samples_per_s"].tolist() == [15.0, 40.0, 60.0]
     assert table["step_time_s"].tolist() == pytest.approx([64 / 15, 64 / 40, 64 / 60])
+    # the step's parts still add up: the held rows wait for their input the rest of the step
+    assert table["input_wait_s"].tolist() == pytest.approx([0.0, 64 / 40 - 64 / 50, 64 / 60 - 64 / 90])
     assert table["training_samples_per_s"].tolist() == [15.0, 50.0, 90.0]
     assert table["input_note"][0] == ""
     assert table["input_note"][1] == (
