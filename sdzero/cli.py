@@ -214,7 +214,10 @@ def train(
     cmd = deepspeed_command(list(ctx.args), num_gpus=num_gpus, master_port=master_port)
     typer.echo("+ " + " ".join(cmd), err=True)
     sys.stderr.flush()
-    raise typer.Exit(run_forwarding(cmd))  # SIGTERM/SIGUSR1/SIGINT reach the ranks; their exit code is ours
+    from sdzero.process.stall_exit import output_dir_of
+
+    # SIGTERM/SIGUSR1/SIGINT reach the ranks; their exit code is ours (EXIT_STALLED after a named stall)
+    raise typer.Exit(run_forwarding(cmd, output_dir=output_dir_of(ctx.args)))
 
 
 @command(

@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from sdzero.atomic import open_no_follow
+
 LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "transformers", "diffusers", "huggingface_hub", "torch")
 """Library root loggers: DeepSpeed logs on "DeepSpeed" itself (no propagation); the others' modules log on
 children that propagate to their root's handler."""
@@ -64,7 +66,7 @@ class ChatterLog:
         with self._lock:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = self.path.open("a", encoding="utf-8")
+                self._file = open_no_follow(self.path, "a")
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             self._file.write(f"{stamp} {text.rstrip()}\n")
             self._file.flush()

@@ -30,6 +30,7 @@ from sdzero.config.output_folder import (  # noqa: E402
 from sdzero.config.train_config import TrainConfig, parse_train_args, rank_from_env  # noqa: E402
 from sdzero.errors import EXIT_USER_ERROR, AgreedError, UserError  # noqa: E402
 from sdzero.process.exit import freeze_heap_for_exit  # noqa: E402
+from sdzero.process.orphan_guard import die_with_launcher  # noqa: E402
 from sdzero.process.preemption import Preempted, exit_now  # noqa: E402
 from sdzero.process.rendezvous import world_of_one  # noqa: E402
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     # environment; the process says so when its group forms (after the inputs are checked, so that a bad
     # one is still one line).
     world_of_one()
+    die_with_launcher()  # a rank never outlives its node's launcher (sdzero.process.orphan_guard)
     try:
         cfg = parse_train_args(decode_argv(sys.argv[1:] if argv is None else argv))  # see shell_proof_args
         if rank_from_env() == 0:

@@ -159,6 +159,21 @@ SamplesRuleOption = Annotated[
         help="samples a larger global batch needs for the same quality: same, flux (8x batch: 2.1x samples), sd2.",
     ),
 ]
+Checkpointing = Annotated[
+    str,
+    typer.Option(
+        "--checkpointing",
+        help="gradient checkpointing as a knob of the search: off, or both (each micro-batch with and "
+        "without it, measured in the same launch; the answer says what it costs and what it allows).",
+    ),
+]
+HostMemoryGib = Annotated[
+    float | None,
+    typer.Option(
+        help="RAM of one target node, GiB: offloaded states, pinned buffers, a CPU EMA, loader workers and "
+        "a latent cache's page cache must fit in it (default: a --preset's, else this machine's)."
+    ),
+]
 Explain = Annotated[
     bool,
     typer.Option(
@@ -211,6 +226,8 @@ def advise_command(
     replan: Replan = _ADVISE.replan,
     target_tflops: TargetTflops = _ADVISE.target_tflops,
     samples_rule: SamplesRuleOption = _ADVISE.samples_rule,
+    checkpointing: Checkpointing = _ADVISE.checkpointing,
+    host_memory_gib: HostMemoryGib = _ADVISE.host_memory_gib,
     explain: Explain = False,
 ) -> None:
     """Measure a few trials and the network, predict 1..--max-nodes nodes with the time and GPU-hours to
@@ -261,6 +278,8 @@ def advise_command(
         replan=replan,
         target_tflops=target_tflops,
         samples_rule=samples_rule,
+        checkpointing=checkpointing,
+        host_memory_gib=host_memory_gib,
     )
     if replan is None:  # a bad value is refused before the folder or its log exists
         check_request_options(request)

@@ -3,7 +3,6 @@ table of trials it prints at the end."""
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,6 +13,7 @@ import typer
 from advisor.measure.grid import OFFLOADS, STAGES, GridRequest
 from advisor.measure.profile import run_profile
 from advisor.measure.trials import MAX_MEASURE_S, TARGET_REL_HALFWIDTH
+from advisor.stages.fine_tune import split_train_args
 from sdzero.config.options import DEFAULTS, cli_option, input_option
 from sdzero.errors import UserError
 
@@ -140,6 +140,7 @@ def profile_command(
     )
     from sdzero.config.output_lock import claim_output_dir, release_output_dir
 
+    user_args = split_train_args(train_args)  # an unbalanced quote: one line, before the folder is made
     # every writer of a folder takes its lock: one profile at a time in a folder
     claim_output_dir(out, flag="--out")
     try:
@@ -155,7 +156,7 @@ def profile_command(
             stall_timeout_s=stall_timeout,
             mem_cap_gib=mem_cap_gib,
             hostfile=hostfile,
-            train_args=shlex.split(train_args),
+            train_args=user_args,
             retry_failed=retry_failed,
             target_rel_halfwidth=target_halfwidth or None,
             max_steps=max_trial_steps,

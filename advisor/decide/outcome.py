@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.checkpointing import checkpointing_trade
 from advisor.decide.scaling_table import (
     INTERVAL_COLUMNS,
     MEASURED,
@@ -30,6 +31,7 @@ from advisor.decide.scaling_table import (
 )
 from advisor.decide.search import CHECK_TRIALS, SearchResult
 from advisor.decide.withheld import larger_batch_note, withhold_timing
+from advisor.measure.grid import is_checkpointed
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate
 from advisor.model.target_compute import ComputeBasis
@@ -92,6 +94,8 @@ class Outcome:
     """What the intervals leave out (no noise floor, an assumed link, no held-out errors)."""
     compute: ComputeBasis | None = None
     """Where the target's compute comes from (advisor.model.target_compute); None: this machine's."""
+    recompute: tuple[float, str] | None = None
+    """(compute added per sample by gradient checkpointing, measured or modelled), from the time model."""
 
     @property
     def min_efficiency(self) -> float:
@@ -101,12 +105,18 @@ class Outcome:
 def measured_ids(trials: pd.DataFrame) -> set[str]:
     """config_ids (advisor.model.predict.Candidate) of the trials that finished."""
     ok = trials[trials["status"] == "ok"]
-    return {
-        Candidate(
-            int(r["zero_stage"]), str(r["precision"]), int(r["micro_batch"]), str(r["offload"])
-        ).config_id
-        for _, r in ok.iterrows()
-    }
+    return {candidate_of(r).config_id for _, r in ok.iterrows()}
+
+
+def candidate_of(row: pd.Series) -> Candidate:
+    """The config a trials.csv row measured."""
+    return Candidate(
+        int(row["zero_stage"]),
+        str(row["precision"]),
+        int(row["micro_batch"]),
+        str(row["offload"]),
+        is_checkpointed(row),
+    )
 
 
 def provenance(o: Outcome) -> dict[str, Any]:
@@ -153,9 +163,7 @@ def budget_check(o: Outcome, measured: set[str]) -> dict[str, Any]:
         rate=lambda t: pd.to_numeric(t["samples_per_s"], errors="coerce")
     )
     top = ok.loc[ok["rate"].idxmax()]
-    best_id = Candidate(
-        int(top["zero_stage"]), str(top["precision"]), int(top["micro_batch"]), str(top["offload"])
-    ).config_id
+    best_id = candidate_of(top).config_id
     n = int(o.best["node_count"])
     there = o.predictions[(o.predictions["config_id"] == best_id) & (o.predictions["node_count"] == n)]
     predicted = float(there["samples_per_s"].iloc[0]) if not there.empty else None
@@ -328,7 +336,8 @@ def verdict(o: Outcome, rec: dict[str, Any]) -> str:
     else:
         figures = f"{took}, {spent} {GPU_HOURS}{cost} to train {t['samples']:,} samples"
     return (
-        f"{n} node{'s' if n != 1 else ''} x {rec['gpus_per_node']} ranks, {rec['config_id']} "
+        unmeasured_first(rec)
+        + f"{n} node{'s' if n != 1 else ''} x {rec['gpus_per_node']} ranks, {rec['config_id']} "
         f"(micro-batch {rec['micro_batch']} x accumulation {rec['grad_accum']}, global batch "
         f"{rec['global_batch']}): {figures} ({MODELLED} from {rec['trials_run']} trials on "
         f"{rec['provenance']['trials_ran_on']}, {measured}{link}{error}; node count by "
@@ -341,6 +350,20 @@ def input_clause(rec: dict[str, Any]) -> str:
     note, advisor.model.input_rate), else nothing: a plan never recommends an input-bound count silently."""
     row = next((r for r in rec.get("scaling_table", []) if r.get("node_count") == rec["node_count"]), {})
     return f"; {row['input_note']}" if row.get("input_note") else ""
+
+
+UNMEASURED_PICK = "not measured, and no measured config is within noise of it"
+
+
+def unmeasured_first(rec: dict[str, Any]) -> str:
+    """The verdict's opening when the pick is a config no trial ran (advisor.decide.ties.pick_config
+    recommends one only when no measured config is within noise of it): said before anything else, with
+    the best measured config to fall back on."""
+    measured = rec["measured"]
+    if measured.get("recommended_config_measured", True):
+        return ""
+    fallback = measured.get("best_measured_config")
+    return f"{UNMEASURED_PICK}" + (f" (best measured: {fallback})" if fallback else "") + ": "
 
 
 def build_recommendation(o: Outcome) -> dict[str, Any]:
@@ -408,6 +431,7 @@ def build_recommendation(o: Outcome) -> dict[str, Any]:
         "tie": str(best.get("tie_note", "") or ""),
         "unmeasured_stages": stages_without_trials(o),
         "unmeasured_groups": groups_without_trials(o),
+        "checkpointing": checkpointing_trade(o.predictions, best, *(o.recompute or (None, ""))),
     }
     rec["verdict"] = verdict(o, rec) + input_clause(rec)
     rec["compute_basis"] = {"kind": o.compute.kind if o.compute else MEASURED, "line": compute_line(o)}

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
-from advisor.decide.ties import is_tie, pick_config
+from advisor.decide.ties import is_measured, is_tie, pick_config
 from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
 from advisor.model.predict import Candidate
@@ -93,15 +93,24 @@ def launch_command(
 def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
     """One line on why this config lost to the recommendation; "within noise" where the two cannot be told
     apart (advisor.decide.ties.is_tie)."""
+    host = row.get("host_reason")
+    if not bool(row["feasible"]) and isinstance(host, str) and host:
+        return host
     if not bool(row["feasible"]):
         return (
             f"memory: needs {row['mem_per_rank_bytes'] / GIB:.2f} GiB per rank, over the "
             f"{usable_bytes / GIB:.2f} GiB usable"
         )
+    if _flag(row, "contended") and not _flag(best, "contended"):
+        return (
+            "left out: measured only while other processes took the cores (contended), so its step was "
+            "the machine's, not the config's; a quiet run measures it"
+        )
     slower = 1 - row["samples_per_s"] / best["samples_per_s"]
     if is_tie(row, best):
         how = f"{-slower:.0%} faster predicted" if slower < 0 else f"{slower:.0%} slower predicted"
-        return f"within noise of the pick ({how}): a tie, decided by the tie rule (see tie)"
+        unmeasured = ", not measured" if not is_measured(row) and is_measured(best) else ""
+        return f"within noise of the pick ({how}{unmeasured}): a tie, decided by the tie rule (see tie)"
     share = row["exposed_comm_s"] / row["step_time_s"]
     if share > COMM_BOUND_SHARE and share > best["exposed_comm_s"] / best["step_time_s"]:
         return (
@@ -111,6 +120,11 @@ def why_not(row: pd.Series, best: pd.Series, usable_bytes: float) -> str:
     if row["micro_batch"] < best["micro_batch"]:
         return f"smaller micro-batch: fixed per-step costs weigh more ({slower:.0%} slower)"
     return f"{slower:.0%} slower: more compute per sample at ZeRO-{int(row['zero_stage'])} {row['dtype']}"
+
+
+def _flag(row: pd.Series, column: str) -> bool:
+    value = row.get(column, False)
+    return False if value is None or pd.isna(value) else str(value).strip().lower() in {"true", "1"}
 
 
 def what_would_fit(

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
-from advisor.measure.grid import ACCUMULATION_CHECK, GridPlan, TrialSpec, accumulation_check
+from advisor.measure.grid import (
+    ACCUMULATION_CHECK,
+    GridPlan,
+    TrialSpec,
+    accumulation_check,
+    is_checkpointed,
+)
 from advisor.model.memory import ZeroSettings
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate, grad_accum_for
@@ -58,12 +64,19 @@ def _own_machine_rate(
     """Predicted samples/s of `spec` as a trial would run it (its ranks, one node, accumulation 1), or
     None where the model predicts it not to fit in `usable_bytes`."""
     mem = models.memory.per_rank_bytes(
-        spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
+        spec.zero_stage,
+        spec.precision,
+        spec.micro_batch,
+        spec.offload,
+        spec.ranks_per_node,
+        spec.checkpointing,
     )
     if mem["total"] > usable_bytes:
         return None
     net = replace(measured_net, gpus_per_node=spec.ranks_per_node)
-    step = models.timing.predict(spec.zero_stage, spec.precision, spec.micro_batch, 1, 1, net, spec.offload)
+    step = models.timing.predict(
+        spec.zero_stage, spec.precision, spec.micro_batch, 1, 1, net, spec.offload, spec.checkpointing
+    )
     return step.samples_per_s
 
 
@@ -85,13 +98,14 @@ def _blocked(spec: TrialSpec, trials: pd.DataFrame) -> bool:
     mine = trials[trials["trial_id"] == spec.trial_id]
     if not mine.empty:
         return True
-    ladder = (spec.zero_stage, spec.precision, spec.offload, spec.ranks_per_node)
+    ladder = (spec.zero_stage, spec.precision, spec.offload, spec.ranks_per_node, spec.checkpointing)
     for _, row in trials[trials["status"] == "oom"].iterrows():
         other = (
             int(row["zero_stage"]),
             str(row["precision"]),
             str(row["offload"]),
             int(row["ranks_per_node"]),
+            is_checkpointed(row),
         )
         if other == ladder and spec.micro_batch >= int(row["micro_batch"]):
             return True
@@ -106,7 +120,7 @@ def _rate(
     if accum is None:
         return None
     step = models.timing.predict(
-        c.zero_stage, c.precision, c.micro_batch, accum, nodes, target_net, c.offload
+        c.zero_stage, c.precision, c.micro_batch, accum, nodes, target_net, c.offload, c.checkpointing
     )
     return step.samples_per_s
 
@@ -122,6 +136,7 @@ def _best_measured(
                 str(r["precision"]),
                 int(r["micro_batch"]),
                 str(r.get("offload", "none")),
+                is_checkpointed(r),
             ),
             nodes,
             target_net,
@@ -159,15 +174,15 @@ def choose_next(
     for spec in (s for ladder in plan.ladders for s in ladder):
         if _blocked(spec, trials):
             continue
-        c = Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload)
+        c = Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.checkpointing)
         trial_mem = models.memory.per_rank_bytes(
-            c.zero_stage, c.precision, c.micro_batch, c.offload, spec.ranks_per_node
+            c.zero_stage, c.precision, c.micro_batch, c.offload, spec.ranks_per_node, c.checkpointing
         )
         for n in node_counts:
             rate = _rate(models, c, n, target_net, target)
             world = n * target_net.gpus_per_node
             target_mem = models.memory.per_rank_bytes(
-                c.zero_stage, c.precision, c.micro_batch, c.offload, world
+                c.zero_stage, c.precision, c.micro_batch, c.offload, world, c.checkpointing
             )
             if rate is None or max(trial_mem["total"], target_mem["total"]) > usable_bytes:
                 continue
@@ -254,8 +269,10 @@ def launch_specs(
     specs = [s for s in ladder if in_reach(s.micro_batch) and not _blocked(s, trials) and fits(s)]
     if not specs:
         specs = [s for s in ladder[:1] if not _blocked(s, trials)]
-    if specs and (specs[-1].grad_accum or 1) < ACCUMULATION_CHECK:
-        check = accumulation_check(specs[-1])
+    # the check is the largest config without checkpointing where there is one (what most plans run)
+    checked = [s for s in specs if not s.checkpointing] or specs
+    if checked and (checked[-1].grad_accum or 1) < ACCUMULATION_CHECK:
+        check = accumulation_check(checked[-1])
         if not _blocked(check, trials):
             specs.append(check)
     return specs
@@ -367,7 +384,12 @@ def _fits(models: Models | None, usable_bytes: float) -> Callable[[TrialSpec], b
         if models is None:
             return True
         mem = models.memory.per_rank_bytes(
-            spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.ranks_per_node
+            spec.zero_stage,
+            spec.precision,
+            spec.micro_batch,
+            spec.offload,
+            spec.ranks_per_node,
+            spec.checkpointing,
         )
         return mem["total"] <= usable_bytes
 
@@ -399,7 +421,7 @@ def _budget_line(costs: LaunchCosts, budget_s: float, spent_s: float, groups: li
 
 
 def _group_name(group: Sequence[TrialSpec]) -> str:
-    return "-".join(p for p in group[0].trial_id.split("-") if not p.startswith(("mb", "ga")))
+    return "-".join(p for p in group[0].trial_id.split("-") if not p.startswith(("mb", "ga")) and p != "gc")
 
 
 def _check_ids(trials: pd.DataFrame) -> set[str]:

@@ -45,7 +45,8 @@ def _halfwidth(row: pd.Series) -> float:
 
 
 TIE_RULE = (
-    f"a tie (their difference within noise) goes to the least memory per rank (configs within "
+    "a tie (their difference within noise) goes to a measured config, then to the least memory per rank "
+    f"(configs within "
     f"{SIMILAR_MEMORY:.0%} of the device's usable memory of it count as equal), then the simpler ZeRO "
     "stage, then the faster prediction"
 )
@@ -60,6 +61,13 @@ class Pick:
     """The fastest predicted config (the pick unless a tie was broken)."""
     tied: list[str]
     """config_ids tied with the fastest (the fastest included); one id when there was no tie."""
+    measured_tied: bool = False
+    """Whether a measured config was among the tied (the pick is then one of them)."""
+
+    @property
+    def unmeasured(self) -> bool:
+        """The pick is a config no trial measured: no measured config is within noise of it."""
+        return not is_measured(self.row)
 
     @property
     def broke_tie(self) -> bool:
@@ -82,19 +90,31 @@ def _memory_scale(rows: pd.DataFrame, least: float) -> float:
     return max(float(usable), least) if pd.notna(usable) else least
 
 
+def is_measured(row: pd.Series) -> bool:
+    """Whether a trial pinned the config (advisor.model.uncertainty.add_intervals' `interval_source`);
+    predictions without the column (an older folder) count every config as measured, as they did."""
+    source = row.get("interval_source")
+    return source is None or pd.isna(source) or str(source) == "measured"
+
+
 def pick_config(rows: pd.DataFrame) -> Pick:
     """The config to run among `rows` (those that fit at one node count): the fastest, unless others tie
     with it, when TIE_RULE decides among the tied. A config measured only under contention is left out
-    while another fits: its step was the machine's, not the config's."""
+    while another fits: its step was the machine's, not the config's. Measured evidence decides a tie
+    first: a config nobody ran is recommended over a measured one only when none is within noise of it
+    (its figures are the model's, which can miss a stage's own costs by more than any interval says)."""
     if "contended" in rows and not rows["contended"].fillna(False).astype(bool).all():
         rows = rows[~rows["contended"].fillna(False).astype(bool)]
     fastest = rows.loc[rows["samples_per_s"].astype(float).idxmax()]
     tied = rows[[is_tie(r, fastest) for _, r in rows.iterrows()]]
     if len(tied) < 2:
-        return Pick(fastest, fastest, [str(fastest["config_id"])])
+        return Pick(fastest, fastest, [str(fastest["config_id"])], is_measured(fastest))
+    ids = [str(c) for c in tied.sort_values("samples_per_s", ascending=False)["config_id"]]
+    measured = tied[[is_measured(r) for _, r in tied.iterrows()]]
+    if not measured.empty:
+        tied = measured
     least = float(tied["mem_per_rank_bytes"].min())
     similar = least + SIMILAR_MEMORY * _memory_scale(tied, least)
     light = tied[tied["mem_per_rank_bytes"].astype(float) <= similar]
     ordered = light.sort_values(["zero_stage", "samples_per_s"], ascending=[True, False])
-    ids = [str(c) for c in tied.sort_values("samples_per_s", ascending=False)["config_id"]]
-    return Pick(ordered.iloc[0], fastest, ids)
+    return Pick(ordered.iloc[0], fastest, ids, not measured.empty)

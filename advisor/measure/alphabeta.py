@@ -21,7 +21,6 @@ All bandwidths in this module are GB/s with G = 1e9 bytes (nccl-tests' unit), de
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from sdzero.config.user_file import read_user_json
+from sdzero.errors import UserError
 
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather")
 """Collectives the benchmark measures, in the order it measures them."""
@@ -397,10 +399,18 @@ def fits_payload(fits: Iterable[AlphaBetaFit], meta: dict[str, Any] | None = Non
 
 def load_fits(path: Path) -> list[AlphaBetaFit]:
     """Read the fits back from a comm_fit.json file."""
-    data = json.loads(Path(path).read_text())
-    if data.get("schema") != FIT_SCHEMA:
-        raise ValueError(f"{path}: not a {FIT_SCHEMA} file (schema={data.get('schema')!r})")
-    return [AlphaBetaFit.from_dict(item) for item in data["fits"]]
+    data = read_user_json(path, "the link fits")  # a FIFO or a device: named, never read for ever
+    if not isinstance(data, dict) or data.get("schema") != FIT_SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise UserError(
+            f"{path}: not a comm_fit.json this version reads (schema {schema!r}, not {FIT_SCHEMA}); rerun sdzero comm"
+        )
+    try:
+        return [AlphaBetaFit.from_dict(item) for item in data["fits"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(
+            f"{path}: not a comm_fit.json this version reads (a fit without its fields: {exc!r}); rerun sdzero comm"
+        ) from None
 
 
 def is_positive_finite(value: float) -> bool:

@@ -28,7 +28,7 @@ import pandas as pd
 
 import advisor
 from advisor.measure.alphabeta import NOISY_SPREAD, AlphaBetaFit, fit_table, fits_payload
-from sdzero.atomic import write_csv_atomic, write_json_atomic
+from sdzero.atomic import open_no_follow, write_csv_atomic, write_json_atomic
 from sdzero.constants import MIB
 from sdzero.errors import UserError
 
@@ -259,7 +259,7 @@ def launch(command: list[str] | RemoteLaunch, log_path: Path, timeout_s: float) 
     started = local_launch(command, rank_environment()) if isinstance(command, list) else command
     name = started.command[0]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log, started.secrets_written():
+    with open_no_follow(log_path, "w") as log, started.secrets_written():
         log.write("$ " + " ".join(started.command) + "\n")
         log.flush()
         process = started.popen(stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -15,10 +15,25 @@ from typing import Any
 
 import pandas as pd
 
+from sdzero.config.user_file import read_user_text
+from sdzero.errors import UserError
+
+
+def read_table(path: Path, flag: str, **read_csv: Any) -> pd.DataFrame:
+    """A table of an earlier run's folder, read as a regular file within bounds (a FIFO or a device is
+    named, sdzero.config.user_file); a file pandas cannot parse is one line naming it."""
+    text = read_user_text(path, flag)
+    try:
+        return pd.read_csv(io.StringIO(text), **read_csv)
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+    except (pd.errors.ParserError, ValueError) as exc:
+        raise UserError(f"{flag} {path}: not a table sdzero wrote ({str(exc).splitlines()[0]})") from None
+
 
 def read_whole_rows(path: Path, **read_csv: Any) -> pd.DataFrame:
     """pd.read_csv of `path` without a torn last row; `read_csv` are pandas' own options."""
-    text = Path(path).read_text()
+    text = read_user_text(path, "the trials table")
     torn = 0
     while True:
         try:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from sdzero.atomic import write_json_atomic
 from sdzero.errors import UserError
 
 STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -59,6 +60,10 @@ class TrialSpec:
     grad_accum: int | None = None
     """Gradient accumulation steps; None: as in the base JSON. A trial at accumulation > 1 is what tells
     once-per-step costs (the optimizer step, ZeRO-1's boundary reduction) from per-micro-step ones."""
+    checkpointing: bool = False
+    """Gradient checkpointing: the network recomputes its activations in the backward. Measured in the
+    same launch as the configs without it (sdzero.training.config_sweep switches it on the built
+    network); an id without the `gc` part (every id before it existed) is a config without it."""
 
     @property
     def trial_id(self) -> str:
@@ -78,6 +83,8 @@ class TrialSpec:
             parts.append(f"ag{self.allgather_bucket_size}")
         if self.grad_accum is not None:
             parts.append(f"ga{self.grad_accum}")
+        if self.checkpointing:
+            parts.append("gc")
         return "-".join(parts)
 
     @property
@@ -106,6 +113,9 @@ class GridRequest:
     allgather_bucket_sizes: tuple[int, ...] = ()
     grad_accums: tuple[int, ...] = ()
     """Gradient accumulation steps to try; empty: the base JSON's."""
+    checkpointing: tuple[bool, ...] = (False,)
+    """Gradient checkpointing off, on, or both (each micro-batch of a ladder with and without it, in
+    one launch)."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
@@ -175,7 +185,13 @@ def plan_grid(request: GridRequest, supported: dict[str, bool]) -> GridPlan:
                     for knobs in _comm_knobs(request):
                         for accum in request.grad_accums or (None,):
                             base = TrialSpec(stage, precision, 0, offload, ranks, *knobs, grad_accum=accum)
-                            ladders.append([replace(base, micro_batch=m) for m in request.ladder()])
+                            ladders.append(
+                                [
+                                    replace(base, micro_batch=m, checkpointing=gc)
+                                    for gc in sorted(set(request.checkpointing))
+                                    for m in request.ladder()
+                                ]
+                            )
     if not ladders:
         raise UserError("the grid is empty after the skips above; widen --stage/--precision/--offload")
     return GridPlan(ladders, notes)
@@ -183,6 +199,15 @@ def plan_grid(request: GridRequest, supported: dict[str, bool]) -> GridPlan:
 
 ACCUMULATION_CHECK = 4
 """The accumulation of the check trial that `accumulation_check` makes."""
+
+
+def is_checkpointed(row: Any) -> bool:
+    """Whether a trials.csv or predictions row is a config with gradient checkpointing (a row without the
+    column, from before it existed, is not)."""
+    value = row.get("checkpointing", False) if hasattr(row, "get") else False
+    if value is None or (isinstance(value, float) and value != value):
+        return False
+    return str(value).strip().lower() in {"true", "1", "yes"}
 
 
 def accumulation_check(spec: TrialSpec, grad_accum: int = ACCUMULATION_CHECK) -> TrialSpec:
@@ -271,7 +296,7 @@ def write_trial_config(base: dict[str, Any], spec: TrialSpec, trial_dir: Path, w
 
     trial_dir.mkdir(parents=True, exist_ok=True)
     path = trial_dir / "ds_config.json"
-    path.write_text(json.dumps(trial_ds_config(base, spec), indent=2) + "\n")
+    write_json_atomic(path, trial_ds_config(base, spec))
     load_ds_config(path, world_size)
     return path
 

@@ -22,8 +22,8 @@ launch's start-up and the config's own steps).
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -39,7 +39,9 @@ from advisor.measure.grid import TrialSpec, finished_trials, grad_accum_of, writ
 from advisor.measure.trial_table import append_row, latest_rows, read_trials, trial_row
 from advisor.measure.trials import OOM_PATTERNS, TrialOutcome, TrialSettings
 from sdzero.atomic import write_json_atomic
+from sdzero.config.user_file import parse_json_text, read_user_text
 from sdzero.constants import GIB
+from sdzero.errors import UserError
 
 LAUNCHES_FILE = "launches.json"
 LAUNCH_MEASURE_S = 24.0
@@ -49,12 +51,13 @@ MIN_LAUNCH_MEASURE_S = 4.0
 
 def group_key(spec: TrialSpec) -> TrialSpec:
     """What one engine fixes: the spec without its micro-batch and accumulation."""
-    return replace(spec, micro_batch=0, grad_accum=None)
+    return replace(spec, micro_batch=0, grad_accum=None, checkpointing=False)
 
 
 def launch_name(spec: TrialSpec) -> str:
     """`z2-bf16-off-none-r2`: the group's id, its trial id without the micro-batch and accumulation."""
-    return "-".join(p for p in spec.trial_id.split("-") if not (p.startswith("mb") or p.startswith("ga")))
+    kept = (p for p in spec.trial_id.split("-") if not (p.startswith("mb") or p.startswith("ga")))
+    return "-".join(p for p in kept if p != "gc")
 
 
 @dataclass
@@ -77,6 +80,9 @@ class LaunchRecord:
     others_cpu_share: float | None
     round_medians_s: dict[str, list[float]] = field(default_factory=dict)
     at: float = 0.0
+    raced: dict[str, str] = field(default_factory=dict)
+    """Configs the launch stopped measuring as clearly slower per sample than its leader, and why
+    (sdzero.training.config_sweep.race)."""
 
     @property
     def step_s(self) -> float:
@@ -171,7 +177,7 @@ class LaunchRunner:
         config = write_trial_config(
             self.base, specs[0], folder, specs[0].ranks_per_node * self.settings.hosts
         )
-        sweep = ",".join(f"{s.micro_batch}:{grad_accum_of(s, self.base)}" for s in specs)
+        sweep = ",".join(_sweep_config(s, self.base) for s in specs)
         measure_s = max(measure_s, MIN_LAUNCH_MEASURE_S)
         settings = replace(
             self.settings,
@@ -194,7 +200,7 @@ class LaunchRunner:
         finished: list[str] = []
         failed_here = False
         for spec in specs:
-            key = f"mb{spec.micro_batch}-ga{grad_accum_of(spec, self.base)}"
+            key = f"mb{spec.micro_batch}-ga{grad_accum_of(spec, self.base)}" + ("-gc" * spec.checkpointing)
             row_outcome = self._config_outcome(key, outcome, configs, launch, record)
             if row_outcome is None:
                 if failed_here:
@@ -238,7 +244,8 @@ class LaunchRunner:
             alone_s,
             outcome.returncode,
             outcome.log_path,
-            notes=[f"launch {record.name}: {launch.get('rounds', 0)} interleaved rounds"],
+            notes=[f"launch {record.name}: {launch.get('rounds', 0)} interleaved rounds"]
+            + ([f"raced out in {record.raced[key]}"] if key in record.raced else []),
             others_cpu_share=outcome.others_cpu_share,
             measured_at=profile.get("measured_at") or outcome.measured_at,
         )
@@ -303,6 +310,7 @@ class LaunchRunner:
             others_cpu_share=outcome.others_cpu_share,
             round_medians_s={k: [float(x) for x in v] for k, v in medians.items()},
             at=time.time(),
+            raced={str(k): str(v) for k, v in (launch.get("raced") or {}).items()},
         )
 
     def _line(self, record: LaunchRecord, outcome: TrialOutcome) -> str:
@@ -310,7 +318,10 @@ class LaunchRunner:
         if outcome.status != "ok":
             return head + (f" ({outcome.reason})" if outcome.reason else "")
         share = record.timed_s / record.wall_s if record.wall_s else 0.0
-        return head + f" (start-up {record.startup_s:.0f} s, {record.timed_s:.0f} s measuring: {share:.0%})"
+        head += f" (start-up {record.startup_s:.0f} s, {record.timed_s:.0f} s measuring: {share:.0%})"
+        if record.raced:
+            head += f"; raced out: {', '.join(record.raced)} (slower per sample than the launch's leader)"
+        return head
 
     # ------------------------------------------------------------------------------------ budget
 
@@ -333,6 +344,11 @@ class LaunchRunner:
             self.launches_path,
             {"setup": self.setup, "launches": [asdict(r) for r in self.launches]},
         )
+
+
+def _sweep_config(spec: TrialSpec, base: dict[str, Any]) -> str:
+    """The spec as the sweep's `--profile-configs` item: MB:GA, and `:gc` with gradient checkpointing."""
+    return f"{spec.micro_batch}:{grad_accum_of(spec, base)}" + (":gc" if spec.checkpointing else "")
 
 
 def read_launches(path: Path, setup: str | None = None) -> list[LaunchRecord]:
@@ -363,9 +379,14 @@ def repeat_halves(folder: Path) -> list[list[float]]:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A record of an earlier launch, or None when missing or torn (a kill mid-write of an older version);
+    a FIFO, a device or an oversized file is one line naming it (it once hung --replan for ever)."""
+    if not os.path.lexists(path):
+        return None
+    text = read_user_text(path, "an earlier launch's record")
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        data = parse_json_text(text, str(path))
+    except UserError:
         return None
     return data if isinstance(data, dict) else None
 

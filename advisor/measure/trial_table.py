@@ -35,6 +35,7 @@ TRIAL_COLUMNS: tuple[str, ...] = (
     "reduce_bucket_size",
     "allgather_bucket_size",
     "grad_accum",
+    "checkpointing",
     "world_size",
     "global_batch",
     "samples_per_s",
@@ -100,6 +101,9 @@ machine speed; `step_s_lo`/`_hi` are that median's interval. `contended`: other 
 CONTENDED_SHARE of the cores while its launch measured (`others_cpu_share`); `measured_at`: epoch seconds,
 the median of its timed steps' ends; `stopped_by`: what ended its measuring (`launch`: its launch's time)."""
 
+LEGACY_COLUMNS: tuple[str, ...] = tuple(c for c in TRIAL_COLUMNS if c != "checkpointing")
+"""trials.csv as sdzero wrote it before gradient checkpointing was a knob of the grid."""
+
 TEXT_COLUMNS: tuple[str, ...] = (
     "trial_id",
     "setup_id",
@@ -122,6 +126,8 @@ def read_trials(path: Path) -> pd.DataFrame:
     table = read_whole_rows(path, dtype={c: str for c in TEXT_COLUMNS})
     if table.empty and not len(table.columns):  # not even a whole header
         return pd.DataFrame(columns=list(TRIAL_COLUMNS))
+    if tuple(table.columns) == LEGACY_COLUMNS:  # written before checkpointing was a knob: none had it
+        table.insert(TRIAL_COLUMNS.index("checkpointing"), "checkpointing", False)
     if tuple(table.columns) != TRIAL_COLUMNS:
         raise UserError(
             f"{path}: its columns are not those this sdzero writes (another version made it); "

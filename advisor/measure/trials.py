@@ -37,12 +37,14 @@ from typing import Any
 
 from advisor.measure.contention import CpuSample, others_cpu_share, sample
 from advisor.measure.grid import TrialSpec
-from sdzero.atomic import write_text_atomic
+from sdzero.atomic import open_no_follow, write_text_atomic
 from sdzero.checkpoint.checkpointer import CHECKPOINTS
 from sdzero.cluster.hostfile import HostEntry, parse_hostfile
 from sdzero.cluster.launch_command import TRAIN_SCRIPT, one_host_command
 from sdzero.cluster.remote_launch import RemoteLaunch, launch_from_here, local_launch
+from sdzero.config.user_file import parse_json_text, read_json_lines, read_user_text
 from sdzero.constants import GIB
+from sdzero.errors import UserError
 from sdzero.telemetry.step_interval import StepInterval, median_interval
 
 POLL_S = 0.5
@@ -102,6 +104,9 @@ class TrialSettings:
     """A launch of several configs (sdzero.training.config_sweep): `MB:GA,...`; "" for one config."""
     launch_measure_s: float = 0.0
     """A launch's seconds of timed steps, all its configs together (advisor.measure.launch)."""
+    race: bool = False
+    """A launch races its configs (`--profile-race`, sdzero.training.config_sweep.race): one clearly
+    slower per sample than the leader stops being measured, and the launch ends once the leader is alone."""
 
     @property
     def step_cap(self) -> int:
@@ -177,6 +182,7 @@ def sweep_args(settings: TrialSettings) -> list[str]:
         str(settings.steps),
         "--profile-max-seconds",
         f"{settings.launch_measure_s:g}",
+        *(["--profile-race"] if settings.race else []),
     ]
 
 
@@ -313,7 +319,7 @@ def run_trial(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     launch = trial_launch(spec, settings, ds_config, trial_dir, env)
     started = time.monotonic()
-    with log_path.open("w") as log, launch.secrets_written():
+    with open_no_follow(log_path, "w") as log, launch.secrets_written():
         log.write("$ " + " ".join(launch.command) + "\n")
         log.flush()
         # Own session: the launcher, its ranks and their data-loader workers share one process group,
@@ -393,10 +399,15 @@ def kill_session(process: subprocess.Popen[bytes]) -> None:
 
 
 def read_profile(path: Path) -> dict[str, Any] | None:
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    """A trial's profile.json, or None when missing or torn; a FIFO or a device there is one line."""
+    if not os.path.lexists(path):
         return None
+    try:
+        profile = parse_json_text(read_user_text(path, "a trial's profile"), str(path))
+    except UserError as exc:
+        if "not JSON" in str(exc) or "nested deeper" in str(exc):
+            return None  # torn by a kill: the trial is classified without it
+        raise
     # one config's profile, or a launch's (sdzero.training.config_sweep: its configs' profiles inside)
     return profile if isinstance(profile, dict) and (profile.get("ranks") or "configs" in profile) else None
 
@@ -466,18 +477,13 @@ def trial_step_times(profile: dict[str, Any] | None, trial_dir: Path, warmup_ste
     if profile is not None and profile.get("step_times_s"):
         return [float(t) for t in profile["step_times_s"]]
     metrics = trial_dir / "run" / "metrics.jsonl"
-    times = []
-    try:
-        lines = metrics.read_text().splitlines()
-    except OSError:
+    if not os.path.lexists(metrics):
         return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill
-            continue
-        if int(record.get("step", 0)) > warmup_steps and record.get("step_time_s") is not None:
-            times.append(float(record["step_time_s"]))
+    times = []
+    for _, record in read_json_lines(metrics, "a trial's metrics")[0]:  # a line cut by a kill: skipped
+        step, seconds = record.get("step", 0), record.get("step_time_s")
+        if isinstance(step, int) and step > warmup_steps and isinstance(seconds, (int, float)):
+            times.append(float(seconds))
     return times
 
 

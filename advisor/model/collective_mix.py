@@ -162,8 +162,10 @@ def collective_mix(
             ),
             *scalars,
         ]
-    persistent = [n for n in numels if n <= zero.persistence_threshold]
-    gathered = [n for n in numels if n > zero.persistence_threshold]
+    # A LoRA run's frozen base (advisor.model.lora_sizing) is gathered like the adapters, never reduced.
+    every = [*getattr(numels, "frozen_base", ()), *numels]
+    persistent = [n for n in every if n <= zero.persistence_threshold]
+    gathered = [n for n in every if n > zero.persistence_threshold]
     again = regathered(gathered, zero)
     mix = [
         Collective(

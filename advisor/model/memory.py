@@ -208,22 +208,25 @@ def state_elements(
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     overlap_comm: bool = False,
 ) -> dict[str, int]:
-    """Elements of each model-state kind held by the rank that holds the most, at `world` ranks."""
+    """Elements of each model-state kind held by the rank that holds the most, at `world` ranks. A LoRA
+    run's frozen base (advisor.model.lora_sizing) adds to the parameters only: whole below ZeRO-3."""
     sizes = np.asarray(numels, dtype=np.int64)
     psi = int(sizes.sum())
+    base = np.asarray(getattr(numels, "frozen_base", ()), dtype=np.int64)
     if stage == 0:  # plain data parallel: every state whole on every rank, no flat padding
-        return {"params": psi, "grads": psi, "master": psi, "optimizer": psi}
+        return {"params": psi + int(base.sum()), "grads": psi, "master": psi, "optimizer": psi}
     if stage == 3:
         shard = int(np.sum(-(-sizes // world)))  # ceil per parameter
         persistent = int(sizes[sizes <= persistence_threshold].sum())  # DeepSpeed: ds_numel <= threshold
-        return {"params": shard + persistent, "grads": shard, "master": shard, "optimizer": shard}
+        frozen = int(np.sum(-(-base // world))) + int(base[base <= persistence_threshold].sum())
+        return {"params": shard + persistent + frozen, "grads": shard, "master": shard, "optimizer": shard}
     padded = math.ceil(psi / (2 * world)) * 2 * world
     part = padded // world
     # ZeRO-1 without overlap_comm reduces at the boundary and holds every full gradient until then; with it
     # (and at ZeRO-2) gradients are reduced in backward hooks and only those overlapping the slice stay
     full = stage == 1 and not overlap_comm
     grads = psi if full else _largest_boundary_overlap(sizes, part, world)
-    return {"params": padded, "grads": grads, "master": part, "optimizer": part}
+    return {"params": padded + int(base.sum()), "grads": grads, "master": part, "optimizer": part}
 
 
 def largest_sub_group(numels: tuple[int, ...] | np.ndarray, world: int, sub_group_size: int) -> int:
@@ -286,6 +289,9 @@ class MemoryModel:
     device: str = "cpu"
     """The device the predictions are for: "cuda" adds the device overheads (`device_overheads`) to what
     must fit. `fit_memory_model` reads it from the trials (a CUDA allocator peak in `cuda_peak_bytes`)."""
+    checkpointed: ActivationFit | None = None
+    """Activations with gradient checkpointing, fitted to its trials (advisor.model.recompute); None: no
+    trial ran with it, and a checkpointed config is taken to need `activations`."""
 
     @property
     def psi(self) -> int:
@@ -305,6 +311,11 @@ class MemoryModel:
             return self.bucket_extra_bytes.get(stage, 0.0)
         copies = 2 if stage in (1, 2) and self.zero.overlap_comm else 1
         return copies * 2 * self.zero.reduce_bucket_size + self.bucket_extra_bytes.get(stage, 0.0)
+
+    def activation_bytes(self, micro_batch: int, checkpointing: bool = False) -> float:
+        """One micro-batch's saved activations, with or without recomputation."""
+        fit = self.checkpointed if checkpointing and self.checkpointed is not None else self.activations
+        return fit.predict(micro_batch)
 
     def step_bytes(self, stage: int, precision: str, offload: str, world: int) -> dict[str, float]:
         """Bytes at the optimizer step (activations freed), read from DeepSpeed 0.19.8's step().
@@ -378,7 +389,13 @@ class MemoryModel:
         }
 
     def per_rank_bytes(
-        self, stage: int, precision: str, micro_batch: int, offload: str, world: int
+        self,
+        stage: int,
+        precision: str,
+        micro_batch: int,
+        offload: str,
+        world: int,
+        checkpointing: bool = False,
     ) -> dict[str, float]:
         """Device bytes per rank by part; `allocated` is the allocator's peak (offloaded states excluded):
         the larger of the end of backward (`fwd_bwd`: model states, buckets, frozen, activations) and the
@@ -395,7 +412,7 @@ class MemoryModel:
             "model_states": float(sum(states.values()) - offloaded),
             "buckets": self.bucket_bytes(stage),
             "frozen": self.frozen_bytes,
-            "activations": self.activations.predict(micro_batch),
+            "activations": self.activation_bytes(micro_batch, checkpointing),
         }
         fwd_bwd = sum(parts.values())
         step = self.step_bytes(stage, precision, offload, world)

@@ -14,6 +14,7 @@ a preset or described link is a GPU cluster's, costed as NCCL.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -344,7 +345,8 @@ def build_network(
         raise UserError(f"--inter-node-gbps {inter_node_gbps}: must be a positive number of Gbit/s")
     if inter_node_latency_us is not None and not inter_node_latency_us >= 0:
         raise UserError(f"--inter-node-latency-us {inter_node_latency_us}: must be >= 0")
-    fits = load_fits(comm_fit) if comm_fit and comm_fit.is_file() else []
+    # present but unreadable is an error, never the same answer as "not measured" (load_fits names it)
+    fits = load_fits(comm_fit) if comm_fit and os.path.lexists(comm_fit) else []
     notes: list[str] = []
     intra = None if gpu_target else link_from_fits(fits, "intra")
     if gpu_target:  # trials on another device: its measured link says nothing of the target's NVLink

@@ -29,11 +29,15 @@ class Candidate:
     precision: str
     micro_batch: int
     offload: str = "none"
+    checkpointing: bool = False
+    """Gradient checkpointing; its id ends in `-gc` (ids without it, every earlier folder's, are configs
+    without it)."""
 
     @property
     def config_id(self) -> str:
         return (
             f"z{self.zero_stage}-{self.precision}-mb{self.micro_batch}-off-{self.offload.replace('+', '-')}"
+            + ("-gc" if self.checkpointing else "")
         )
 
 
@@ -95,6 +99,19 @@ def check_reachable(
     )
 
 
+def borrowed_halfwidth(timing: TimeModel, c: Candidate, accum: int, step_s: float) -> float:
+    """The relative half-width that holds the step a config of a group no trial ran would have with each
+    measured group's compute it borrows (TimeModel.borrowed_compute_s): 0 for a measured group."""
+    donors = timing.borrowed_compute_s(c.zero_stage, c.precision, c.micro_batch, c.offload)
+    if not donors or step_s <= 0:
+        return 0.0
+    mine = timing.compute_per_micro_s(c.zero_stage, c.precision, c.micro_batch, c.offload)
+    up = max(max(donors) - mine, 0.0) * accum / step_s
+    down = min(max(mine - min(donors), 0.0) * accum / step_s, 0.99)
+    # multiplicative bounds (advisor.model.uncertainty.ratio_bounds): step x (1 + h) and step / (1 + h)
+    return max(up, down / (1 - down))
+
+
 def predict_table(
     candidates: list[Candidate],
     nodes: list[int],
@@ -111,8 +128,12 @@ def predict_table(
             accum = grad_accum_for(c.micro_batch, world, target)
             if accum is None:
                 continue
-            step = timing.predict(c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload)
-            mem = memory.per_rank_bytes(c.zero_stage, c.precision, c.micro_batch, c.offload, world)
+            step = timing.predict(
+                c.zero_stage, c.precision, c.micro_batch, accum, n, net, c.offload, c.checkpointing
+            )
+            mem = memory.per_rank_bytes(
+                c.zero_stage, c.precision, c.micro_batch, c.offload, world, c.checkpointing
+            )
             intra_s, inter_s = step.exposed_intra_s, step.exposed_inter_s
             rows.append(
                 {
@@ -122,6 +143,7 @@ def predict_table(
                     "dtype": c.precision,
                     "micro_batch": c.micro_batch,
                     "offload": c.offload,
+                    "checkpointing": c.checkpointing,
                     "grad_accum": accum,
                     "global_batch": c.micro_batch * accum * world,
                     "world_size": world,
@@ -139,6 +161,7 @@ def predict_table(
                     "frozen_bytes": mem["frozen"],
                     "feasible": mem["total"] <= usable_bytes,
                     "usable_bytes": usable_bytes,  # what the tie rule weighs memory differences against
+                    "borrowed_halfwidth": borrowed_halfwidth(timing, c, accum, step.step_time_s),
                 }
             )
     table = pd.DataFrame(rows)

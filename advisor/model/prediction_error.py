@@ -17,9 +17,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
+from advisor.measure.grid import is_checkpointed
 from advisor.model.memory import MemoryModel, ZeroSettings, fit_memory_model
 from advisor.model.network import Network
-from advisor.model.step_time import TimeModel, fit_time_model, measured_step_s
+from advisor.model.recompute import Recompute, fit_recompute, split
+from advisor.model.step_time import TimeModel, fit_time_model, measured_compute_s, measured_step_s
 
 QUANTITIES = ("step_time_s", "mem_per_rank_bytes", "activation_bytes", "model_state_bytes")
 
@@ -28,21 +30,64 @@ QUANTITIES = ("step_time_s", "mem_per_rank_bytes", "activation_bytes", "model_st
 class Models:
     memory: MemoryModel
     timing: TimeModel
+    recompute: Recompute | None = None
+    """What gradient checkpointing costs and saves (advisor.model.recompute); None: not fitted."""
 
 
 def fit_models(
     trials: pd.DataFrame, numels: tuple[int, ...], zero: ZeroSettings, measured_net: Network
 ) -> Models:
-    return Models(fit_memory_model(trials, numels, zero), fit_time_model(trials, measured_net, numels, zero))
+    """Both models on the trials without gradient checkpointing, and what checkpointing changes from
+    those with it (advisor.model.recompute)."""
+    plain, checkpointed = split(trials)
+    memory = fit_memory_model(plain, numels, zero)
+    timing = fit_time_model(plain, measured_net, numels, zero)
+    recompute = fit_recompute(plain, checkpointed, _extra_per_sample(timing, checkpointed))
+    timing.recompute_share, timing.recompute_source = recompute.share, recompute.source
+    timing.recompute_shares = dict(recompute.by_group)
+    memory.checkpointed = recompute.activations
+    return Models(memory, timing, recompute)
+
+
+def _extra_per_sample(
+    timing: TimeModel, checkpointed: pd.DataFrame
+) -> list[tuple[tuple[int, str, str], float]]:
+    """Per ok checkpointed trial: its compute beyond the plain fit's for its config, per unit of that
+    config's per-sample compute."""
+    ok = checkpointed[checkpointed["status"] == "ok"] if not checkpointed.empty else checkpointed
+    if ok.empty:
+        return []
+    extra = []
+    comm = pd.to_numeric(ok["comm_s"], errors="coerce").fillna(0.0) if "comm_s" in ok else 0.0
+    compute = measured_compute_s(ok.assign(comm_s=comm))
+    for i, row in ok.iterrows():
+        key = (int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"]), str(row["offload"]))
+        per_sample = timing.per_sample_part_s(*key)
+        if per_sample > 0:
+            extra.append(
+                (
+                    (key[0], key[1], key[3]),
+                    (float(compute[i]) - timing.compute_per_micro_s(*key)) / per_sample,
+                )
+            )
+    return extra
 
 
 def trial_predictions(models: Models, row: pd.Series, measured_net: Network) -> dict[str, float]:
     net = replace(measured_net, gpus_per_node=int(row["ranks_per_node"]))
     stage, precision, mb = int(row["zero_stage"]), str(row["precision"]), int(row["micro_batch"])
+    gc = is_checkpointed(row)
     step = models.timing.predict(
-        stage, precision, mb, int(row["grad_accum"]), int(row.get("nodes", 1) or 1), net, str(row["offload"])
+        stage,
+        precision,
+        mb,
+        int(row["grad_accum"]),
+        int(row.get("nodes", 1) or 1),
+        net,
+        str(row["offload"]),
+        gc,
     )
-    mem = models.memory.per_rank_bytes(stage, precision, mb, str(row["offload"]), int(row["world_size"]))
+    mem = models.memory.per_rank_bytes(stage, precision, mb, str(row["offload"]), int(row["world_size"]), gc)
     return {
         "step_time_s": step.step_time_s,
         "mem_per_rank_bytes": mem["allocated"],  # the trials measure the allocator's peak

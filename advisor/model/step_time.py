@@ -81,13 +81,19 @@ def _closest_pair(values: dict[Group, tuple[float, float]], group: Group) -> tup
 
 def _closest(values: dict[Group, float], group: Group) -> float:
     """The group's own figure, else the mean over groups of its precision and offload, else of its precision."""
+    return float(np.mean([values[g] for g in _donors(values, group)]))
+
+
+def _donors(values: dict[Group, float], group: Group) -> list[Group]:
+    """The groups whose figures `_closest` takes for `group`: itself, else those of its precision and
+    offload, else of its precision, else all."""
     if group in values:
-        return values[group]
+        return [group]
     for same in ((lambda g: g[1:] == group[1:]), (lambda g: g[1] == group[1])):
-        near = [v for g, v in values.items() if same(g)]
+        near = [g for g in values if same(g)]
         if near:
-            return float(np.mean(near))
-    return float(np.mean(list(values.values())))
+            return near
+    return list(values)
 
 
 @dataclass
@@ -125,6 +131,14 @@ class TimeModel:
     it replaces the fitted compute of every config, the overlap windows (a GPU's side stream, the FLOP
     split of forward and backward), the trials' transport ratio and their ranks' wait."""
 
+    recompute_share: float = 0.0
+    """Compute added per sample by gradient checkpointing, a fraction of the per-sample compute
+    (advisor.model.recompute): applied to the per-sample part of a checkpointed config's micro-step."""
+    recompute_shares: dict[Group, float] = field(default_factory=dict)
+    """The share per group measured with checkpointing (the others take `recompute_share`)."""
+    recompute_source: str = ""
+    """Whether `recompute_share` was measured (trials with checkpointing) or modelled; "" before fitted."""
+
     def for_target(self, target: TargetCompute | None) -> TimeModel:
         """This model with the target's compute (unchanged for None)."""
         return self if target is None else replace(self, target=target)
@@ -136,25 +150,60 @@ class TimeModel:
         return grad_accum if repeats else 1
 
     def compute_per_micro_s(
-        self, stage: int, precision: str, micro_batch: int, offload: str = "none"
+        self,
+        stage: int,
+        precision: str,
+        micro_batch: int,
+        offload: str = "none",
+        checkpointing: bool = False,
     ) -> float:
+        fixed, per_sample = self._compute_parts(stage, precision, micro_batch, offload)
+        share = self.recompute_shares.get((stage, precision, offload), self.recompute_share)
+        again = share if checkpointing else 0.0
         if self.target is not None:
-            work = self.target.per_sample(stage, precision, offload) * micro_batch
-            return max(work, self.target.micro_floor_s)
+            return max(per_sample * (1 + again), self.target.micro_floor_s)
+        return max(fixed + per_sample * (1 + again), 1e-9)
+
+    def _compute_parts(
+        self, stage: int, precision: str, micro_batch: int, offload: str
+    ) -> tuple[float, float]:
+        """A micro-step's compute without checkpointing as (fixed, per-sample x micro_batch)."""
+        if self.target is not None:
+            return 0.0, self.target.per_sample(stage, precision, offload) * micro_batch
         if precision not in self.slopes and not any(g[1] == precision for g in self.proportional):
             # A precision never measured borrows a measured one's figures (the same network and data).
             precision = sorted(self.slopes)[0] if self.slopes else sorted(self.proportional)[0][1]
         group = (stage, precision, offload)
         if group in self.group_slopes:
-            return max(self.intercepts[group] + self.group_slopes[group] * micro_batch, 1e-9)
+            return self.intercepts[group], self.group_slopes[group] * micro_batch
         if precision in self.slopes:
             # A group with a line of its own lends neither figure: its intercept pairs with its own slope.
             fitted = {
                 g: v for g, v in self.intercepts.items() if g[1] == precision and g not in self.group_slopes
             } or {g: v for g, v in self.intercepts.items() if g[1] == precision}
-            return max(_closest(fitted, group) + self.slopes[precision] * micro_batch, 1e-9)
+            return _closest(fitted, group), self.slopes[precision] * micro_batch
         mine = {g: v for g, v in self.proportional.items() if g[1] == precision}
-        return max(_closest(mine, group) * micro_batch, 1e-9)
+        return 0.0, _closest(mine, group) * micro_batch
+
+    def per_sample_part_s(self, stage: int, precision: str, micro_batch: int, offload: str = "none") -> float:
+        """The per-sample part of a micro-step's compute without checkpointing (what recomputation
+        repeats a share of)."""
+        return self._compute_parts(stage, precision, micro_batch, offload)[1]
+
+    def borrowed_compute_s(
+        self, stage: int, precision: str, micro_batch: int, offload: str = "none"
+    ) -> list[float]:
+        """A micro-step's compute as each group this config borrows from would give it (each donor's own
+        figure at this micro-batch); empty where the config's group was measured, or the target's compute
+        replaces the fitted one. Their spread is how much the borrowing alone leaves open."""
+        if self.target is not None:
+            return []
+        group = (stage, precision, offload)
+        fitted = set(self.intercepts) | set(self.proportional)
+        if group in fitted or not fitted:
+            return []
+        donors = _donors(dict.fromkeys(fitted, 0.0), group)
+        return [self.compute_per_micro_s(g[0], g[1], micro_batch, g[2]) for g in donors]
 
     def once_s(self, stage: int, precision: str, offload: str, per_micro_s: float) -> float:
         """The once-per-step compute of this group (its own, else the closest group's), never above one
@@ -214,8 +263,9 @@ class TimeModel:
         nodes: int,
         net: Network,
         offload: str = "none",
+        checkpointing: bool = False,
     ) -> StepPrediction:
-        per_micro = self.compute_per_micro_s(stage, precision, micro_batch, offload)
+        per_micro = self.compute_per_micro_s(stage, precision, micro_batch, offload, checkpointing)
         once = self.once_s(stage, precision, offload, per_micro)
         compute = once + grad_accum * (per_micro - once)
         intra, inter = self.comm_seconds(stage, grad_accum, net.gpus_per_node, nodes, net)

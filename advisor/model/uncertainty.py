@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from advisor.measure.grid import is_checkpointed
 from advisor.measure.launch import repeat_halves
 from advisor.model.leverage import FitPoints, group_of
 from advisor.stats import MEAN_ABS_TO_SIGMA, Z95, pooled_log_spread, rms, sigma_of_interval, t_quantile
@@ -55,7 +56,9 @@ MIN_MEMORY_SPREAD = 0.01
 KEY_COLUMNS = ("zero_stage", "precision", "micro_batch", "offload")
 
 
-ConfigKey = tuple[int, str, int, str]
+ConfigKey = tuple
+"""(stage, precision, micro-batch, offload), and a fifth item, True, for a config with gradient
+checkpointing (`config_key`): keys of older folders and of configs without it are unchanged."""
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,8 @@ def contended_keys(trials: pd.DataFrame) -> frozenset[ConfigKey]:
 
 def config_key(row: pd.Series | dict) -> ConfigKey:
     stage, precision, offload = group_of(row)
-    return (stage, precision, int(row["micro_batch"]), offload)
+    key = (stage, precision, int(row["micro_batch"]), offload)
+    return (*key, True) if is_checkpointed(row) else key
 
 
 def held_out_errors(validation: pd.DataFrame, quantity: str) -> np.ndarray:
@@ -368,7 +372,9 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     floor = Z95 * np.array([spread.group_measured(k) for k in keys])
     borrowed = np.where(in_group, np.maximum(spread.model_halfwidth * scale, floor), spread.cross_halfwidth)
     residual = np.array([spread.residual.get(k, 0.0) for k in keys])
-    fit = np.where(pinned, np.hypot(Z95 * np.nan_to_num(own), residual), borrowed)
+    # A stage no trial ran borrows the measured groups' costs: its interval holds their spread too.
+    donors = _column(table, "borrowed_halfwidth")
+    fit = np.where(pinned, np.hypot(Z95 * np.nan_to_num(own), residual), np.hypot(borrowed, donors))
     step = table["step_time_s"].to_numpy(dtype=float)
     inter = table["exposed_inter_s"].to_numpy(dtype=float) if "exposed_inter_s" in table else 0.0 * step
     link = Z95 * spread.link * np.divide(inter, step, out=np.zeros_like(step), where=step > 0)
@@ -409,6 +415,13 @@ def ratio_bounds(value: np.ndarray, half: np.ndarray | float) -> tuple[np.ndarra
     """(lo, hi) = (value / r, value x r) for r = interval_ratio(half)."""
     ratio = interval_ratio(half)
     return value / ratio, value * ratio
+
+
+def _column(table: pd.DataFrame, name: str) -> np.ndarray:
+    """A numeric column as an array, zeros where it is missing (an older predictions table)."""
+    if name not in table:
+        return np.zeros(len(table))
+    return pd.to_numeric(table[name], errors="coerce").fillna(0.0).to_numpy(dtype=float)
 
 
 def _fitted_share(table: pd.DataFrame) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from sdzero.config.user_file import read_user_json
 from sdzero.constants import BINARY_UNITS
 from sdzero.errors import UserError
 from sdzero.telemetry.environment import environment_snapshot
@@ -174,12 +176,9 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]
 
 def read_json_object(path: Path) -> dict[str, Any] | None:
     """A JSON object from `path`, None when the file is absent; UserError when it is not one."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc}); rewrite or remove it") from exc
+    data = read_user_json(path, "--run file")  # a FIFO, a device, a huge or non-JSON file: one line
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data

@@ -245,6 +245,8 @@ def answer_lines(rec: dict[str, Any], out_dir: Any, report: Any, explain: bool =
         lines.append(f"[bold yellow]not measured:[/bold yellow] {missing}")
     if rec.get("lr_warning"):
         lines.append(f"[bold red]warning:[/bold red] {rec['lr_warning']}")
+    if (rec.get("checkpointing") or {}).get("line") and len(lines) < ANSWER_LINES - 1:
+        lines.append(f"[bold]checkpointing:[/bold] {rec['checkpointing']['line']}")
     where = f"[bold]report:[/bold] {report}" if report else f"[bold]folder:[/bold] {out_dir}"
     lines.append(
         where + ("" if explain else " (the launch command and the full detail: there, or --explain)")

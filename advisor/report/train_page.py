@@ -35,6 +35,7 @@ import pandas as pd
 from PIL import Image
 
 from advisor.report import figures
+from advisor.report.hosts_section import hosts_items
 from advisor.report.page import (
     CodeItem,
     FigureItem,
@@ -49,6 +50,7 @@ from advisor.report.page import (
     mapping_table,
     read_json_object,
 )
+from sdzero.config.user_file import read_user_text
 from sdzero.constants import STEP_PHASES as PHASES
 from sdzero.errors import UserError
 from sdzero.training.validation import ValidationStep, read_validation
@@ -98,12 +100,7 @@ class TrainingRun:
 
 def read_segment(path: Path) -> Segment:
     """One metrics file, checked line by line; UserError names the file and line of any damage."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(
-            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); the file is damaged"
-        ) from exc
+    text = read_user_text(path, "--run")  # a FIFO or /dev/zero is named; a non-UTF-8 byte too
     lines = text.split("\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     records, cut_short = [], False
@@ -112,6 +109,10 @@ def read_segment(path: Path) -> Segment:
             continue
         try:
             record = json.loads(line)
+        except RecursionError:  # a line nested 100,000 deep: named, not a traceback
+            raise UserError(
+                f"{path}:{index + 1}: nested too deep to read; the metrics file is damaged"
+            ) from None
         except json.JSONDecodeError as exc:
             if index == last and not text.endswith("\n"):
                 cut_short = True  # a run killed mid-write: everything before it is whole
@@ -349,6 +350,7 @@ def speed_section(run: TrainingRun) -> Section:
     items: list[Item] = [
         FigureItem("throughput", "Throughput and step time", CAPTIONS["throughput"] + bin_note(len(m)), svg),
         frame_table("phases", "Step-time phases", CAPTIONS["phases"], table),
+        *hosts_items(m),  # per-host compute time and the slow host named (sdzero.training.straggler)
     ]
     return Section("speed", "Speed", items)
 

@@ -76,13 +76,23 @@ ADVISOR_OWNED = (
 """Trainer options every trial sets itself: --train-args may not change them."""
 
 
+def split_train_args(text: str, flag: str = "--train-args") -> list[str]:
+    """The words of a shell-quoted option string; an unbalanced quote (once a traceback) is one line."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise UserError(
+            f"{flag} {text!r}: {exc} (an unbalanced quote?); close the quote, or quote the whole value once"
+        ) from None
+
+
 def check_train_args(train_args: Sequence[str] | str) -> tuple[str, ...]:
     """The user's extra trainer options (--resolution, --cache-dir, --gradient-checkpointing, ...), which
     change what a step costs and so must be measured; checked by the trainer's own parser, and refused if
     they take over what the trials set."""
     from sdzero.config.train_config import build_parser, given_train_options
 
-    args = tuple(shlex.split(train_args)) if isinstance(train_args, str) else tuple(train_args)
+    args = tuple(split_train_args(train_args)) if isinstance(train_args, str) else tuple(train_args)
     given = given_train_options(args, "--train-args")
     owned = {build_parser()._option_string_actions[flag].dest for flag in ADVISOR_OWNED}
     for dest, name in given.items():

@@ -167,7 +167,9 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     # to check the scale-out prediction.
     hosts = hosts or prepare_hostfile(r.hostfile, say)
     settings = _trial_settings(model, data, on_cpu, user_args, trials_host)
-    plan = trial_plan(r.grid or (CPU_GRID if on_cpu else GridRequest()), device, ranks)
+    plan = trial_plan(
+        with_checkpointing_knob(r.grid or (CPU_GRID if on_cpu else GridRequest()), r), device, ranks
+    )
     _refuse_unreachable(plan, target_gpus, node_list, target, asked is not None, base_batch)
     cost, cost_note = counted_cost(model, user_args)
     return AdviseInputs(
@@ -252,6 +254,9 @@ def check_request_options(
     if r.lr_reference_batch is not None and r.lr_reference_batch < 1:
         raise UserError(f"--lr-reference-batch {r.lr_reference_batch}: must be at least 1")
     user_args = check_train_args(r.train_args)
+    check_checkpointing(r.checkpointing, user_args)
+    if r.host_memory_gib is not None and not r.host_memory_gib > 0:
+        raise UserError(f"--host-memory-gib {r.host_memory_gib}: give the RAM of one node in GiB, above 0")
     # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
     build_network(
         None,
@@ -288,7 +293,28 @@ def _trial_settings(
     # The user's options last: they override the CPU default (argparse keeps the last value).
     train_args = (*(("--num-workers", "1") if on_cpu else ()), *user_args)
     hostfile = trials_host.hostfile if trials_host else None
-    return trial_settings(model, data, steps, warmup, 900.0, 300.0, None, hostfile, train_args)
+    settings = trial_settings(model, data, steps, warmup, 900.0, 300.0, None, hostfile, train_args)
+    # advise races each launch's configs: the search needs the pick, not every config's figure to the end
+    return replace(settings, race=True)
+
+
+CHECKPOINTING_CHOICES = ("off", "both")
+
+
+def with_checkpointing_knob(grid: GridRequest, r: AdviseRequest) -> GridRequest:
+    """The grid with gradient checkpointing as a knob (`--checkpointing both`): every micro-batch with and
+    without it."""
+    return replace(grid, checkpointing=(False, True)) if r.checkpointing == "both" else grid
+
+
+def check_checkpointing(choice: str, user_args: tuple[str, ...]) -> None:
+    if choice not in CHECKPOINTING_CHOICES:
+        raise UserError(f"--checkpointing {choice!r}: choose off or both")
+    if choice == "both" and "--gradient-checkpointing" in user_args:
+        raise UserError(
+            "--checkpointing both with --train-args --gradient-checkpointing: the search measures each "
+            "config with and without it; drop the trainer flag"
+        )
 
 
 def trial_plan(grid: GridRequest, device: dict[str, Any], ranks: int) -> GridPlan:

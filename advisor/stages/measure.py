@@ -19,6 +19,7 @@ import pandas as pd
 from advisor.decide.search import SearchResult, run_search
 from advisor.measure.launch import LAUNCHES_FILE
 from advisor.measure.trials import TrialSettings
+from advisor.model.lora_sizing import lora_numels
 from advisor.model.memory import ZeroSettings, trained_numels
 from advisor.model.network import Network, build_network
 from advisor.model.predict import grad_accum_for
@@ -80,7 +81,8 @@ class MeasuredTrials:
     validation: pd.DataFrame
     check_ids: list[str]
     numels: tuple[int, ...]
-    """Trained parameter counts of the model (advisor.model.memory.trained_numels)."""
+    """Trained parameter counts of the model (advisor.model.lora_sizing.network_numels: a LoRA run's adapters,
+    with its frozen base beside them)."""
     zero: ZeroSettings
     """The base config's ZeRO settings (buckets, persistence threshold, overlap)."""
     runner: TrialRunner
@@ -151,7 +153,8 @@ def trials_host_memory(device: dict[str, Any], ranks: int, host: str) -> tuple[f
 def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredTrials:
     """One launch per group while the budget holds (advisor.decide.search), then the held-out check of
     the accumulation configs the launches measured beside the others."""
-    numels = trained_numels(inputs.model)
+    # --lora-rank: the adapters, with the frozen base beside them (advisor.model.lora_sizing)
+    numels = lora_numels(inputs.model, inputs.user_args) or trained_numels(inputs.model)
     zero = ZeroSettings.from_config(inputs.base)
     given = inputs.request.budget_minutes
     base_s = (5.0 if inputs.on_cpu else 30.0) * 60

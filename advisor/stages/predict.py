@@ -3,6 +3,7 @@ them: predictions.csv, trials.csv (the report's columns) and environment.json.""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -10,9 +11,10 @@ import pandas as pd
 
 from advisor.decide.recommend import what_would_fit
 from advisor.decide.scaling_table import BatchReach
-from advisor.measure.grid import GridPlan
+from advisor.measure.grid import GridPlan, is_checkpointed
 from advisor.measure.input_figures import keep_input, launch_input_sections
 from advisor.model.batch_growth import SamplesRule, samples_rule
+from advisor.model.host_memory import HostSetup, add_host_memory, host_setup, node_ram, option_value
 from advisor.model.input_rate import InputPlan, bound_predictions, plan_from
 from advisor.model.network import Network, build_network
 from advisor.model.predict import BatchTarget, Candidate, predict_table
@@ -25,6 +27,7 @@ from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.target import machine_target
 from sdzero.atomic import write_csv_atomic, write_json_atomic
+from sdzero.config.options import DEFAULTS
 from sdzero.errors import UserError
 
 
@@ -82,6 +85,7 @@ def predict(
     table = add_time_to_train(table, inputs.amount, startup)
     spread = run_spread(inputs, hardware, measured)
     table = add_intervals(table, spread)
+    table = add_host_memory(table, fitted.memory, host_setup_of(inputs, target_net))
     out_dir = inputs.out_dir
     write_csv_atomic(table, out_dir / "predictions.csv")
     trials = measured.trials
@@ -119,6 +123,25 @@ def input_plan(inputs: AdviseInputs) -> InputPlan | None:
         plan = replace(plan, rank_cpu_s_per_sample=None)
     keep_input(inputs.out_dir, sections, plan.record() if plan else None)
     return plan
+
+
+def host_setup_of(inputs: AdviseInputs, target_net: Network) -> HostSetup:
+    """What decides the plan's host RAM per node (advisor.model.host_memory): the node's RAM (declared, a
+    preset's, or this machine's when the target is nodes like it) and the run's trainer options."""
+    r = inputs.request
+    node = node_ram(r.host_memory_gib, r.preset, not inputs.differs)
+    cost = inputs.model_cost
+    resolution = (
+        cost.resolution if cost is not None else int(option_value(inputs.user_args, "--resolution") or 0)
+    )
+    return host_setup(
+        inputs.user_args,
+        target_net.gpus_per_node,
+        resolution,
+        inputs.amount.samples_per_epoch,
+        node,
+        DEFAULTS.num_workers,
+    )
 
 
 def compute_basis_of(inputs: AdviseInputs) -> ComputeBasis:
@@ -204,7 +227,7 @@ def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: Measur
 
     inter = hardware.target_net.inter
     assumed = not inter.source.startswith("measured")
-    fits = load_fits(hardware.fit_path) if hardware.fit_path.is_file() else []
+    fits = load_fits(hardware.fit_path) if os.path.lexists(hardware.fit_path) else []
     rel = link_spread(f.rel_rmse for f in fits if f.link_level == "inter")
     floor, dof = run_noise_floor(inputs.out_dir)
     return estimate_spread(
@@ -221,15 +244,19 @@ def run_spread(inputs: AdviseInputs, hardware: HardwareFigures, measured: Measur
 def candidates_from(plan: GridPlan, trials: pd.DataFrame) -> list[Candidate]:
     """Every grid point, less those above an out-of-memory trial of their ladder."""
     oom = trials[trials["status"] == "oom"]
+    gc = oom.apply(is_checkpointed, axis=1).astype(bool) if not oom.empty else pd.Series(dtype=bool)
     out = []
     for spec in (s for ladder in plan.ladders for s in ladder):
         same = oom[
             (oom["zero_stage"] == spec.zero_stage)
             & (oom["precision"] == spec.precision)
             & (oom["offload"] == spec.offload)
+            & (gc == spec.checkpointing)
         ]
         if same.empty or spec.micro_batch < same["micro_batch"].min():
-            out.append(Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload))
+            out.append(
+                Candidate(spec.zero_stage, spec.precision, spec.micro_batch, spec.offload, spec.checkpointing)
+            )
     return list(dict.fromkeys(out))
 
 

@@ -18,8 +18,8 @@ config; other node counts add the inter-node cost of the preset's fabric. No pro
 from __future__ import annotations
 
 import hashlib
-import json
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from advisor.decide.search import SearchResult
 from advisor.measure.grid import GridRequest, plan_grid
@@ -55,12 +54,22 @@ from advisor.model.target_compute import (
     shape_numels,
 )
 from advisor.model.time_to_train import train_amount
+from advisor.stages.input_schema import (
+    MetricsStepIn,
+    ProfileConfigIn,
+    ProfileFileIn,
+    RunConfigIn,
+    RunDsConfigIn,
+    check,
+    load_yaml_bounded,
+)
 from advisor.stages.inputs import AdviseInputs, _refuse_unreachable, check_request_options, claim_out
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.request import AdviseRequest
 from advisor.stages.target import TARGET_GPUS
 from sdzero.atomic import write_csv_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
+from sdzero.config.user_file import read_json_lines, read_user_json, read_user_text
 from sdzero.constants import GIB
 from sdzero.errors import UserError
 
@@ -82,6 +91,8 @@ VALIDATION_COLUMNS = (
     "grad_accum",
 )
 """validation.csv's columns (advisor.model.prediction_error)."""
+PROFILE_BYTES = 1 << 20
+"""A profile file is a few lines; a bound, so a device or a huge file given by mistake is one line."""
 STEADY_SKIP = 0.1
 """A run folder's first steps (this share, at least one) are left out of its step time: warm-up."""
 
@@ -122,93 +133,53 @@ class Profile:
 
 def is_profile_source(path: Path) -> bool:
     """A profile file, or a run folder (metrics.jsonl and ds_config.json) rather than an advise folder."""
-    return path.is_file() or ((path / "metrics.jsonl").is_file() and (path / "ds_config.json").is_file())
-
-
-def _need(record: dict[str, Any], key: str, where: str, kind: type, hint: str) -> Any:
-    if key not in record:
-        raise UserError(f"{where}: no `{key}`; {hint}")
-    try:
-        return kind(record[key])
-    except (TypeError, ValueError):
-        raise UserError(f"{where}: `{key}: {record[key]!r}` is not a {kind.__name__}; {hint}") from None
+    # anything but a folder is a profile file, read by the regular-file reader: a FIFO is named as one
+    is_file = os.path.lexists(path) and not path.is_dir()
+    return is_file or ((path / "metrics.jsonl").exists() and (path / "ds_config.json").exists())
 
 
 def read_profile(path: Path) -> Profile:
-    """A profile file (see the module doc); every missing or bad field is one line naming it."""
+    """A profile file (see the module doc; its schema: advisor.stages.input_schema); every missing or bad
+    field is one line naming it."""
     where = f"--replan {path}"
-    try:
-        record = yaml.safe_load(path.read_text())  # YAML is a superset of JSON: one reader for both
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"{where}: unreadable as YAML or JSON ({str(exc).splitlines()[0]})") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{where}: a profile is a mapping of keys (docs/advisor.md section 2c)")
-    device = _need(
-        record, "device", where, str, f"the GPU it ran on, one of {', '.join(TARGET_GPUS)}"
-    ).lower()
-    if device not in TARGET_GPUS:
-        raise UserError(f"{where}: device {device!r} unknown; one of {', '.join(TARGET_GPUS)}")
-    gpus = _need(record, "gpus_per_node", where, int, "the GPUs of the node it was measured on")
-    nodes = int(record.get("nodes", 1))
-    if gpus < 1 or nodes < 1:
-        raise UserError(f"{where}: gpus_per_node {gpus}, nodes {nodes}: at least 1 each")
-    raw = record.get("configs")
-    if not isinstance(raw, list) or not raw:
-        raise UserError(f"{where}: no `configs` list; give one entry per config measured on the node")
-    configs = tuple(_config(c, f"{where} configs[{i}]", gpus * nodes) for i, c in enumerate(raw))
+    text = read_user_text(path, "--replan", PROFILE_BYTES)  # a FIFO, a device, a huge file: one line
+    record = check(ProfileFileIn, load_yaml_bounded(text, where), where)  # YAML is a superset of JSON
+    configs = tuple(_config(c, record.gpus_per_node * record.nodes) for c in record.configs)
     numels, model, notes = _numels(record, where)
-    images = record.get("dataset_images")
-    base = _base_config(configs[0], record)
     return Profile(
         f"profile file {path}",
         model,
         numels,
-        device,
-        gpus,
+        record.device,
+        record.gpus_per_node,
         configs,
-        base,
-        int(images) if images else None,
+        _base_config(configs[0], record),
+        record.dataset_images,
         _forward_share(model),
         notes,
-        nodes,
+        record.nodes,
     )
 
 
-def _config(c: Any, where: str, gpus: int) -> ProfileConfig:
+def _config(c: ProfileConfigIn, gpus: int) -> ProfileConfig:
     """One measured config; `gpus`: every GPU of the run (its nodes x GPUs per node)."""
-    if not isinstance(c, dict):
-        raise UserError(f"{where}: a mapping with zero_stage, precision, micro_batch, a rate and memory_gib")
-    stage = _need(c, "zero_stage", where, int, "0, 1, 2 or 3")
-    precision = _need(c, "precision", where, str, "bf16 or fp16")
-    if stage not in (0, 1, 2, 3) or precision not in ("bf16", "fp16"):
-        raise UserError(f"{where}: zero_stage {stage} / precision {precision!r}: 0-3 and bf16 or fp16")
-    mb = _need(c, "micro_batch", where, int, "the per-GPU micro-batch")
-    accum = int(c.get("grad_accum", 1))
-    batch = mb * accum * gpus
-    if "step_time_s" in c:
-        step = _need(c, "step_time_s", where, float, "seconds per optimizer step")
-    elif "samples_per_s" in c:
-        step = batch / _need(c, "samples_per_s", where, float, "the run's samples/s (all its GPUs)")
-    elif "samples_per_s_per_gpu" in c:
-        step = batch / gpus / _need(c, "samples_per_s_per_gpu", where, float, "samples/s per GPU")
+    batch = c.micro_batch * c.grad_accum * gpus
+    if c.step_time_s is not None:
+        step = c.step_time_s
+    elif c.samples_per_s is not None:
+        step = batch / c.samples_per_s
     else:
-        raise UserError(
-            f"{where}: no rate; give step_time_s, samples_per_s (all its GPUs') or samples_per_s_per_gpu"
-        )
-    memory = (
-        _need(c, "memory_gib", where, float, "peak memory per GPU, GiB") if "memory_gib" in c else math.nan
-    )
-    if mb < 1 or accum < 1 or not step > 0 or memory <= 0:
-        raise UserError(f"{where}: micro_batch, grad_accum, the rate and memory_gib must be positive")
-    return ProfileConfig(stage, precision, mb, accum, step, memory * GIB, str(c.get("offload", "none")))
+        step = batch / gpus / float(c.samples_per_s_per_gpu or math.nan)
+    memory = c.memory_gib * GIB if c.memory_gib is not None else math.nan
+    return ProfileConfig(c.zero_stage, c.precision, c.micro_batch, c.grad_accum, step, memory, c.offload)
 
 
-def _numels(record: dict[str, Any], where: str) -> tuple[tuple[int, ...], str, tuple[str, ...]]:
+def _numels(record: ProfileFileIn, where: str) -> tuple[tuple[int, ...], str, tuple[str, ...]]:
     """(trained parameter sizes, model name, notes) from `model` (a named shape or a diffusers folder) or
     `parameters` (a count)."""
     from advisor.model.memory import trained_numels
 
-    model = record.get("model")
+    model = record.model
     if model in MODEL_SHAPES:
         return shape_numels(str(model)), str(model), ()
     if model is not None:
@@ -218,9 +189,7 @@ def _numels(record: dict[str, Any], where: str) -> tuple[tuple[int, ...], str, t
                 f"({', '.join(MODEL_SHAPES)}); or give `parameters: N`"
             )
         return trained_numels(str(model)), str(model), ()
-    count = _need(
-        record, "parameters", where, int, f"or `model:` (a diffusers folder or {', '.join(MODEL_SHAPES)})"
-    )
+    count = int(record.parameters or 0)  # the schema requires `model` or `parameters` (>= 1)
     whole, rest = divmod(count, PARAMETER_TENSOR)
     numels = (PARAMETER_TENSOR,) * whole + ((rest,) if rest else ())
     note = f"parameters only: {count:,} taken as tensors of {PARAMETER_TENSOR:,} for bucket and gather counts"
@@ -239,17 +208,17 @@ def _forward_share(model: str) -> float:
     return 1 / 3
 
 
-def _base_config(c: ProfileConfig, record: dict[str, Any]) -> dict[str, Any]:
+def _base_config(c: ProfileConfig, record: ProfileFileIn) -> dict[str, Any]:
     """The DeepSpeed JSON the profile's first config stands for; the optional keys overlap_comm,
     reduce_bucket_size and allgather_bucket_size (elements) and lr as the profile gives them."""
-    zero: dict[str, Any] = {"stage": c.zero_stage, "overlap_comm": bool(record.get("overlap_comm", True))}
+    zero: dict[str, Any] = {"stage": c.zero_stage, "overlap_comm": record.overlap_comm}
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
-        if key in record:
-            zero[key] = int(record[key])
+        if getattr(record, key) is not None:
+            zero[key] = getattr(record, key)
     return {
         "train_micro_batch_size_per_gpu": c.micro_batch,
         "gradient_accumulation_steps": c.grad_accum,
-        "optimizer": {"type": "AdamW", "params": {"lr": float(record.get("lr", 1e-4))}},
+        "optimizer": {"type": "AdamW", "params": {"lr": record.lr}},
         c.precision: {"enabled": True},
         "zero_optimization": zero,
     }
@@ -261,36 +230,39 @@ def read_run_folder(path: Path, target_gpu: str | None, gpus_per_node: int | Non
     from advisor.model.memory import trained_numels
 
     where = f"--replan {path}"
-    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in records if isinstance(r.get("step_time_s"), (int, float))]
+    steps = _metric_steps(path / "metrics.jsonl", where)
     if not steps:
         raise UserError(f"{where}: metrics.jsonl has no step with step_time_s; train a few steps first")
-    config = json.loads((path / "ds_config.json").read_text())
-    run = json.loads((path / "run_config.json").read_text()) if (path / "run_config.json").is_file() else {}
-    device = (target_gpu or run.get("target_gpu") or "").lower()
+    config = read_user_json(path / "ds_config.json", f"{where}:")
+    ds = check(RunDsConfigIn, config, f"{where}/ds_config.json")
+    run_path = path / "run_config.json"
+    run = (
+        check(RunConfigIn, read_user_json(run_path, f"{where}:"), str(run_path))
+        if run_path.exists()
+        else RunConfigIn()
+    )
+    device = (target_gpu or run.target_gpu or "").lower()
     if device not in TARGET_GPUS:
         raise UserError(f"{where}: which GPU did it run on? give --target-gpu ({', '.join(TARGET_GPUS)})")
-    model = str(run.get("model") or "")
+    model = run.model
     if not Path(model).is_dir():
         raise UserError(
             f"{where}: run_config.json names no model folder here ({model!r}); plan from a profile file"
         )
-    precision = "bf16" if (config.get("bf16") or {}).get("enabled") else "fp16"
-    world = int(run.get("world_size") or 1)
+    precision = "bf16" if ds.bf16 is not None and ds.bf16.enabled else "fp16"
+    world = run.world_size
     gpus = gpus_per_node if gpus_per_node and world % gpus_per_node == 0 else world
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
-    shape = (int(config["train_micro_batch_size_per_gpu"]), int(config.get("gradient_accumulation_steps", 1)))
+    stage = ds.zero_optimization.stage
+    shape = (ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps)
     # a run that swept several batch shapes (sdzero's config sweep) records each step's own: one config each
-    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[int, int], list[MetricsStepIn]] = {}
     for r in steps:
-        groups.setdefault(
-            (int(r.get("micro_batch", shape[0])), int(r.get("grad_accum", shape[1]))), []
-        ).append(r)
+        groups.setdefault((r.micro_batch or shape[0], r.grad_accum or shape[1]), []).append(r)
     configs = []
     for (mb, accum), rows in groups.items():
         steady = rows[max(1, math.ceil(len(rows) * STEADY_SKIP)) :] or rows
-        step = statistics.median(float(r["step_time_s"]) for r in steady)
-        peak = max(float(r.get("peak_mem_bytes") or 0) for r in rows) or math.nan
+        step = statistics.median(r.step_time_s for r in steady)
+        peak = max(r.peak_mem_bytes or 0.0 for r in rows) or math.nan
         configs.append(ProfileConfig(stage, precision, mb, accum, step, peak))
     notes = (
         f"from the steady steps of metrics.jsonl ({len(steps)} steps, the first {STEADY_SKIP:.0%} of each "
@@ -309,6 +281,18 @@ def read_run_folder(path: Path, target_gpu: str | None, gpus_per_node: int | Non
         notes,
         world // gpus,
     )
+
+
+def _metric_steps(path: Path, where: str) -> list[MetricsStepIn]:
+    """The steps of a run's metrics.jsonl, each checked by the schema (a step time of 0 or NaN is one line
+    naming its line); a line that is not JSON, or nested beyond reason, is skipped and counted, as a line
+    cut by a kill is."""
+    lines, _skipped = read_json_lines(path, f"{where}:")
+    return [
+        check(MetricsStepIn, record, f"{path} line {number}")
+        for number, record in lines
+        if "step_time_s" in record
+    ]
 
 
 def profile_trials(profile: Profile, zero: ZeroSettings, setup: str) -> pd.DataFrame:
@@ -371,8 +355,9 @@ def profile_stages(
             raise UserError(
                 f"--replan {path}: {what} does not apply to a profile or a run's folder; the file says it"
             )
-    profile = read_profile(path) if path.is_file() else read_run_folder(path, r.target_gpu, r.gpus_per_node)
-    if r.target_gpu and r.target_gpu.lower() != profile.device and path.is_file():
+    a_file = not path.is_dir()
+    profile = read_profile(path) if a_file else read_run_folder(path, r.target_gpu, r.gpus_per_node)
+    if r.target_gpu and r.target_gpu.lower() != profile.device and a_file:
         raise UserError(
             f"--target-gpu {r.target_gpu}: the profile measured {profile.device}; a profile plans for its own "
             "device (plan another GPU from a profile of it, or from trials with --target-tflops)"

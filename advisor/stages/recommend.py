@@ -14,10 +14,12 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.decide.checkpointing import with_checkpointing
 from advisor.decide.outcome import Outcome, build_recommendation
 from advisor.decide.recommend import launch_command, recommend
 from advisor.decide.scaling_table import scaling_table
 from advisor.model.prediction_error import ERROR_EXPLAINED, error_summary
+from advisor.model.step_time import TimeModel
 from advisor.stages.fit import FittedModels
 from advisor.stages.inputs import AdviseInputs
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
@@ -123,7 +125,7 @@ def write_recommendation(
         inputs.target_gpus,
         inputs.request.hostfile,
         inputs.out_dir / "run",
-        inputs.user_args,
+        with_checkpointing(inputs.user_args, choice.best),
         choice.lr,
     )
     if not timed:
@@ -193,6 +195,7 @@ def _outcome(
         interval_notes=predictions.spread.notes,
         compute=predictions.basis,
         samples_rule=r.samples_rule,
+        recompute=(recompute_share_of(predictions.timing, choice.best), predictions.timing.recompute_source),
     )
 
 
@@ -201,3 +204,9 @@ def noise_floor(out_dir: Path) -> float | None:
     from advisor.model.uncertainty import run_noise_floor
 
     return run_noise_floor(out_dir)[0]
+
+
+def recompute_share_of(timing: TimeModel, best: pd.Series) -> float:
+    """What checkpointing adds per sample for the pick's ZeRO stage, precision and offload."""
+    group = (int(best["zero_stage"]), str(best["dtype"]), str(best["offload"]))
+    return timing.recompute_shares.get(group, timing.recompute_share)

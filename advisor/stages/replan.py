@@ -17,7 +17,7 @@ sizes differ) or another config (base JSON or --train-args), and the options tha
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -27,10 +27,12 @@ from typing import Any
 import pandas as pd
 
 from advisor.decide.search import SearchResult
+from advisor.measure.csv_tables import read_table
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config, plan_grid
 from advisor.measure.input_figures import INPUT_FILE
 from advisor.measure.launch import LAUNCHES_FILE
 from advisor.measure.trials import TrialSettings
+from advisor.model.lora_sizing import frozen_base_of, with_frozen_base
 from advisor.model.memory import ZeroSettings
 from advisor.model.model_cost import ModelCost
 from advisor.model.network import build_network
@@ -43,6 +45,7 @@ from advisor.stages.inputs import (
     claim_out,
     counted_cost,
     dataset_size,
+    with_checkpointing_knob,
 )
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.profile_source import is_profile_source, profile_stages
@@ -50,6 +53,7 @@ from advisor.stages.request import CPU_GRID, AdviseRequest
 from advisor.stages.target import machine_target, target_differs, target_memory
 from sdzero.atomic import write_json_atomic
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
+from sdzero.config.user_file import read_user_json
 from sdzero.constants import GIB
 from sdzero.errors import UserError
 
@@ -68,7 +72,7 @@ the input measurements (advisor.measure.input_figures)."""
 def write_plan_inputs(inputs: AdviseInputs, hardware: HardwareFigures, measured: MeasuredTrials) -> Path:
     """<out>/plan_inputs.json: what a replan needs besides the trials and the link probes."""
     r = inputs.request
-    grid = r.grid or (CPU_GRID if inputs.on_cpu else GridRequest())
+    grid = with_checkpointing_knob(r.grid or (CPU_GRID if inputs.on_cpu else GridRequest()), r)
     payload = {
         "version": PLAN_VERSION,
         "setup_id": inputs.setup,
@@ -84,6 +88,7 @@ def write_plan_inputs(inputs: AdviseInputs, hardware: HardwareFigures, measured:
         "ranks": inputs.ranks,
         "grid": asdict(grid),
         "numels": list(measured.numels),
+        "frozen_base_numels": list(frozen_base_of(measured.numels)),  # a LoRA run's (model.lora_sizing)
         "model_cost": inputs.model_cost.record() if inputs.model_cost else None,
         "memory_here_bytes": None if inputs.memory_given else hardware.memory_bytes,
         "memory_here_source": None if inputs.memory_given else hardware.memory_source,
@@ -121,15 +126,12 @@ def read_plan_inputs(folder: Path) -> dict[str, Any]:
     path = folder / PLAN_INPUTS
     if not folder.is_dir():
         raise UserError(f"--replan {folder}: no such folder; give the --out of an earlier sdzero advise")
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise UserError(
             f"--replan {folder}: no {PLAN_INPUTS} there (written by sdzero advise from this version on); "
             f"run `sdzero advise --out {folder}` once: its finished trials are reused"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--replan {path}: unreadable ({exc}); rerun sdzero advise --out {folder}") from None
+        )
+    record = read_user_json(path, "--replan")  # a FIFO, /dev/zero, a loop: named, never read for ever
     if not isinstance(record, dict) or record.get("version") != PLAN_VERSION:
         raise UserError(f"--replan {path}: written by another version of sdzero; rerun sdzero advise there")
     return record
@@ -166,9 +168,9 @@ def refuse_unmatched(request: AdviseRequest, record: dict[str, Any], folder: Pat
                 f"({', '.join(keys)} differ); run sdzero advise with it"
             )
     if r.model is not None:
-        from advisor.model.memory import trained_numels
+        from advisor.model.lora_sizing import network_numels
 
-        if list(trained_numels(r.model)) != list(record["numels"]):
+        if list(network_numels(r.model, record["train_args"])) != list(record["numels"]):
             raise UserError(
                 f"--model {r.model}: the trials in {folder} measured another network (its trained parameter "
                 "sizes differ); run sdzero advise with this model"
@@ -285,9 +287,9 @@ def replan_trials(inputs: AdviseInputs, record: dict[str, Any], folder: Path) ->
     """The trials the run fitted (its trials.csv: the last attempt of each, of its setup) and its
     held-out checks."""
     path = folder / "trials.csv"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise UserError(f"--replan {folder}: no trials.csv there; rerun sdzero advise --out {folder}")
-    trials = pd.read_csv(path, dtype={c: str for c in TEXT_COLUMNS})
+    trials = read_table(path, "--replan", dtype={c: str for c in TEXT_COLUMNS})
     trials = trials.drop(columns=[c for c in REPORT_ONLY if c in trials])  # the predict stage's additions
     if "setup_id" in trials and (trials["setup_id"].astype(str) != str(record["setup_id"])).any():
         raise UserError(
@@ -296,7 +298,9 @@ def replan_trials(inputs: AdviseInputs, record: dict[str, Any], folder: Path) ->
     if trials[trials["status"] == "ok"].empty:
         raise UserError(f"--replan {folder}: no finished trial in trials.csv")
     validation_path = folder / "validation.csv"
-    validation = pd.read_csv(validation_path) if validation_path.is_file() else pd.DataFrame()
+    validation = (
+        read_table(validation_path, "--replan") if os.path.lexists(validation_path) else pd.DataFrame()
+    )
     search = record["search"]
 
     def no_trials(_specs: list[Any]) -> pd.DataFrame:
@@ -309,7 +313,7 @@ def replan_trials(inputs: AdviseInputs, record: dict[str, Any], folder: Path) ->
         ),
         validation=validation,
         check_ids=list(record["check_ids"]),
-        numels=tuple(int(n) for n in record["numels"]),
+        numels=with_frozen_base(record["numels"], record.get("frozen_base_numels")),
         zero=ZeroSettings.from_config(inputs.base),  # as the run's measure stage read it
         runner=no_trials,
         budget_s=float(record["budget_s"]),

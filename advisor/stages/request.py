@@ -102,6 +102,13 @@ class AdviseRequest:
     when the target is nodes like it, else not capped."""
     storage_gbps: float | None = None
     """Aggregate read rate of the shared storage the data is on, Gbit/s (declared); None: not known."""
+    host_memory_gib: float | None = None
+    """RAM of one target node, for the plan's host memory (offloaded states, pinned buffers, a CPU EMA,
+    loader workers, the latent cache's page cache); None: a preset's, else this machine's when the target
+    is nodes like it."""
+    checkpointing: str = "off"
+    """Gradient checkpointing as a knob of the search: `off` (the trials run as --train-args say) or
+    `both` (each micro-batch with and without it, in the same launch)."""
     replan: Path | None = None
     """Answer again from this earlier run's trials, link probes and fits, measuring nothing
     (advisor.stages.replan); or from a training run's folder (metrics.jsonl and ds_config.json) or a profile file

@@ -23,7 +23,6 @@ recommended config through all of this and records its error.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,7 +31,7 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.measure.alphabeta import FIT_SCHEMA
+from advisor.measure.alphabeta import FIT_SCHEMA, load_fits
 from advisor.measure.grid import TrialSpec, write_trial_config
 from advisor.measure.trials import TrialSettings, first_host_hostfile, run_trial
 from advisor.model.memory import ZeroSettings
@@ -68,7 +67,7 @@ def probe_link(
 
 def merge_fits(paths: list[Path], merged: Path) -> Path:
     """One comm_fit.json holding every fit of `paths` (an intra and an inter probe)."""
-    fits = [fit for path in paths for fit in json.loads(path.read_text())["fits"]]
+    fits = [fit.to_dict() for path in paths for fit in load_fits(path)]
     merged.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(merged, {"schema": FIT_SCHEMA, "fits": fits})
     return merged

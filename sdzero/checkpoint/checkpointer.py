@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sdzero.atomic import fsync_dir, write_text_atomic
+from sdzero.atomic import fsync_dir, planted_link, write_text_atomic
 from sdzero.checkpoint.identity import ELASTIC_MAY_CHANGE, SAFE_TO_CHANGE, differences
 from sdzero.checkpoint.manifest import (
     CHECKPOINTS,
@@ -68,6 +68,7 @@ from sdzero.checkpoint.safe_load import (
 )
 from sdzero.checkpoint.universal import recorded_files, universal_files, universal_for
 from sdzero.errors import AgreedError, UserError
+from sdzero.models.lora import frozen_base_kwargs
 
 log = logging.getLogger("sdzero.checkpoint.checkpointer")
 
@@ -369,19 +370,21 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def disk_full(exc: BaseException, root: Path) -> bool:
-    """Whether a failed save ran out of space. torch.save reports it as a RuntimeError ("file write
-    failed") without the errno, so a RuntimeError counts when the filesystem has (next to) nothing free."""
-    if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
-        return True
-    if "No space left" in str(exc) or "Disk quota exceeded" in str(exc):
-        return True
-    if isinstance(exc, RuntimeError) and "write" in str(exc).lower():
-        try:
-            usage = shutil.disk_usage(root if root.exists() else root.parent)
-        except OSError:
-            return False
-        return usage.free < max(usage.total // 1000, 1 << 20)
-    return False
+    """Whether a failed save ran out of space: an ENOSPC/EDQUOT anywhere in the exception's chain, or an
+    error without an errno (torch.save on a full disk says "basic_ios::clear: iostream error", then "unexpected
+    pos N vs M": no errno, no "write") while the filesystem has (next to) nothing free."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # the chain is short; a bound, in case of a cycle
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in FULL_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        usage = shutil.disk_usage(root if root.exists() else root.parent)
+    except OSError:
+        return False
+    return usage.free < max(usage.total // 1000, 1 << 20)
 
 
 def filesystem_of(path: Path) -> str:
@@ -416,14 +419,19 @@ def no_space_line(root: Path, step: int) -> str:
 class Checkpointer:
     """Saves and restores engine + EMA + data position + RNG under the commit protocol above."""
 
-    def __init__(self, output_dir: Path, keep_last: int, engine: Any, ema: Any, ident: RunIdentity) -> None:
+    def __init__(
+        self, output_dir: Path, keep_last: int, engine: Any, ema: Any, ident: RunIdentity, parts: tuple = ()
+    ) -> None:
+        """`parts`: more writers into each checkpoint, `save(staging, rank)` on every rank (a LoRA adapter)."""
         import torch.distributed as dist
+
+        self.frozen_kwargs, self.load_kwargs = frozen_base_kwargs(engine)  # a LoRA run's base: not saved
 
         self.root = checkpoint_root(output_dir)
         self.keep_last = keep_last
         self.engine = engine
         self.ema = ema
-        self.ident = ident
+        self.ident, self.parts = ident, parts
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.before_commit: Callable[[int, Path], None] | None = None
         """Called on every rank with (step, staging folder) once every shard is written and hashed, just
@@ -454,6 +462,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         tag = step_tag(state.step)
         staging = self.root / f"{STAGING_PREFIX}{tag}"
+        final = self.root / tag
+        # A link planted at any of these would take the shards (or the commit) into another folder: every
+        # rank stops together on it, before DeepSpeed writes a byte.
+        replaced = final.with_name(f"{final.name}.replaced")
+        agree_on_refusal(planted_link(self.root, staging, final, replaced, self.root / LATEST))
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # a crashed save of the same step
@@ -464,10 +477,16 @@ class Checkpointer:
             "sdzero": {**asdict(state), "rng": rng, "seed": self.ident.seed, "ema": self._ema_info()}
         }
         self.engine.save_checkpoint(
-            str(self.root), tag=staging.name, client_state=client_state, save_latest=False
+            str(self.root),
+            tag=staging.name,
+            client_state=client_state,
+            save_latest=False,
+            **self.frozen_kwargs,
         )
         if self.ema is not None:
             self.ema.save(staging / EMA_DIR, self.rank)
+        for part in self.parts:
+            part.save(staging, self.rank)
         dist.barrier()  # every rank's shards are written
         t_write = time.perf_counter()
 
@@ -478,7 +497,6 @@ class Checkpointer:
         dist.all_gather_object(shares, mine)
         t_hash = time.perf_counter()
 
-        final = self.root / tag
         if self.before_commit is not None:
             self.before_commit(state.step, staging)
         if self.rank == 0:
@@ -550,7 +568,11 @@ class Checkpointer:
         try:
             with guarded_loads(allowed):
                 load_path, client_state = self.engine.load_checkpoint(
-                    str(load_from), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+                    str(load_from),
+                    tag=path.name,
+                    **self.load_kwargs,  # a LoRA run's module state holds no base weight
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=True,
                 )
         except UserError as exc:
             refused = str(exc)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sdzero.atomic import publish_dir
+from sdzero.checkpoint.adapter import is_lora_checkpoint
 from sdzero.checkpoint.manifest import load_manifest
 from sdzero.checkpoint.safe_load import guarded_loads, inside, load_tensors
 from sdzero.config.output_folder import EXPORT_MARKER, check_replaceable_folder
@@ -242,6 +243,8 @@ def export_checkpoint(
     path, manifest = chosen
     check_export_target(Path(source), path, out, overwrite)
     check_ema_files(path, manifest)
+    if is_lora_checkpoint(manifest.files):  # a LoRA run's: its adapter, not a pipeline (checkpoint.adapter)
+        return export_lora(path, manifest, out)
     model = model or manifest.model
     try:
         # The frozen parts are loaded by write_pipeline, in fp32, then cast with the rest to `dtype`.
@@ -259,3 +262,23 @@ def export_checkpoint(
     marker = {"checkpoint": str(path.resolve()), "step": manifest.step}
     write_pipeline(out, weights, comps, DTYPES[dtype or "fp32"], extra_unets=extra, marker=marker)
     return ExportResult(out=out, checkpoint=path, step=manifest.step, with_ema=extra is not None)
+
+
+def export_lora(path: Path, manifest: Any, out: Path) -> ExportResult:
+    """`sdzero export` of a LoRA checkpoint: its verified adapter file and, with an EMA, the EMA's adapter."""
+    from sdzero.checkpoint.adapter import ADAPTER_DIR, checkpoint_lora_config, write_adapter_export
+    from sdzero.checkpoint.checkpointer import EMA_DIR, ema_errors_as_user_errors
+    from sdzero.models.ema import assemble
+    from sdzero.models.families import family_named
+    from sdzero.models.lora import LORA_WEIGHTS
+
+    family = family_named(manifest.family)
+    ema_state = None
+    if manifest.ema:
+        with ema_errors_as_user_errors(path):
+            ema_state, _ = assemble(path / EMA_DIR)
+    config = checkpoint_lora_config(manifest.objective, family)
+    marker = {"checkpoint": str(path.resolve()), "step": manifest.step}
+    adapter = path / ADAPTER_DIR / LORA_WEIGHTS
+    write_adapter_export(out, family, config, adapter, ema_state, marker)
+    return ExportResult(out=out, checkpoint=path, step=manifest.step, with_ema=ema_state is not None)

@@ -17,6 +17,7 @@ from typing import Any
 
 from sdzero.checkpoint.manifest import RunIdentity
 from sdzero.models.families import Family, as_family
+from sdzero.models.lora import LoraSettings
 
 SAFE_TO_CHANGE = (
     "--max-steps",
@@ -90,6 +91,7 @@ def objective_settings(cfg: Any, ds: Any, family: Family | str) -> dict[str, Any
         "--lr (effective)": cfg.effective_lr(ds),
         "--lr-warmup-steps": cfg.lr_warmup_steps,
         **as_family(family).identity_options(cfg),
+        **(lora.identity() if (lora := LoraSettings.of(cfg, as_family(family))) else {}),
     }
 
 

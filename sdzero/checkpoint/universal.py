@@ -35,7 +35,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from sdzero.atomic import fsync_dir, write_text_atomic
+from sdzero.atomic import fsync_dir, remove_tree, write_text_atomic
 from sdzero.checkpoint.manifest import (
     UNIVERSAL_PREFIX,
     UNIVERSAL_SOURCE,
@@ -164,7 +164,7 @@ def converted(path: Path, manifest: Manifest) -> Path:
     }
     record = {**source_of(path, manifest), "files": files}
     write_text_atomic(temp / UNIVERSAL_SOURCE, json.dumps(record) + "\n")
-    shutil.rmtree(target, ignore_errors=True)  # a conversion of an earlier checkpoint of this step
+    remove_tree(target)  # a conversion of an earlier checkpoint of this step
     os.replace(temp, target)
     fsync_dir(path.parent)
     log.info("--resume-elastic: converted %s to a universal checkpoint in %s", path, target)

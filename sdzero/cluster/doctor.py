@@ -219,9 +219,8 @@ def _remote(
     command = [sys.executable, "-m", module, *args]
     prefix = {"PYTHONPATH": str(REPO_ROOT), **(env or {})}
     if host is None:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **prefix}
-        )
+        run: list[str] = command
+        env_run: dict[str, str] | None = {**os.environ, **prefix}
     else:
         line = " ".join(f"{k}={shlex.quote(v)}" for k, v in prefix.items()) + " " + shlex.join(command)
         ssh = [
@@ -233,12 +232,24 @@ def _remote(
             host,
             f"cd {shlex.quote(str(Path.cwd()))} && {line}",
         ]
-        proc = subprocess.run(ssh, capture_output=True, text=True, timeout=timeout_s)
+        run, env_run = ssh, None
+    try:
+        proc = subprocess.run(run, capture_output=True, text=True, timeout=timeout_s, env=env_run)
+    except subprocess.TimeoutExpired:  # a host that never answers: one line naming it, not a traceback
+        raise UserError(
+            f"{host or 'this machine'}: `{module} {args[0]}` gave no answer in {timeout_s:.0f} s; "
+            f"check the node is up and answers `ssh {host or 'localhost'} true` at once"
+        ) from None
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"{host or 'this machine'}: `{module} {args[0]}` failed ({proc.returncode}): {tail}")
-    return json.loads(lines[-1])
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        raise UserError(
+            f"{host or 'this machine'}: `{module} {args[0]}` answered {lines[-1][:80]!r}"
+        ) from None
 
 
 def _probe_pair(a: str, b: str, size_mib: float, rounds: int) -> float:

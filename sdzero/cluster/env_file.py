@@ -96,5 +96,5 @@ def merge_env_file(path: Path, wanted: dict[str, str]) -> EnvMerge:
     if added:
         body = text if not text or text.endswith("\n") else text + "\n"
         body += "".join(f"{k}={v}\n" for k, v in added.items())
-        write_text_atomic(path, body)
+        write_text_atomic(path, body, follow_link=True)  # the user's own file: a dotfile link is theirs
     return EnvMerge(added, kept, not_written)

@@ -127,7 +127,7 @@ def rdma_request(job: K8sJob) -> tuple[str, str] | None:
 def check_job(job: K8sJob) -> None:
     if job.flavour not in FLAVOURS:
         raise UserError(f"--flavour {job.flavour!r}: one of {', '.join(FLAVOURS)}")
-    if job.flavour == "pytorchjob" and not DNS_1035_LABEL.match(job.name):
+    if job.flavour == "pytorchjob" and not DNS_1035_LABEL.fullmatch(job.name):
         raise UserError(
             f"--name {job.name!r}: a PyTorchJob's name must start with a letter (a DNS-1035 label)"
         )
@@ -136,7 +136,7 @@ def check_job(job: K8sJob) -> None:
     if job.gpus_per_node < 1:
         raise UserError(f"--gpus-per-node {job.gpus_per_node}: must be at least 1 (ranks per pod)")
     for flag, value in (("--name", job.name), ("--pvc", job.pvc), ("--namespace", job.namespace)):
-        if value is not None and not DNS_LABEL.match(value):
+        if value is not None and not DNS_LABEL.fullmatch(value):
             raise UserError(f"{flag} {value!r}: a DNS label (lower-case letters, digits, '-'; 63 at most)")
     if len(job.name) > 50:  # pod names are <job>-<index>-<5 random>, 63 at most
         raise UserError(f"--name {job.name!r}: 50 characters at most (pod names add an index and a suffix)")
@@ -146,7 +146,7 @@ def check_job(job: K8sJob) -> None:
         ("--cpu", job.cpu),
         ("--memory", job.memory),
     ):
-        if value is not None and not QUANTITY.match(value):
+        if value is not None and not QUANTITY.fullmatch(value):
             raise UserError(f"{flag} {value!r}: a Kubernetes quantity such as 16Gi, 500Mi or 8")
     if not 30 <= job.grace_period_s <= 86400:
         raise UserError(
@@ -161,12 +161,14 @@ def check_job(job: K8sJob) -> None:
                 f"{flag} {value!r}: holds a line break or control character, which has no place in a pod "
                 "spec (it would be written into the YAML); remove it"
             )
-    if not IMAGE_REF.match(job.image):
+    if not IMAGE_REF.fullmatch(job.image):
         raise UserError(f"--image {job.image!r}: an image reference such as registry/sdzero:1.0 (no blanks)")
-    if job.storage_class is not None and not DNS_SUBDOMAIN.match(job.storage_class):
+    if job.storage_class is not None and not DNS_SUBDOMAIN.fullmatch(job.storage_class):
         raise UserError(f"--storage-class {job.storage_class!r}: a storage class name (a DNS subdomain)")
     rdma = rdma_request(job)
-    if rdma is not None and (not RESOURCE_NAME.match(rdma[0]) or not rdma[1].isdigit() or int(rdma[1]) < 1):
+    if rdma is not None and (
+        not RESOURCE_NAME.fullmatch(rdma[0]) or not rdma[1].isdigit() or int(rdma[1]) < 1
+    ):
         raise UserError(
             f"--rdma {job.rdma!r}: an extended resource name, optionally =COUNT (e.g. rdma/ib or "
             "nvidia.com/hostdev=8), as the cluster's RDMA device plugin names it"

@@ -22,6 +22,7 @@ import contextlib
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from sdzero.cluster.env_file import env_file_name, read_env_file
-from sdzero.cluster.launch_command import REPO_ROOT, SHELL_SAFE, deepspeed_command
+from sdzero.cluster.launch_command import REPO_ROOT, SHELL_SAFE, decode_argv, deepspeed_command
 from sdzero.errors import UserError
 from sdzero.process.rank_entry import MODULE, Payload, encode_payload
+from sdzero.process.stall_exit import output_dir_of
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 """Names whose values never go on a command line (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY,
@@ -100,6 +102,8 @@ class RemoteLaunch:
     """On every rank's command line (`-X sdzero_launch=ID`): how a signal finds the remote ranks."""
     remote_hosts: tuple[str, ...] = ()
     """The hosts a pdsh launch starts ranks on through ssh (empty: every rank is a local process)."""
+    output_dir: Path | None = None
+    """The trainer's --output-dir, where its ranks write stall.json (sdzero.process.stall_exit)."""
 
     def write_secrets(self) -> None:
         """The secrets, in a new file only this user can read (O_EXCL: never one planted beforehand)."""
@@ -135,7 +139,14 @@ class RemoteLaunch:
 
     def popen(self, **kwargs: Any) -> subprocess.Popen[bytes]:
         """The runner started in its folder with its environment (inside `secrets_written`); for callers
-        that watch it themselves (own session, log file, timeouts)."""
+        that watch it themselves (own session, log file, timeouts). A launch in a session of its own is
+        guarded: it ends, here and on the remote hosts, if this process dies (sdzero.process.orphan_guard)."""
+        from sdzero.process.orphan_guard import popen_guarded
+
+        if kwargs.pop("start_new_session", False):
+            return popen_guarded(
+                self.command, self.remote_kill(), cwd=self.runner_cwd, env=self.runner_env, **kwargs
+            )
         return subprocess.Popen(self.command, cwd=self.runner_cwd, env=self.runner_env, **kwargs)
 
     def run(self) -> int:
@@ -146,9 +157,18 @@ class RemoteLaunch:
         remote = None
         if self.launch_id is not None and self.remote_hosts:
             remote = pdsh_remote_signal(self.remote_hosts, self.launch_id, self.runner_env)
+        output_dir = self.output_dir or output_dir_of(decode_argv(self.command))
         with self.secrets_written():
             runner = self.popen(start_new_session=True)
-            return wait_forwarding(runner, remote)
+            return wait_forwarding(runner, remote, output_dir=output_dir)
+
+    def remote_kill(self) -> list[str] | None:
+        """The command that SIGKILLs this launch's ranks on every remote host (None: no remote ranks)."""
+        from sdzero.process.launch_signals import pdsh_signal_command
+
+        if self.launch_id is None or not self.remote_hosts:
+            return None
+        return pdsh_signal_command(self.remote_hosts, self.launch_id, signal.SIGKILL)
 
 
 def local_launch(command: list[str], environ: Mapping[str, str] | None = None) -> RemoteLaunch:
@@ -208,7 +228,16 @@ def remote_launch(
     exported = deepspeed_exported(env)
     runner_env = {k: v for k, v in env.items() if k not in exported}
     runner_env["DS_ENV_FILE"] = os.devnull  # not a regular file: DeepSpeed reads no env file at all
-    return RemoteLaunch(command, runner_cwd, runner_env, plain, hidden, secrets_file, launch_id)
+    return RemoteLaunch(
+        command,
+        runner_cwd,
+        runner_env,
+        plain,
+        hidden,
+        secrets_file,
+        launch_id,
+        output_dir=output_dir_of(train_args),
+    )
 
 
 def launch_from_here(

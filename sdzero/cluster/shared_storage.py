@@ -18,12 +18,11 @@ import contextlib
 import hashlib
 import os
 import secrets
-import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdzero.atomic import write_text_atomic
+from sdzero.atomic import remove_tree, write_text_atomic
 from sdzero.errors import AgreedError
 
 TOKEN_DIR = ".sdzero-shared-check"
@@ -120,7 +119,7 @@ def check_shared_storage(output_dir: Path, data: Path, rank: int, world: int) ->
     dist.all_gather_object(gathered, report)
     dist.barrier()  # every token is read before any is removed
     if leads:
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_tree(folder)
         with contextlib.suppress(OSError):  # another node may have removed it already, or left a token
             folder.parent.rmdir()
     problem = verdict([r for r in gathered if r is not None], output_dir, data)

@@ -34,6 +34,7 @@ from jinja2 import Environment, StrictUndefined
 from sdzero.cluster.launch_command import TRAIN_SCRIPT
 from sdzero.config.output_folder import LOCK_NAME
 from sdzero.errors import UserError
+from sdzero.process.stall_watch import EXIT_STALLED
 
 TIME_LIMIT = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -113,6 +114,13 @@ if [ "$warned" -eq 1 ] || { [ "$code" -eq 143 ] && [ "$ending" -eq 0 ]; }; then
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
+# A stall named by the ranks' watcher (stall.json in the output folder): no new checkpoint, but the job
+# can go on from the newest complete one, on another allocation if a node is bad.
+if [ "$code" -eq {{ stalled_code }} ] && [ "$ending" -eq 0 ]; then
+  echo "sdzero: the run stalled (see $OUT/stall.json); requeueing job $SLURM_JOB_ID (resumes with --resume auto)"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
 if [ "$ending" -eq 1 ]; then
   echo "sdzero: Slurm is ending job $SLURM_JOB_ID (SIGTERM); ranks ended with exit $code; not requeued by this script"
   exit "$code"
@@ -139,11 +147,16 @@ class SlurmJob:
 
 
 def output_dir_of(train_args: list[str]) -> str:
+    """The trainer's --output-dir among `train_args`: the last one given, as the trainer's parser takes it
+    (the first was once checked against the shared volume while the trainer wrote to a second one)."""
+    found = None
     for i, arg in enumerate(train_args):
         if arg == "--output-dir" and i + 1 < len(train_args):
-            return train_args[i + 1]
-        if arg.startswith("--output-dir="):
-            return arg.split("=", 1)[1]
+            found = train_args[i + 1]
+        elif arg.startswith("--output-dir="):
+            found = arg.split("=", 1)[1]
+    if found is not None:
+        return found
     raise UserError(
         "pass the trainer's --output-dir after `--`: checkpoints, metrics and the hostfile go there, and a "
         "requeued job resumes from it"
@@ -209,14 +222,14 @@ def check_job(job: SlurmJob) -> None:
         raise UserError(f"--nodes {job.nodes}: must be at least 1")
     if job.ranks_per_node < 1:
         raise UserError(f"--gpus-per-node {job.ranks_per_node}: must be at least 1 (ranks per node)")
-    if not TIME_LIMIT.match(job.time_limit):
+    if not TIME_LIMIT.fullmatch(job.time_limit):
         raise UserError(f"--time {job.time_limit!r}: use Slurm's format, e.g. 24:00:00 or 2-00:00:00")
     for flag, value in (
         ("--partition", job.partition),
         ("--account", job.account),
         ("--job-name", job.job_name),
     ):
-        if value is not None and not NAME.match(value):
+        if value is not None and not NAME.fullmatch(value):
             raise UserError(f"{flag} {value!r}: letters, digits, '.', '_' and '-' only")
     if not 10 <= job.signal_lead_s <= 3600:
         raise UserError(
@@ -235,6 +248,7 @@ def render(job: SlurmJob) -> str:
         **{k: getattr(job, k) for k in job.__dataclass_fields__ if k != "train_args"},
         output_dir=shlex.quote(str(Path(out).absolute())),
         lock_name=LOCK_NAME,
+        stalled_code=EXIT_STALLED,
         workdir=shlex.quote(str(Path.cwd())),
         # Slurm opens the log before the script runs, so it goes to a folder that exists at submit time.
         log_pattern=sbatch_file_pattern(Path.cwd(), LOG_NAME),

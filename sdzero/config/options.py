@@ -1,7 +1,7 @@
 """The one typed option tree: every run option's name, default and help, written once.
 
 Each field of the group dataclasses below (run, objective, SD3 flow matching, data, checkpoints,
-validation, export, profile, speed) carries its default and its help in `option(...)`; `TrainConfig`
+validation, export, profile, speed, LoRA) carries its default and its help in `option(...)`; `TrainConfig`
 (sdzero.config.train_config) is all of them at once, so `cfg.max_steps` stays a plain attribute wherever it is read.
 From these fields come the trainer's argv parser (`argv_parser`, `sdzero/train.py --help`), the options the
 `sdzero` commands share (`cli_option`: `sdzero cache`, `profile` and `advise` take the same inputs group),
@@ -86,6 +86,17 @@ class RunOptions:
         600.0,
         "seconds a collective waits for a peer before the process group raises: a rank whose host died "
         "makes the others fail (and the job exit non-zero) within this bound instead of hanging for ever",
+    )
+    stall_seconds: float = option(
+        300.0,
+        "once every rank is training, when no rank has advanced for this long, name the rank, host, phase "
+        "and step that hold the job in <output-dir>/stall.json and exit 142 (restartable with --resume "
+        "auto); longer than a checkpoint save, under --dist-timeout-s (0: off)",
+    )
+    straggler_every: int = option(
+        50,
+        "every N steps the ranks share their own compute time per step; a host persistently slower than "
+        "the others is named in metrics.jsonl, on the terminal and in the report (0: off)",
     )
 
 
@@ -229,6 +240,11 @@ class ProfileOptions:
         "measure several configs in this one launch, in interleaved rounds: MICRO_BATCH:ACCUMULATION pairs "
         "such as 1:1,4:1,4:4 (sdzero/training/config_sweep.py); --profile-out then holds each config's profile",
     )
+    profile_race: bool = option(
+        False,
+        "with --profile-configs: a config whose samples/s interval lies wholly below the leader's stops "
+        "being measured, and the launch ends once the leader is the only config left",
+    )
     profile_target_halfwidth: float = option(
         0.0,
         "stop once the 95% interval of the median measured step is within this fraction of it on each "
@@ -266,6 +282,32 @@ class SpeedOptions:
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass (less memory)")
 
 
+@dataclass(kw_only=True)
+class LoraOptions:
+    """LoRA adapters (docs/lora.md): train low-rank adapters on the network instead of all its weights"""
+
+    lora_rank: int | None = option(
+        None,
+        "train LoRA adapters of this rank (peft) on the UNet / SD3 transformer; the base weights stay frozen "
+        "(default: train every weight)",
+    )
+    lora_alpha: float | None = option(
+        None, "LoRA scaling numerator (scale = alpha / rank); default: the rank"
+    )
+    lora_dropout: float = option(0.0, "dropout on the LoRA branch's input, in [0, 1)")
+    lora_target_modules: list[str] = option(
+        help="module names (or name suffixes) that get adapters; default: the attention projections "
+        "diffusers' LoRA scripts use (to_k to_q to_v to_out.0; SD3 also add_k/q/v_proj, to_add_out)",
+        factory=list,
+        metavar="MODULE",
+    )
+    export_merged: bool = option(
+        False,
+        "with --export-final on a LoRA run: also write <output-dir>/final/merged, a complete pipeline with the "
+        "adapter fused into the base weights (--export-dtype)",
+    )
+
+
 TRAIN_GROUPS: tuple[type, ...] = (
     RunOptions,
     ObjectiveOptions,
@@ -276,6 +318,7 @@ TRAIN_GROUPS: tuple[type, ...] = (
     ExportOptions,
     ProfileOptions,
     SpeedOptions,
+    LoraOptions,
 )
 """The trainer's option groups, in --help order; `TrainConfig` inherits all of them."""
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from sdzero.config.output_folder import LOCK_NAME, check_output_folder
+from sdzero.config.safe_write import open_no_follow
 from sdzero.errors import UserError
 
 _held: dict[Path, IO[str]] = {}
@@ -37,7 +38,7 @@ def claim_output_dir(output_dir: Path | str, flag: str = "--output-dir") -> Path
     check_output_folder(output_dir, flag)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a+")  # noqa: SIM115 (kept open: the lock lives as long as the file is open)
+        f = open_no_follow(path, "a+")  # kept open: the lock lives as long as the file is open
     except OSError as exc:  # on rank 0 only: an error here must reach every rank as a UserError
         raise UserError(f"{flag} {output_dir}: cannot write there ({exc.strerror}); choose another") from None
     try:

@@ -20,6 +20,7 @@ from typing import Any
 from sdzero.config.data_source import is_shard_source
 from sdzero.config.ds_json import check_ds_values, read_ds_json
 from sdzero.config.ds_schema import check_with_deepspeed
+from sdzero.config.lora_check import check_lora_numbers
 from sdzero.config.lr_rule import LR_SCALINGS, LrChoice, base_lr_of, choose_lr, reference_batch
 from sdzero.config.options import (
     PREDICTION_TYPES,
@@ -32,6 +33,10 @@ from sdzero.errors import UserError
 
 MODE_SCALE_MAX = 2 / (math.pi - 2)
 """Above this the `mode` density is not monotone in u (SD3 paper, eq. 20: -1 <= s <= 2/(pi-2))."""
+
+
+MAX_NOISE_OFFSET = 1.0
+"""Offset noise beyond the noise itself (a unit Gaussian) drowns the signal; larger is a typo."""
 
 
 def world_size_from_env() -> int:
@@ -191,15 +196,23 @@ class TrainConfig(*TRAIN_GROUPS):  # the groups in --help order, listed once in 
             )
         if self.snr_gamma is not None and self.snr_gamma <= 0:
             raise UserError(f"--snr-gamma must be positive, got {self.snr_gamma}")
-        if self.noise_offset < 0:
-            raise UserError(f"--noise-offset must be >= 0, got {self.noise_offset}")
+        if not 0 <= self.noise_offset <= MAX_NOISE_OFFSET:
+            # finite is not enough: 1e308 times a unit Gaussian overflows the noise, and the loss is NaN
+            raise UserError(
+                f"--noise-offset must be in [0, {MAX_NOISE_OFFSET}], got {self.noise_offset} (0.05 to 0.1 is usual)"
+            )
         self._check_flow_options()
         if not (0 < self.max_bad_fraction <= 1):
             raise UserError(f"--max-bad-fraction must be in (0, 1], got {self.max_bad_fraction}")
         self._check_cache_options()
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.stall_seconds < 0:
+            raise UserError(f"--stall-seconds must be >= 0 (0: off), got {self.stall_seconds}")
+        if self.straggler_every < 0:
+            raise UserError(f"--straggler-every must be >= 0 (0: off), got {self.straggler_every}")
         self._check_checkpoint_options()
+        check_lora_numbers(self)
         if self.profile_out is not None:
             self.profile_out = Path(self.profile_out)
             if not 0 <= self.profile_warmup_steps < self.max_steps:

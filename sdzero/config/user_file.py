@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from sdzero.errors import UserError
 
@@ -69,3 +70,75 @@ def read_user_bytes(path: Path | str, flag: str, limit: int = MAX_TEXT_BYTES) ->
     if len(data) > limit:
         raise UserError(f"{flag} {path}: more than {limit} bytes; check the path")
     return data
+
+
+MAX_DEPTH = 64
+"""Deeper than any file sdzero writes nests; a line nested 100,000 deep is named, never a RecursionError."""
+
+
+def nesting_depth(value: object, limit: int = MAX_DEPTH) -> int:
+    """How deep lists and objects nest in `value` (a scalar is 0), counted without recursion and given up
+    at `limit` + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def read_user_text(path: Path | str, flag: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """`read_user_bytes` decoded as UTF-8; a byte that is not is one line naming where it is."""
+    data = read_user_bytes(path, flag, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{flag} {path}: not UTF-8 text (byte {exc.start}); check the path") from None
+
+
+def parse_json_text(text: str, where: str, max_depth: int = MAX_DEPTH) -> object:
+    """`text` as JSON nested at most `max_depth` deep, else one UserError starting with `where`."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise UserError(f"{where}: nested deeper than {max_depth} levels; not a file sdzero wrote") from None
+    except ValueError as exc:
+        raise UserError(f"{where}: not JSON ({exc})") from None
+    if nesting_depth(value, max_depth) > max_depth:
+        raise UserError(f"{where}: nested deeper than {max_depth} levels; not a file sdzero wrote")
+    return value
+
+
+def read_user_json(
+    path: Path | str, flag: str, limit: int = MAX_TEXT_BYTES, max_depth: int = MAX_DEPTH
+) -> object:
+    """A regular file of at most `limit` bytes, UTF-8, JSON nested at most `max_depth` deep; anything else
+    (a FIFO, a device, a link loop, an oversized or non-JSON file) is one UserError naming `flag` and the path."""
+    return parse_json_text(read_user_text(path, flag, limit), f"{flag} {path}", max_depth)
+
+
+def read_json_lines(path: Path | str, flag: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """(line number, object) of each JSON object line of a JSON-lines file (metrics.jsonl), and how many
+    lines were skipped: a line cut by a kill, not JSON, or nested beyond reason (one nested 100,000 deep
+    was a RecursionError). The file itself must be a regular file within the reader's bounds."""
+    records, skipped = [], 0
+    for number, line in enumerate(read_user_text(path, flag).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json_text(line, f"{path} line {number}")
+        except UserError:
+            skipped += 1
+            continue
+        if isinstance(record, dict):
+            records.append((number, record))
+        else:
+            skipped += 1
+    return records, skipped

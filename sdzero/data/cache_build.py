@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from sdzero.atomic import write_json_atomic
+from sdzero.atomic import refuse_link, write_json_atomic
 from sdzero.config.data_source import data_root
 from sdzero.config.output_lock import LOCK_NAME, claim_output_dir, release_output_dir
 from sdzero.data.buckets import assign_buckets
@@ -356,6 +356,8 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
     from safetensors.torch import save_file
 
     tmp = _tmp_name(path)
+    for name in (path, tmp):  # the temporary's name is predictable: a link planted there is refused
+        refuse_link(name)
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)  # the commit: a shard is either complete under its name or absent
 

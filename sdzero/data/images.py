@@ -197,9 +197,28 @@ def find_unreadable(records: list[Record], rank: int, world_size: int) -> list[i
                 raise OSError("zero-byte file")
             open_rgb(records[i].image_source())
         except IMAGE_ERRORS as exc:
-            log.warning("skipping unreadable image %s: %s", records[i].label, exc)
             bad.append(i)
+            warn_unreadable(len(bad), records[i].label, exc)
+    warn_unlisted(len(bad))
     return bad
+
+
+LISTED_UNREADABLE = 20
+"""Unreadable images named one line each at start-up; the rest are a count (a million missing files once
+printed a million lines before the one that said what to do)."""
+
+
+def warn_unreadable(bad_so_far: int, path: Path | str, reason: object) -> None:
+    """The warning for the `bad_so_far`-th unreadable image (1-based): the first LISTED_UNREADABLE by name."""
+    if bad_so_far <= LISTED_UNREADABLE:
+        log.warning("skipping unreadable image %s: %s", path, reason)
+
+
+def warn_unlisted(n_bad: int) -> None:
+    if n_bad > LISTED_UNREADABLE:
+        log.warning(
+            "... and %d more unreadable images, not listed (%d in all)", n_bad - LISTED_UNREADABLE, n_bad
+        )
 
 
 def check_bad_fraction(n_total: int, n_bad: int, max_bad_fraction: float, folder: Path) -> None:

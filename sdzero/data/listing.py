@@ -30,7 +30,14 @@ from PIL import Image
 
 from sdzero.atomic import write_json_atomic
 from sdzero.config.data_source import data_root
-from sdzero.data.images import IMAGE_ERRORS, Record, check_bad_fraction, max_image_pixels
+from sdzero.data.images import (
+    IMAGE_ERRORS,
+    Record,
+    check_bad_fraction,
+    max_image_pixels,
+    warn_unlisted,
+    warn_unreadable,
+)
 
 log = logging.getLogger("sdzero.data.listing")
 
@@ -163,11 +170,12 @@ def check_images(
         if error is None and height * width > limit:
             error = f"{width}x{height} pixels, over --max-image-pixels {limit}"
         if error is not None:
-            log.warning("skipping unreadable image %s: %s", record.label, error)
             bad.append(i)
+            warn_unreadable(len(bad), record.label, error)
             sizes.append(None)
         else:
             sizes.append((height, width))
+    warn_unlisted(len(bad))
     if ranks.rank == 0 and inspected:
         remember(where, root, records, entries)
     check_bad_fraction(len(records), len(bad), max_bad_fraction, folder)

@@ -90,6 +90,9 @@ class Family:
     """The scheduler training reads the noise schedule through (not necessarily the pipeline's sampler)."""
     pipeline_options: ClassVar[dict[str, Any]] = {}
     """Further pipeline constructor arguments for export and validation."""
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_k", "to_q", "to_v", "to_out.0")
+    """Modules that get LoRA adapters by default (--lora-rank): the UNet attention projections of diffusers'
+    train_text_to_image_lora / train_dreambooth_lora scripts."""
 
     # -- identity: equal to (and hashed like) the name, so `comps.family == "sd3"` keeps working meanwhile
 
@@ -342,6 +345,17 @@ class StableDiffusion3(Family):
     text_encoder_classes = ("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel")
     tokenizer_classes = ("CLIPTokenizer", "CLIPTokenizer", "T5TokenizerFast")
     scheduler_class_name = "FlowMatchEulerDiscreteScheduler"
+    # diffusers' train_dreambooth_lora_sd3 defaults: both streams' attention projections of the MMDiT.
+    lora_targets = (
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "attn.to_k",
+        "attn.to_out.0",
+        "attn.to_q",
+        "attn.to_v",
+    )
 
     def token_length(self, comps: Components, slot: int) -> int:
         return comps.max_sequence_length if slot == 2 else super().token_length(comps, slot)  # T5: the option

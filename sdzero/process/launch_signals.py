@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ import psutil
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 PER_NODE_LAUNCHER = "deepspeed.launcher.launch"
+STALL_POLL_S = 0.2
+"""How often the waiting command looks at the launch (and for a stall.json): its exit is seen this late."""
 RemoteSignal = Callable[[int], None]
 """Sends a signal to the launch's remote ranks (None: a launch whose ranks all run on this host)."""
 
@@ -99,19 +102,33 @@ class SignalForwarder:
             self.remote(signal.SIGKILL)
 
 
-def wait_forwarding(launch: subprocess.Popen[bytes], remote: RemoteSignal | None = None) -> int:
+def wait_forwarding(
+    launch: subprocess.Popen[bytes],
+    remote: RemoteSignal | None = None,
+    *,
+    output_dir: Path | None = None,
+) -> int:
     """Wait for `launch` (started with start_new_session=True), forwarding FORWARDED signals to its ranks;
-    its exit code, 128 + N when a signal N ended it."""
+    its exit code, 128 + N when a signal N ended it, EXIT_STALLED when its ranks named a stall in
+    `output_dir` (sdzero.process.stall_exit)."""
+    from sdzero.process.stall_exit import StallCheck
+
     forwarder = SignalForwarder(launch, remote)
+    stall = StallCheck(output_dir)
     previous = {sig: signal.signal(sig, forwarder) for sig in FORWARDED}
     try:
-        code = launch.wait()
+        while (code := launch.poll()) is None:
+            if stall.named() and stall.overdue():
+                forwarder._kill_all()  # a rank that cannot exit by itself (stopped, stuck in I/O)
+            time.sleep(STALL_POLL_S)
     except BaseException:
         forwarder._kill_all()  # this process is going: take the launch with it
         raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if stall.named():
+        return stall.report()
     return code if code >= 0 else 128 - code
 
 
@@ -121,12 +138,14 @@ def run_forwarding(
     cwd: Path | None = None,
     env: Mapping[str, str] | None = None,
     remote: RemoteSignal | None = None,
+    output_dir: Path | None = None,
 ) -> int:
-    """Run a launch command in its own session and wait for it with the signals forwarded."""
-    launch = subprocess.Popen(
-        list(command), cwd=cwd, env=None if env is None else dict(env), start_new_session=True
-    )
-    return wait_forwarding(launch, remote)
+    """Run a launch command in its own session (guarded: it ends if this process dies, see
+    sdzero.process.orphan_guard) and wait for it with the signals forwarded."""
+    from sdzero.process.orphan_guard import popen_guarded
+
+    launch = popen_guarded(list(command), cwd=cwd, env=None if env is None else dict(env))
+    return wait_forwarding(launch, remote, output_dir=output_dir)
 
 
 def pdsh_signal_command(hosts: Sequence[str], launch_id: str, sig: int) -> list[str]:

@@ -10,6 +10,9 @@ from typing import Any, TextIO
 
 import torch
 
+from sdzero.atomic import open_no_follow, refuse_link
+from sdzero.config.user_file import read_json_lines
+
 
 def peak_memory_bytes() -> int:
     """Peak bytes this rank held: accelerator allocations on CUDA, else the process's peak RSS."""
@@ -26,7 +29,7 @@ class MetricsWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = open(self.path, "a")  # noqa: SIM115 (held open for the whole run)
+        self._file: TextIO = open_no_follow(self.path, "a")  # held open for the whole run
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -39,6 +42,7 @@ class MetricsWriter:
 def rotate_previous(path: Path) -> Path | None:
     """Move an earlier run's file aside (metrics.1.jsonl, ...) so a new run never overwrites it."""
     path = Path(path)
+    refuse_link(path)  # a planted link is named, not moved aside and later read as this run's history
     if not path.exists():
         return None
     n = 1
@@ -46,6 +50,12 @@ def rotate_previous(path: Path) -> Path | None:
         n += 1
     path.rename(moved)
     return moved
+
+
+def read_metric_lines(path: Path, flag: str) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """(line number, record) of each step line of a metrics.jsonl, and the count of lines skipped
+    (sdzero.config.user_file.read_json_lines: a line cut by a kill, or nested beyond reason)."""
+    return read_json_lines(path, flag)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from sdzero.telemetry import progress
+
 TIMING_MODES = ("host", "events", "sync")
 
 
@@ -78,6 +80,8 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        # The rank's progress record (plain stores into shared memory: no sync, no system call)
+        progress.enter(progress.TIMER_PHASES.get(name, "callbacks"))
         if self.mode == "events":
             start = self._event()
             start.record()

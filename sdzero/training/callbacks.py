@@ -23,6 +23,7 @@ from sdzero.errors import UserError
 from sdzero.models.ema import ShardedEMA
 from sdzero.models.step_input import StepInput
 from sdzero.process.preemption import Preempted, PreemptionFlag
+from sdzero.telemetry import progress
 from sdzero.training.validation import Validator
 
 log = logging.getLogger("sdzero")
@@ -47,6 +48,8 @@ class TrainerView(Protocol):
     state: TrainState
     rank: int
     device: torch.device
+    step_extras: dict[str, Any]
+    """Fields added to the current step's metrics line (filled before `on_step_queued`)."""
 
     def emit_checkpoint_staged(self, step: int, folder: Path) -> None: ...
 
@@ -168,7 +171,8 @@ class ValidationCallback(Callback):
         self.validator = validator
 
     def _run(self, trainer: TrainerView, step: int) -> None:
-        self.validator.run(step, trainer.engine, trainer.comps, trainer.rank, trainer.device)
+        with progress.phase("validation"):  # a stall here is named as one (sdzero.telemetry.progress)
+            self.validator.run(step, trainer.engine, trainer.comps, trainer.rank, trainer.device)
 
     def on_step_end(self, trainer: TrainerView, step: int) -> None:
         if self.validator.due(step, final=False):
@@ -210,7 +214,8 @@ class CheckpointCallback(Callback):
         self.checkpointer.before_commit = staged
 
     def save(self, trainer: TrainerView) -> None:
-        self.checkpointer.save(trainer.state)
+        with progress.phase("checkpoint"):  # a save that hangs is named as one (sdzero.telemetry.progress)
+            self.checkpointer.save(trainer.state)
         self.saved_step = trainer.state.step
 
     def on_step_end(self, trainer: TrainerView, step: int) -> None:

@@ -6,7 +6,11 @@ trainer's own `train_step`, in interleaved rounds, A B C A B C ...: a few steps 
 so that the machine's drift over the launch falls on every config alike instead of on whichever ran in a
 slow minute. ZeRO partitions and buckets never depend on the micro-batch (DeepSpeed's zero/ code does not
 read it): a config is the batch the same engine is fed and its accumulation
-(`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`).
+(`engine.set_train_micro_batch_size`, `engine.set_train_batch_size`). A config may also switch gradient
+checkpointing on (`MB:GA:gc`): the built network's `enable_gradient_checkpointing()` before its steps and
+`disable_gradient_checkpointing()` before the next config's, so recomputation is measured beside the
+configs that store their activations, in the same launch. Checkpointing changes neither ZeRO's partitions
+nor its buckets, only what the forward keeps for the backward.
 
 Each config's first visit is uncounted: `--profile-warmup-steps` steps (the launch's first config only),
 one *instrumented* step, the only kind with DeepSpeed's comms_logger and wall-clock timers on (the logger
@@ -21,13 +25,23 @@ A *tie* is timed at the end of every round: a fixed matrix product that depends 
 launches of different engines can be put on one machine speed (advisor.measure.launch).
 
 A config that runs out of memory is marked `oom`, its memory freed, and it leaves the rounds with every
-config of the same accumulation at its micro-batch or above; the launch goes on. (A rank that runs out
+config of the same accumulation and checkpointing at its micro-batch or above; the launch goes on. (A rank that runs out
 while the others wait in a collective cannot be saved in-process: the advisor sees the launch stall, keeps
 the configs already written and launches the rest again without it.)
 
 The launch ends, after any config's turn, once `--profile-max-seconds` of steps are measured and every
-config has `--profile-min-steps` timed steps. FILE gets {"launch": ..., "configs": {key: profile}, "input":
-...}, "input" being what one loader worker and the storage deliver (sdzero.data.input_probe), each profile in the
+config has `--profile-min-steps` timed steps.
+
+With `--profile-race` the launch races its configs (`race`): after each round, a config with at least
+`--profile-min-steps` timed steps whose samples/s interval (the 95% bootstrap interval of its median
+step, sdzero.telemetry.step_interval) lies wholly below the leader's stops being measured (it keeps what it
+measured; `launch.raced` says in which round and behind whom), and the launch ends once each leader is the
+only config left: the launch's pick is decided within its noise, and its remaining time is not spent.
+Configs race those of their own accumulation only: more micro-steps a step amortise its once-per-step
+costs, so a config at another accumulation (the advisor's check) is no rival, and is measured on.
+
+FILE gets {"launch": ..., "configs": {key: profile}, "input": ...}, "input" being what one loader worker
+and the storage deliver (sdzero.data.input_probe), each profile in the
 single-trial format (sdzero.training.probe); FILE.partial.json the same after every round.
 """
 
@@ -64,30 +78,35 @@ SETTLE_S = 10.0
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """One config of a launch: the micro-batch fed to the engine and the accumulation it is told."""
+    """One config of a launch: the micro-batch fed to the engine, the accumulation it is told and whether
+    the network recomputes its activations in the backward (gradient checkpointing)."""
 
     micro_batch: int
     grad_accum: int
+    checkpointing: bool = False
 
     @property
     def key(self) -> str:
-        return f"mb{self.micro_batch}-ga{self.grad_accum}"
+        return f"mb{self.micro_batch}-ga{self.grad_accum}" + ("-gc" if self.checkpointing else "")
 
 
 def parse_configs(text: str) -> list[SweepConfig]:
-    """`1:1,2:1,4:4` -> configs; one clear line for anything else."""
+    """`1:1,2:1,4:4,8:1:gc` -> configs (`:gc`: with gradient checkpointing); one clear line for anything
+    else."""
     configs: list[SweepConfig] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         pieces = part.split(":")
+        gc = len(pieces) == 3 and pieces[2].strip() == "gc"
         try:
             mb, ga = (int(pieces[0]), int(pieces[1]) if len(pieces) > 1 else 1)
         except ValueError:
             mb, ga = 0, 0
-        if len(pieces) > 2 or mb < 1 or ga < 1:
+        if len(pieces) > (3 if gc else 2) or mb < 1 or ga < 1:
             raise UserError(
-                f"--profile-configs {text!r}: write MICRO_BATCH:ACCUMULATION pairs, e.g. 1:1,4:1,4:4"
+                f"--profile-configs {text!r}: write MICRO_BATCH:ACCUMULATION pairs, e.g. 1:1,4:1,4:4, and "
+                "MICRO_BATCH:ACCUMULATION:gc for one with gradient checkpointing"
             )
-        configs.append(SweepConfig(mb, ga))
+        configs.append(SweepConfig(mb, ga, gc))
     if not configs or len(set(configs)) != len(configs):
         raise UserError(f"--profile-configs {text!r}: at least one config, each once")
     return configs
@@ -172,6 +191,8 @@ class _Entry:
     visits: int = 0
     oom: str | None = None
     round_medians: list[float] = field(default_factory=list)
+    raced: str | None = None
+    """Why the config stopped being measured (`--profile-race`): slower per sample than the leader."""
 
 
 class ConfigSweep(Callback):
@@ -188,10 +209,12 @@ class ConfigSweep(Callback):
         warmup_steps: int,
         stop_rule: StopRule,
         round_steps: int = 2,
+        race: bool = False,
     ) -> None:
         self.cfg, self.ds, self.engine, self.out = cfg, ds, engine, out
         self.warmup_steps, self.round_steps = warmup_steps, max(1, round_steps)
         self.min_steps = stop_rule.min_steps
+        self.race = race
         self.max_seconds = stop_rule.max_seconds
         frozen = comps.frozen_modules()
         self.entries = [_Entry(c, ConfigProbe(engine, self._ds_of(c), frozen, out)) for c in configs]
@@ -207,6 +230,14 @@ class ConfigSweep(Callback):
         self.rank_cpu_s, self.rank_samples = 0.0, 0
         """CPU seconds this rank spent in its timed steps and the samples it took in them: what its loader
         workers cannot have of the node's cores (sdzero.data.input_probe)."""
+        self.network = comps.network
+        self.switches_checkpointing = any(c.checkpointing for c in configs)
+        """Only a launch whose configs ask for checkpointing switches it (else the network stays as built:
+        a user's --gradient-checkpointing holds for every config)."""
+        if self.switches_checkpointing and not hasattr(self.network, "enable_gradient_checkpointing"):
+            raise UserError(
+                "--profile-configs with ':gc': this network has no gradient checkpointing to switch on"
+            )
 
     def _ds_of(self, c: SweepConfig) -> Any:
         return replace(self.ds, micro_batch=c.micro_batch, grad_accum=c.grad_accum)
@@ -233,7 +264,7 @@ class ConfigSweep(Callback):
         step = trainer.state.step
         while True:
             stopped = False
-            for entry in [e for e in self.entries if e.oom is None]:
+            for entry in self._live():
                 step = self._visit(trainer, entry, step)
                 # judged after every config, so the launch ends when its time is spent, not a round later
                 if self.rounds and self._agree(self._done()):
@@ -241,6 +272,8 @@ class ConfigSweep(Callback):
                     break
             self._time_tie(trainer.device)
             self.rounds += 1
+            if self.race:
+                self._race()
             done = stopped or self._agree(self._done())
             self._write(self.out.with_name(self.out.stem + ".partial.json"))
             if done:
@@ -263,12 +296,43 @@ class ConfigSweep(Callback):
             skipped_images=trainer.skipped_images,
         )
 
+    def _live(self) -> list[_Entry]:
+        return [e for e in self.entries if e.oom is None and e.raced is None]
+
     def _done(self) -> bool:
-        live = [e for e in self.entries if e.oom is None]
+        live = self._live()
         if not live:
             return True
         enough = all(len(e.probe.records) >= self.min_steps for e in live)
+        if self.race and enough and any(e.raced for e in self.entries):
+            left = [e.config.grad_accum for e in live]
+            if len(left) == len(set(left)):
+                return True  # each accumulation's leader alone is left: the launch's pick is decided
         return enough and self.seconds["timed"] >= self.max_seconds
+
+    def _race(self) -> None:
+        """Rank 0's race after a round, for every rank: configs clearly slower per sample than the leader
+        leave the rounds (`race`)."""
+        classes = {e.config.key: e.config.grad_accum for e in self.entries}
+        verdict = [race(self._rate_intervals(), self.min_steps, classes) if dist.get_rank() == 0 else {}]
+        dist.broadcast_object_list(verdict, src=0)
+        for entry in self.entries:
+            if entry.config.key in verdict[0] and entry.raced is None:
+                entry.raced = f"round {self.rounds}: {verdict[0][entry.config.key]}"
+
+    def _rate_intervals(self) -> dict[str, tuple[float, float, float, int]]:
+        """Per live config: (samples/s, its 95% low, high, timed steps) from its timed steps."""
+        out = {}
+        for e in self._live():
+            times = [r["step_time_s"] for r in e.probe.records]
+            interval = median_interval(times)
+            if not interval.median_s > 0:
+                continue
+            samples = e.config.micro_batch * e.config.grad_accum * dist.get_world_size()
+            lo_s = interval.lo_s if interval.lo_s == interval.lo_s else interval.median_s
+            hi_s = interval.hi_s if interval.hi_s == interval.hi_s else interval.median_s
+            out[e.config.key] = (samples / interval.median_s, samples / hi_s, samples / lo_s, len(times))
+        return out
 
     def _agree(self, mine: bool) -> bool:
         """Rank 0's verdict for every rank (their step times differ a little)."""
@@ -347,7 +411,10 @@ class ConfigSweep(Callback):
     def _drop(self, entry: _Entry, reason: str) -> None:
         """The config ran out of memory: it and every larger micro-batch of its accumulation leave."""
         for other in self.entries:
-            same = other.config.grad_accum == entry.config.grad_accum
+            same = (other.config.grad_accum, other.config.checkpointing) == (
+                entry.config.grad_accum,
+                entry.config.checkpointing,
+            )
             if other.oom is None and same and other.config.micro_batch >= entry.config.micro_batch:
                 other.oom = reason if other is entry else f"above {entry.config.key}, which {reason}"
 
@@ -362,7 +429,18 @@ class ConfigSweep(Callback):
         trainer.ds = entry.probe.ds
         trainer.shape.update(micro_batch=c.micro_batch, grad_accum=c.grad_accum)
         trainer.batches = self._batches_for(trainer, c.micro_batch)
+        self._checkpointing(c.checkpointing)
         self.active = entry.probe
+
+    def _checkpointing(self, on: bool) -> None:
+        """Gradient checkpointing on the built network as the config asks (the trainer's own switch,
+        sdzero.training.engine, is the same call at build time)."""
+        if not self.switches_checkpointing:
+            return
+        if on and not self.network.is_gradient_checkpointing:
+            self.network.enable_gradient_checkpointing()
+        elif not on and self.network.is_gradient_checkpointing:
+            self.network.disable_gradient_checkpointing()
 
     def _batches_for(self, trainer: Any, micro_batch: int) -> Batches:
         """One feed per micro-batch over the launch's dataset (each with its own sampler: two feeds must
@@ -428,6 +506,7 @@ class ConfigSweep(Callback):
         for e in self.entries:
             if e.config.key in ranks[0]:
                 configs[e.config.key] = e.probe.figures([r[e.config.key] for r in ranks])
+                configs[e.config.key]["checkpointing"] = e.config.checkpointing
         write_json_atomic(
             path,
             {
@@ -439,6 +518,7 @@ class ConfigSweep(Callback):
                     "seconds": self.seconds,
                     "tie_s": self.tie_s,
                     "oom": {e.config.key: e.oom for e in self.entries if e.oom},
+                    "raced": {e.config.key: e.raced for e in self.entries if e.raced},
                     "round_medians_s": {e.config.key: e.round_medians for e in self.entries},
                     "intervals": {
                         e.config.key: median_interval(
@@ -487,6 +567,31 @@ class _NoBar:
 
     def set_postfix(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def race(
+    rates: dict[str, tuple[float, float, float, int]],
+    min_steps: int,
+    classes: dict[str, int] | None = None,
+) -> dict[str, str]:
+    """The configs to stop measuring, and why: those with at least `min_steps` timed steps whose samples/s
+    interval (rate, lo, hi, steps) lies wholly below the leader's, the config of the highest rate among
+    those of its class (`classes`: the accumulation; one class without). A config whose interval still
+    overlaps the leader's may yet be the pick and goes on."""
+    out: dict[str, str] = {}
+    for kind in set((classes or {}).get(k, 0) for k in rates):
+        mine = {k: v for k, v in rates.items() if (classes or {}).get(k, 0) == kind}
+        if len(mine) < 2:
+            continue
+        leader = max(mine, key=lambda k: mine[k][0])
+        floor = mine[leader][1]
+        out |= {
+            key: f"slower per sample than {leader} ({rate:.3g} vs {mine[leader][0]:.3g} samples/s; its "
+            f"interval {lo:.3g}-{hi:.3g} below the leader's {floor:.3g})"
+            for key, (rate, lo, hi, steps) in mine.items()
+            if key != leader and steps >= min_steps and hi < floor
+        }
+    return out
 
 
 def _feed(batches: Batches, micro_batch: int, seed: int) -> Batches:
@@ -545,4 +650,6 @@ def start_sweep(cfg: Any, ds: Any, engine: Any, comps: Any, stop_rule: StopRule)
     if getattr(cfg, "buckets", False):
         raise UserError("--profile-configs with --buckets: measure bucketed data one config per launch")
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
-    return ConfigSweep(cfg, ds, engine, comps, Path(out), parse_configs(text), warmup, stop_rule)
+    configs = parse_configs(text)
+    race = bool(getattr(cfg, "profile_race", False))
+    return ConfigSweep(cfg, ds, engine, comps, Path(out), configs, warmup, stop_rule, race=race)

@@ -10,6 +10,7 @@ import torch
 
 from sdzero.config.train_config import DsSettings, TrainConfig, rank_from_env
 from sdzero.models.families import Components
+from sdzero.models.lora import LoraSettings, add_lora
 from sdzero.training.adam_kernel import choose_adam
 from sdzero.training.fast_paths import adamw_options, compile_engine, prepare_network
 
@@ -49,6 +50,9 @@ def init_engine(cfg: TrainConfig, ds: DsSettings, comps: Components, universal: 
 
     if cfg.gradient_checkpointing:
         comps.network.enable_gradient_checkpointing()
+    lora = LoraSettings.of(cfg, comps.family)
+    if lora is not None:  # --lora-rank: the base frozen, only the adapters reach the optimizer below
+        add_lora(comps.network, lora)
     params = [p for p in comps.network.parameters() if p.requires_grad]
     device_type = get_accelerator_device_type()
     config, adam_line = choose_adam(effective_ds_config(cfg, ds, universal), device_type)

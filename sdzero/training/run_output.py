@@ -4,12 +4,12 @@ libraries log on each rank."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from sdzero.atomic import write_json_atomic
 from sdzero.config.train_config import DsSettings, TrainConfig
 from sdzero.models.families import Components
 from sdzero.models.loading import DTYPES
@@ -59,7 +59,7 @@ def prepare_output(
     moved = rotate_previous(cfg.output_dir / "metrics.jsonl")
     if moved:
         log.info("an earlier run's metrics were moved to %s", moved)
-    (cfg.output_dir / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json_atomic(cfg.output_dir / "ds_config.json", config)  # never through a link planted there
     run = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     run.update(
         zero_stage=ds.zero_stage,
@@ -68,11 +68,11 @@ def prepare_output(
         lr_effective=cfg.effective_lr(ds),
         **(extra or {}),
     )
-    (cfg.output_dir / "run_config.json").write_text(json.dumps(run, indent=2) + "\n")
+    write_json_atomic(cfg.output_dir / "run_config.json", run)
     environment = {**environment_snapshot(), "world_size": ds.world_size}  # rank 0's view, for reports
     if speed is not None:
         environment["speed"] = speed  # what the fast paths really were (sdzero.training.fast_paths)
-    (cfg.output_dir / "environment.json").write_text(json.dumps(environment, indent=2) + "\n")
+    write_json_atomic(cfg.output_dir / "environment.json", environment)
     return MetricsWriter(cfg.output_dir / "metrics.jsonl")
 
 
@@ -99,8 +99,17 @@ def export_final(cfg: TrainConfig, engine, comps: Components, rank: int, ema=Non
     others wait under a timeout sized for its bytes (sdzero.process.rank0_wait): a shared filesystem can
     take longer to write an SDXL-size fp32 export than --dist-timeout-s allows a collective."""
     from sdzero.checkpoint.export import gathered_state_dict, write_pipeline
+    from sdzero.models.lora import is_lora
     from sdzero.process.rank0_wait import waiting_for_rank0
 
+    if is_lora(
+        engine.module
+    ):  # --lora-rank: the adapter in diffusers' LoRA format (sdzero.checkpoint.adapter)
+        from sdzero.checkpoint.lora_export import export_final_adapter
+
+        merged = DTYPES[cfg.export_dtype] if getattr(cfg, "export_merged", False) else None
+        export_final_adapter(cfg.output_dir / "final", engine, comps, ema, merged)
+        return
     state = gathered_state_dict(engine)  # collective under ZeRO-3: all ranks take part
     ema_state = ema.gather_full() if ema is not None else None  # collective: EMA slices to rank 0
     dtype = DTYPES[cfg.export_dtype]  # one dtype for every component (see write_pipeline)

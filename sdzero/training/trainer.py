@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sdzero.checkpoint.adapter import AdapterCheckpoint
 from sdzero.checkpoint.checkpointer import Checkpointer, ResumePoint, TrainState, find_resume
 from sdzero.checkpoint.identity import describe_run
 from sdzero.cluster.shared_storage import check_shared_storage
@@ -31,15 +32,18 @@ from sdzero.data.shards import read_records
 from sdzero.models.encoding import encode_batch
 from sdzero.models.families import Components
 from sdzero.models.loading import DTYPES, detect_family, load_components, resolve_prediction_type
+from sdzero.models.lora import check_targets_on_model, is_lora
 from sdzero.models.objectives import LossInputs, Objective
 from sdzero.models.step_input import StepInput
 from sdzero.process.distributed import Ranks, start_distributed
 from sdzero.process.preemption import PreemptionFlag
+from sdzero.telemetry import progress
 from sdzero.telemetry.environment import share_cpu_threads
 from sdzero.telemetry.metrics import MetricsWriter, peak_memory_bytes
 from sdzero.telemetry.monitoring import finish_wandb_run
 from sdzero.telemetry.phase_timers import PhaseTimer, timing_mode
 from sdzero.telemetry.step_stats import PendingStep, StepLog, launch_step_stats
+from sdzero.training import run_watch
 from sdzero.training.callbacks import (
     Callback,
     CheckpointCallback,
@@ -56,6 +60,7 @@ from sdzero.training.config_sweep import ConfigSweep, start_measurements
 from sdzero.training.engine import init_engine, loss_scale_of
 from sdzero.training.fast_paths import apply_backend_flags, check_attention, check_speed_options, speed_report
 from sdzero.training.run_output import export_final, prepare_output, quiet_libraries
+from sdzero.training.straggler import StragglerCallback
 from sdzero.training.validation import Validator
 
 log = logging.getLogger("sdzero")
@@ -115,6 +120,8 @@ class Trainer:
         self.callbacks = list(callbacks)
         self._handlers = {e: [getattr(c, e) for c in self.callbacks if overrides(c, e)] for e in EVENTS}
         self.step_log: StepLog | None = None
+        self.step_extras: dict[str, Any] = {}
+        """Fields a callback adds to this step's metrics line (set before `on_step_queued`)."""
         self._emit("on_setup")
 
     # ------------------------------------------------------------------------------------------ events
@@ -153,6 +160,7 @@ class Trainer:
         here and no callback ended the run (the PreemptionCallback raises Preempted)."""
         assert self.step_log is not None, "train_step runs inside train()"
         engine, batches, timer = self.engine, self.batches, self.timer
+        progress.set_step(step)
         self._emit("on_step_begin", step)
         timer.begin_step()
         start = time.perf_counter()
@@ -166,13 +174,16 @@ class Trainer:
             loss_sum += self.micro_step(batch)
         self._emit("on_optimizer_step", step)
         vote = any(wants(self) for wants in self._handlers["wants_stop"])
+        progress.enter("step statistics")
         stats = launch_step_stats(loss_sum, self.ds.grad_accum, self.world, vote, peak_memory_bytes())
         fields = {
             "lr": float(engine.get_lr()[0]),
             **self.shape,
             "loss_scale": loss_scale_of(engine),
             "skipped_steps": int(engine.skipped_steps) if engine.fp16_enabled() else None,
+            **self.step_extras,
         }
+        self.step_extras = {}
         self._emit("on_step_queued", step)
         # Writes this step's line (CPU, --sync-timing) or the previous one's (CUDA): its stats read back.
         pending = PendingStep(
@@ -219,7 +230,9 @@ class Trainer:
             self.writer.close()
             finish_wandb_run()
         if self.cfg.export_final:
+            progress.enter("export")
             export_final(self.cfg, self.engine, self.comps, self.rank, self.ema)
+        progress.enter("finished")
         # The first step includes one-off warm-up (allocations, JIT, workers).
         losses, rates = self.step_log.losses, self.step_log.rates
         steady = rates[1:] or rates or [0.0]
@@ -235,6 +248,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the data loader's worker processes: call it after the last `train()` (see Batches.close;
         an exit without it waits on them for ever)."""
+        run_watch.stop_watch()
         self.batches.close()
 
     # ------------------------------------------------------------------------------------------- setup
@@ -252,22 +266,27 @@ class Trainer:
         rank, world, device = ranks.rank, ranks.world, ranks.device
 
         # From a cache, the VAE and text encoders are never loaded (validation/export load them when due).
+        run_watch.mark("model load")
         comps = load_components(
             cfg.model, ds.dtype, device, frozen=cache is None, max_sequence_length=cfg.max_sequence_length
         )
         prediction_type = resolve_prediction_type(comps, cfg.prediction_type)  # "flow_matching" for SD3
+        run_watch.mark("data listing")
         dataset, sampler, loader, n_bad = build_data(cfg, ds, comps, rank, world, cache)
         dropped = samples_dropped(sampler, len(dataset), ds.micro_batch, world)
         attention = check_attention(cfg, comps.network, DTYPES[ds.dtype], device)  # the SDPA kernel, probed
         universal = point is not None and point.universal is not None
+        run_watch.mark("engine build")
         engine, config = init_engine(cfg, ds, comps, universal=universal)
         speed = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)
         ema = make_ema(cfg, engine)
         ident = describe_run(cfg, ds, comps, prediction_type, model_reference(cfg.model))
         checkpoints = CheckpointCallback(
-            Checkpointer(cfg.output_dir, cfg.keep_last, engine, ema, ident), cfg.checkpoint_every
+            Checkpointer(cfg.output_dir, cfg.keep_last, engine, ema, ident, adapter_parts(engine, comps)),
+            cfg.checkpoint_every,
         )
         validator = make_validator(cfg, comps)
+        run_watch.mark("resume")
         state = checkpoints.restore(point)  # a collective when resuming
         writer = prepare_output(cfg, ds, config, rank, {"samples_dropped_per_epoch": dropped}, speed)
         if rank == 0:
@@ -282,8 +301,10 @@ class Trainer:
             checkpoints,
             *filter(None, [start_measurements(cfg, ds, engine, comps)]),
             *extras,
+            *([StragglerCallback(cfg.straggler_every)] if cfg.straggler_every else []),
             PreemptionCallback(preemption),
         ]
+        run_watch.startup_done(rank)
         return cls(
             cfg,
             ds,
@@ -307,7 +328,9 @@ def check_inputs(cfg: TrainConfig) -> tuple[DsSettings, CacheIndex | None]:
     """(the DeepSpeed JSON's settings, the latent cache or None), after checking everything that can be
     wrong with the input: run before the process group exists, so that a mistake is one clear line."""
     ds = load_ds_config(cfg.deepspeed_config, world_size_from_env())
-    detect_family(cfg.model).check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
+    family = detect_family(cfg.model)
+    family.check_options(cfg)  # e.g. SD3-only flags on an SDXL model: one clear line
+    check_targets_on_model(cfg, family)  # --lora-target-modules naming no layer of the network: one line
     read_records(cfg.data)  # a folder's metadata or the tar shards' index: one line if either is wrong
     check_speed_options(cfg, ds)  # e.g. --compile with ZeRO-3 parameter offload: one line
     if cfg.cache_dir is None:
@@ -329,17 +352,26 @@ def check_inputs(cfg: TrainConfig) -> tuple[DsSettings, CacheIndex | None]:
 def join_run(cfg: TrainConfig, ds: DsSettings) -> tuple[Ranks, ResumePoint | None]:
     """Start the process group and agree on where the run starts: (this rank's place, the checkpoint to
     resume from or None). Seeds torch for identical initial weights on every rank."""
+    run_watch.start_watch(cfg)  # this rank's progress and the stall watch, start-up included
     ranks = start_distributed(cfg.dist_timeout_s)
+    run_watch.joined(ranks.world)
     quiet_libraries(ranks.rank, cfg.output_dir)  # rank 0's library chatter into <output_dir>/library.log
     # A node without the output or data folders: one clear error.
+    run_watch.mark("storage checks")
     check_shared_storage(cfg.output_dir, cfg.data, ranks.rank, ranks.world)
     point = find_resume(  # all ranks agree; on another world size with --resume-elastic, converted once
         cfg.resume, cfg.output_dir, ds.zero_stage, ds.dtype, ranks.world, cfg.resume_elastic, ds.raw
     )
+    run_watch.output_ready()  # claimed by find_resume: the watch's host files may go there now
     adopt_checkpoint_seed(cfg, point, ranks.rank)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DeepSpeed also broadcasts)
     apply_backend_flags(cfg, ranks.device.type)  # TF32 (CUDA only)
     return ranks, point
+
+
+def adapter_parts(engine: Any, comps: Components) -> tuple[AdapterCheckpoint, ...]:
+    """A LoRA run's checkpoints also hold the gathered adapter (sdzero.checkpoint.adapter)."""
+    return (AdapterCheckpoint(engine, comps.family),) if is_lora(engine.module) else ()
 
 
 def make_validator(cfg: TrainConfig, comps: Components) -> Validator:

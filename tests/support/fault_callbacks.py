@@ -10,6 +10,8 @@ The ranks load it through SDZERO_CALLBACKS=fault_callbacks:from_env with this fo
   on to DIR/rank_<r>.jsonl, so a test can check that resumes neither repeat nor skip a sample;
 - SDZERO_TEST_KILL_BEFORE_COMMIT=N: rank 0 SIGKILLs itself once every shard of step N's checkpoint is
   written and hashed, before the commit;
+- SDZERO_TEST_SLOW_HOST=HOSTNAME:SECONDS: the ranks on host HOSTNAME sleep SECONDS in every micro-batch's
+  data phase (a slow disk or loader on one node: a straggler);
 - SDZERO_TEST_OOM_FROM_MICRO_BATCH=N: every rank raises torch.OutOfMemoryError on a micro-batch of N samples
   or more, as a device that cannot hold it would (the config sweep's tests).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,7 @@ HANG_AT = "SDZERO_TEST_HANG_AT_STEP"
 SAMPLE_LOG = "SDZERO_TEST_SAMPLE_LOG"
 KILL_BEFORE_COMMIT = "SDZERO_TEST_KILL_BEFORE_COMMIT"
 OOM_FROM = "SDZERO_TEST_OOM_FROM_MICRO_BATCH"
+SLOW_HOST = "SDZERO_TEST_SLOW_HOST"
 FACTORY = "fault_callbacks:from_env"
 
 
@@ -50,6 +54,8 @@ class Faults(Callback):
         self.crash_at, self.hang_at = _step(CRASH_AT), _step(HANG_AT)
         self.kill_at = _step(KILL_BEFORE_COMMIT)
         self.oom_from = _step(OOM_FROM)
+        host, _, seconds = os.environ.get(SLOW_HOST, "").partition(":")
+        self.slow_s = float(seconds) if host and host == socket.gethostname() else 0.0
         folder = os.environ.get(SAMPLE_LOG)
         self.sample_log = Path(folder) if folder else None
         self._log_path: Path | None = None
@@ -67,6 +73,8 @@ class Faults(Callback):
                 time.sleep(3600)
 
     def on_batch(self, trainer: Any, batch: StepInput) -> None:
+        if self.slow_s:
+            time.sleep(self.slow_s)
         if self.oom_from is not None and len(batch.index) >= self.oom_from:
             import torch
 
@@ -85,7 +93,8 @@ class Faults(Callback):
 def from_env() -> Faults | None:
     """The SDZERO_CALLBACKS factory: a Faults callback when any fault variable is set."""
     if not any(
-        os.environ.get(name) for name in (CRASH_AT, HANG_AT, SAMPLE_LOG, KILL_BEFORE_COMMIT, OOM_FROM)
+        os.environ.get(name)
+        for name in (CRASH_AT, HANG_AT, SAMPLE_LOG, KILL_BEFORE_COMMIT, OOM_FROM, SLOW_HOST)
     ):
         return None
     return Faults()

@@ -11,7 +11,7 @@ from deepspeed.runtime.engine import EngineTimers
 from deepspeed.utils.timer import NoopTimer
 
 from sdzero.errors import UserError
-from sdzero.training.config_sweep import SweepConfig, _Instruments, parse_configs
+from sdzero.training.config_sweep import ConfigSweep, SweepConfig, _Entry, _Instruments, parse_configs, race
 
 
 def test_configs_parse_and_bad_ones_say_how_to_write_them() -> None:
@@ -22,7 +22,10 @@ def test_configs_parse_and_bad_ones_say_how_to_write_them() -> None:
         SweepConfig(8, 1),
     ]
     assert SweepConfig(4, 2).key == "mb4-ga2"
-    for bad in ("", "0:1", "2:x", "1:1:1", "2:1,2:1"):
+    # a config with gradient checkpointing is its own config beside the same shape without
+    assert parse_configs("4:1,4:1:gc") == [SweepConfig(4, 1), SweepConfig(4, 1, True)]
+    assert SweepConfig(4, 1, True).key == "mb4-ga1-gc"
+    for bad in ("", "0:1", "2:x", "1:1:1", "2:1,2:1", "2:1:gc:gc", "2:1:gc,2:1:gc"):
         with pytest.raises(UserError, match="--profile-configs"):
             parse_configs(bad)
 
@@ -112,3 +115,55 @@ def test_of_two_instrumented_steps_the_one_with_less_time_in_collectives_is_kept
         probe.on_step_queued(None, step)
     assert probe.comm_marks == [0.5]
     assert probe.comm_totals() == {"ops": {"all_reduce": {"seconds_per_step": 0.5}}}
+
+
+def test_a_config_clearly_slower_per_sample_than_the_leader_leaves_the_race() -> None:
+    """(samples/s, 95% low, high, timed steps) per config: only an interval wholly below the leader's, with
+    enough steps behind it, stops being measured."""
+    rates = {
+        "mb8-ga1": (100.0, 95.0, 105.0, 6),  # the leader
+        "mb4-ga1": (90.0, 85.0, 96.0, 6),  # overlaps the leader's interval: may yet be the pick
+        "mb2-ga1": (60.0, 55.0, 64.0, 6),  # wholly below: out
+        "mb1-ga1": (30.0, 25.0, 35.0, 2),  # below, but on two steps only: measured on
+    }
+    out = race(rates, min_steps=5)
+    assert set(out) == {"mb2-ga1"}
+    assert out["mb2-ga1"].startswith("slower per sample than mb8-ga1 (60 vs 100 samples/s")
+    assert race({"mb8-ga1": rates["mb8-ga1"]}, 5) == {}
+
+
+def _sweep(race_on: bool, live: list[tuple[str, int]]) -> ConfigSweep:
+    """A sweep's bookkeeping without a launch: (key, timed steps) per config still measured."""
+    sweep = ConfigSweep.__new__(ConfigSweep)
+    sweep.race, sweep.min_steps, sweep.max_seconds = race_on, 3, 100.0
+    sweep.seconds = {"timed": 5.0}
+    sweep.entries = []
+    for key, steps in live:
+        mb, ga = (int(p[2:]) for p in key.split("-"))
+        probe = SimpleNamespace(records=[{"step_time_s": 0.1}] * steps)
+        sweep.entries.append(_Entry(SweepConfig(mb, ga), probe))  # type: ignore[arg-type]
+    return sweep
+
+
+def test_the_launch_ends_once_its_leader_is_the_only_config_left() -> None:
+    sweep = _sweep(True, [("mb8-ga1", 4), ("mb2-ga1", 4)])
+    assert not sweep._done()  # 5 of 100 s measured, two configs racing
+    sweep.entries[1].raced = "round 3: slower per sample than mb8-ga1"
+    assert sweep._done()  # the leader alone: decided, the other 95 s are not spent
+    assert not _sweep(False, [("mb8-ga1", 4)])._done()  # without racing the time is spent
+
+
+def test_configs_race_those_of_their_own_accumulation_only() -> None:
+    """The check at accumulation 4 amortises the once-per-step costs: faster per sample, but no rival of
+    the accumulation-1 configs, and alone in its class it is never raced out."""
+    rates = {
+        "mb8-ga1": (100.0, 95.0, 105.0, 6),
+        "mb2-ga1": (60.0, 55.0, 64.0, 6),
+        "mb8-ga4": (300.0, 290.0, 310.0, 6),
+    }
+    classes = {"mb8-ga1": 1, "mb2-ga1": 1, "mb8-ga4": 4}
+    assert set(race(rates, 5, classes)) == {"mb2-ga1"}
+    assert set(race(rates, 5)) == {"mb8-ga1", "mb2-ga1"}  # one class: the check would lead them all
+    sweep = _sweep(True, [("mb8-ga1", 6), ("mb2-ga1", 6), ("mb8-ga4", 6)])
+    sweep.entries[1].raced = "round 4"
+    assert sweep._done()  # each accumulation's leader alone is left

@@ -34,7 +34,9 @@ def test_a_signal_to_the_command_ends_the_launchers_session(sig, tmp_path):
         while "\nready" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
             time.sleep(0.05)
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        assert len(tree) == 3  # the command, the launcher (its own session), the launcher's child
+        # the command, the launcher (its own session), the launcher's child, and the launch's guard
+        # (sdzero.process.orphan_guard), which leaves once the launch's session is empty
+        assert len(tree) == 4 and sum("orphan_guard" in " ".join(p.cmdline()) for p in tree) == 1
         proc.send_signal(sig)
         gone, alive = psutil.wait_procs(tree, timeout=15)  # reaps the command: its code is read here
         assert alive == [], [p.cmdline() for p in alive]

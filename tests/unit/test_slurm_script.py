@@ -193,6 +193,7 @@ esac
         ("TERM", None, False, 143),  # scancel / a lost node: save, and Slurm decides (no self-requeue)
         (None, 143, True, 0),  # the ranks were signalled themselves (scancel --signal=USR1, steps only)
         (None, 1, False, 1),  # a failure is not a preemption
+        (None, 142, True, 0),  # a stall named by the ranks (sdzero.process.stall_watch): restartable
     ],
 )
 def test_which_endings_requeue_the_job(tmp_path, monkeypatch, signal_name, srun_exit, requeued, exit_code):

@@ -19,6 +19,7 @@ from report_fixtures import advise_answer
 from rich.console import Console
 from typer.testing import CliRunner
 
+from advisor.decide.outcome import UNMEASURED_PICK
 from advisor.report.answer import (
     MEASURE_AGAIN,
     NOT_MEASURED_WELL,
@@ -67,12 +68,16 @@ def printed_ranges(text: str) -> list[tuple[float, float]]:
 
 @pytest.mark.parametrize("kind", list(PAYLOADS))
 def test_the_answer_fits_25_lines_at_160_columns(kind):
-    text = answer(advise_answer(**PAYLOADS[kind]))
+    rec = advise_answer(**PAYLOADS[kind])
+    text = answer(rec)
     lines = text.rstrip("\n").splitlines()
     assert len(lines) <= 25, text
     assert max(len(line.rstrip()) for line in lines) <= WIDTH
-    # the verdict first, the report last, at most five labelled lines after the table
-    assert lines[0].startswith("answer: 16 nodes") and lines[-1].startswith("report: out/report.html")
+    # the verdict first (opening with it when the pick was not measured), the report last, at most five
+    # labelled lines after the table
+    opening = "" if rec["measured"]["recommended_config_measured"] else UNMEASURED_PICK
+    assert lines[0].startswith(f"answer: {opening}") and "16 nodes x 2 ranks" in lines[0]
+    assert lines[-1].startswith("report: out/report.html")
     last_row = max(i for i, line in enumerate(lines) if re.match(r"^\s+\d+\s+z\d", line))
     labelled = [line for line in lines[last_row + 1 :] if re.match(r"^[a-z][a-z ]+: ", line)]
     assert 1 <= len(labelled) <= ANSWER_LINES, labelled
