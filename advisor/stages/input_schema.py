@@ -82,6 +82,45 @@ class ProfileConfigIn(StrictIn):
         return self
 
 
+class ProfileInputIn(StrictIn):
+    """What the node's input measured (docs/advisor.md section 2c): the figures sdzero.data.input_probe
+    records in a launch's "input" section, so that a replan from the file is bounded by its input as one
+    from an advise folder is (advisor.model.input_rate)."""
+
+    loader_samples_per_s: Rate
+    """One loader worker's samples/s (decode, augment, tokenize; or a latent-cache read)."""
+    kind: Literal["images", "cache"] = "images"
+    workers_per_rank: Annotated[int, Field(ge=1, le=1024)] | None = None
+    cpu_count: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    """The node's CPU cores (os.cpu_count()), shared by its ranks and their loader workers."""
+    storage_bytes_per_s: Rate | None = None
+    storage_files_per_s: Rate | None = None
+    """The data's location read by the node's readers: bytes/s and files/s (both, or neither)."""
+
+    @model_validator(mode="after")
+    def _storage_both(self) -> ProfileInputIn:
+        if (self.storage_bytes_per_s is None) != (self.storage_files_per_s is None):
+            raise ValueError("give storage_bytes_per_s and storage_files_per_s together (or neither)")
+        return self
+
+    def section(self) -> dict[str, Any]:
+        """The figures as a launch's "input" section (sdzero.data.input_probe.measure_input's form)."""
+        storage = None
+        if self.storage_bytes_per_s is not None and self.storage_files_per_s is not None:
+            storage = {
+                "bytes_per_s": self.storage_bytes_per_s,
+                "files_per_s": self.storage_files_per_s,
+                "bytes_per_file": self.storage_bytes_per_s / self.storage_files_per_s,
+            }
+        return {
+            "kind": self.kind,
+            "worker": {"samples_per_s": self.loader_samples_per_s},
+            "storage": storage,
+            "workers_per_rank": self.workers_per_rank,
+            "cpu_count": self.cpu_count,
+        }
+
+
 class ProfileFileIn(StrictIn):
     """A profile file: what one node (or a few) of the target measured."""
 
@@ -97,6 +136,8 @@ class ProfileFileIn(StrictIn):
     reduce_bucket_size: Elements | None = None
     allgather_bucket_size: Elements | None = None
     lr: Annotated[float, Field(gt=0, le=1.0)] = 1e-4
+    input: ProfileInputIn | None = None
+    """The node's input measured; without it the plan is not bounded by its input."""
 
     @field_validator("device")
     @classmethod

@@ -30,6 +30,7 @@ import pandas as pd
 
 from advisor.decide.search import SearchResult
 from advisor.measure.grid import GridRequest, plan_grid
+from advisor.measure.input_figures import keep_input
 from advisor.measure.trials import TrialSettings
 from advisor.model.collective_cost import ops_from_mix
 from advisor.model.collective_mix import collective_mix
@@ -124,6 +125,8 @@ class Profile:
     notes: tuple[str, ...] = ()
     nodes: int = 1
     """Nodes the configs ran on (a profile measured across several nodes: their link is in its steps)."""
+    input: dict[str, Any] | None = None
+    """The file's input figures as a launch's "input" section; None where it gives none."""
 
     @property
     def where(self) -> str:
@@ -158,6 +161,7 @@ def read_profile(path: Path) -> Profile:
         _forward_share(model),
         notes,
         record.nodes,
+        record.input.section() if record.input is not None else None,
     )
 
 
@@ -363,6 +367,8 @@ def profile_stages(
             "device (plan another GPU from a profile of it, or from trials with --target-tflops)"
         )
     inputs = profile_inputs(r, path, profile)
+    if profile.input is not None:  # kept as an advise folder's input.json: the predict stage bounds by it
+        keep_input(inputs.out_dir, [profile.input], None)
     hardware = _hardware(inputs, profile, inputs.memory_given or (0.0, ""))
     measured = profile_measured(inputs, profile)
     inputs.say(f"planning from {profile.source}; nothing measured")
