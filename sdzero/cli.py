@@ -462,11 +462,18 @@ def export(
         str | None, typer.Option(help="bf16, fp16 or fp32 for every component; default fp32 (loads as-is)")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
+    merged: Annotated[
+        bool,
+        typer.Option(help="a LoRA checkpoint: write the whole pipeline with the adapter fused in"),
+    ] = False,
 ) -> None:
-    """Write a checkpoint as a diffusers pipeline (safetensors), with the EMA as unet_ema when present."""
+    """Write a checkpoint as a diffusers pipeline (safetensors), with the EMA as unet_ema when present;
+    a LoRA checkpoint as its adapter, or with --merged as the pipeline with the adapter fused in."""
     from sdzero.checkpoint.export import export_checkpoint
+    from sdzero.checkpoint.lora_export import export_merged
 
-    result = export_checkpoint(checkpoint, out, model=model, dtype=dtype, overwrite=overwrite)
+    write = export_merged if merged else export_checkpoint
+    result = write(checkpoint, out, model=model, dtype=dtype, overwrite=overwrite)
     ema = " and unet_ema" if result.with_ema else ""
     typer.echo(f"exported step {result.step} of {result.checkpoint} to {result.out} (unet{ema})")
 

@@ -108,10 +108,4 @@ def is_lora_checkpoint(files: dict[str, Any]) -> bool:
 
 def checkpoint_lora_config(objective: dict[str, Any], family: Family) -> Any:
     """The LoraConfig a checkpoint was trained with, from its manifest's identity (sdzero.models.lora)."""
-    settings = LoraSettings(
-        rank=int(objective["--lora-rank"]),
-        alpha=float(objective["--lora-alpha"]),
-        dropout=float(objective["--lora-dropout"]),
-        targets=tuple(objective["--lora-target-modules"]),
-    )
-    return settings.peft_config()
+    return LoraSettings.from_identity(objective).peft_config()

@@ -213,22 +213,14 @@ def check_export_target(source: Path, checkpoint: Path | None, out: Path, overwr
             )
 
 
-def export_checkpoint(
-    source: Path, out: Path, model: str | None = None, dtype: str | None = None, overwrite: bool = False
-) -> ExportResult:
-    """`sdzero export`: a checkpoint (or the newest complete one in a folder / run) -> diffusers pipeline."""
-    from sdzero.checkpoint.checkpointer import (
-        EMA_DIR,
-        check_ema_files,
-        ema_errors_as_user_errors,
-        first_verified,
-        locate,
-        verify_files,
-    )
-    from sdzero.models.ema import assemble
-    from sdzero.models.loading import DTYPES, load_components
+def located_for_export(
+    source: Path, out: Path, dtype: str | None = None, overwrite: bool = False
+) -> tuple[Path, Any]:
+    """The checkpoint `sdzero export` writes (the newest complete, verified one in `source`) and its
+    manifest, once OUT and --dtype are known to be acceptable."""
+    from sdzero.checkpoint.checkpointer import check_ema_files, first_verified, locate, verify_files
+    from sdzero.models.loading import DTYPES
 
-    out = Path(out)
     check_export_target(Path(source), None, out, overwrite)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -243,6 +235,20 @@ def export_checkpoint(
     path, manifest = chosen
     check_export_target(Path(source), path, out, overwrite)
     check_ema_files(path, manifest)
+    return path, manifest
+
+
+def export_checkpoint(
+    source: Path, out: Path, model: str | None = None, dtype: str | None = None, overwrite: bool = False
+) -> ExportResult:
+    """`sdzero export`: a checkpoint (or the newest complete one in a folder / run) -> diffusers pipeline;
+    a LoRA checkpoint's adapter (`sdzero export --merged`: sdzero.checkpoint.lora_export)."""
+    from sdzero.checkpoint.checkpointer import EMA_DIR, ema_errors_as_user_errors
+    from sdzero.models.ema import assemble
+    from sdzero.models.loading import DTYPES, load_components
+
+    out = Path(out)
+    path, manifest = located_for_export(source, out, dtype, overwrite)
     if is_lora_checkpoint(manifest.files):  # a LoRA run's: its adapter, not a pipeline (checkpoint.adapter)
         return export_lora(path, manifest, out)
     model = model or manifest.model

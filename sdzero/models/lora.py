@@ -51,6 +51,16 @@ class LoraSettings:
         targets = tuple(cfg.lora_target_modules) or family.lora_targets
         return cls(int(cfg.lora_rank), float(alpha), float(cfg.lora_dropout), targets)
 
+    @classmethod
+    def from_identity(cls, objective: dict[str, Any]) -> LoraSettings:
+        """The settings a checkpoint was trained with, from its manifest's identity (`identity`)."""
+        return cls(
+            rank=int(objective["--lora-rank"]),
+            alpha=float(objective["--lora-alpha"]),
+            dropout=float(objective["--lora-dropout"]),
+            targets=tuple(objective["--lora-target-modules"]),
+        )
+
     def peft_config(self) -> Any:
         from peft import LoraConfig
 

@@ -183,6 +183,37 @@ def test_sdzero_export_of_a_lora_checkpoint_writes_the_adapter(lora_runs, tmp_pa
     pipe.load_lora_weights(tmp_path / "exported", weight_name=LORA_EMA_WEIGHTS)  # the EMA's adapter loads
 
 
+def test_sdzero_export_merged_of_a_lora_checkpoint_is_the_trained_network(lora_runs, tmp_path):
+    """`sdzero export --merged`: the checkpoint's adapter fused into the base, a plain pipeline (and the EMA's
+    as unet_ema) whose UNet computes what the trained network does; never written over a user's folder."""
+    from typer.testing import CliRunner
+
+    from sdzero.checkpoint.lora_export import export_merged
+    from sdzero.cli import app
+    from sdzero.config.output_folder import EXPORT_MARKER
+    from sdzero.errors import UserError
+
+    model, out, _ = lora_runs("sd15", 3)
+    exported = tmp_path / "merged"
+    result = CliRunner().invoke(app, ["export", str(out), str(exported), "--merged"])
+    assert result.exit_code == 0, result.output
+    assert (exported / EXPORT_MARKER).is_file() and (exported / "unet_ema").is_dir()
+    fam = detect_family(str(model))
+    net = getattr(fam.pipeline_class().from_pretrained(exported), fam.network_attr)
+    assert not any(".lora_" in n for n, _ in net.named_parameters())
+    inputs = network_inputs(net, fam)
+    trained = output_of(trained_network(model, step_dir(out, STEPS), 3, RANK), inputs)
+    torch.testing.assert_close(output_of(net, inputs), trained, rtol=0, atol=1e-4)
+    base = fam.network_class().from_pretrained(str(model), subfolder=fam.subfolder).eval()
+    assert (output_of(base, inputs) - trained).abs().max().item() > 1e-3  # the adapter is really in it
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match="is not a pipeline sdzero exported"):
+        export_merged(out, user, overwrite=True)
+    assert (user / "notes.txt").read_text() == "keep"
+
+
 @pytest.mark.parametrize("stage", [3])
 def test_resume_is_bit_exact(stage, lora_runs):
     """A copy of the reference's checkpoints without step 4, resumed: steps 3-4 repeat the uninterrupted

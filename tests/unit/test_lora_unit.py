@@ -165,3 +165,42 @@ def test_a_planted_empty_adapter_save_stops_the_checkpoint(tiny_model, tmp_path,
         AdapterCheckpoint(PlaceholderEngine(net), family).save(tmp_path, 0)
     assert "empty (0 elements)" in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / ADAPTER_DIR).exists()  # nothing written
+
+
+def test_export_merged_of_a_full_fine_tune_checkpoint_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """`sdzero export --merged` fuses a LoRA adapter; a full fine-tune's checkpoint (no adapter file in its
+    manifest) is refused with one line before anything is read or written."""
+    import json
+    import sys
+
+    from payloads import reseal
+
+    from sdzero import cli
+    from sdzero.checkpoint.manifest import MANIFEST
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    torch.save({"module": {"w": torch.zeros(2)}}, checkpoint / "mp_rank_00_model_states.pt")
+    manifest = {
+        "zero_stage": 0,
+        "dtype": "fp32",
+        "world_size": 1,
+        "seed": 0,
+        "model": str(tmp_path / "model"),
+        "prediction_type": "epsilon",
+        "tag": checkpoint.name,
+        "step": 2,
+        "serial": 1,
+        "ema": False,
+        "files": {},
+    }
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    reseal(checkpoint)
+    out = tmp_path / "exported"
+    monkeypatch.setattr(sys, "argv", ["sdzero", "export", str(tmp_path / "run"), str(out), "--merged"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == EXIT_USER_ERROR and "\n" not in err, err
+    assert err.startswith("sdzero: error:") and "--merged applies to LoRA checkpoints only" in err, err
+    assert not out.exists()
