@@ -29,6 +29,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import psutil
+
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.2
 LAUNCHER_PROGRAMS = ("orted", "prted", "slurmstepd")
@@ -131,23 +133,13 @@ def _group_exists(pgid: int) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def guard(watched: int, group: int, remote_kill: list[str] | None) -> int:
     """Wait until `watched` is gone (then end the launch: 1) or the launch's group is empty (0). A SIGTERM
     (the command's own `stop()`) ends the guard without killing anything."""
     while True:
         if not _group_exists(group):  # the launch is over (pdsh, with its remote shells, was in it)
             return 0
-        if os.getppid() != watched or not _alive(watched):
+        if os.getppid() != watched or not psutil.pid_exists(watched):
             break
         time.sleep(POLL_S)
     with contextlib.suppress(ProcessLookupError, PermissionError):

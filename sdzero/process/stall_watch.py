@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from sdzero.telemetry.progress import (
     COLLECTIVE_PHASES,
     LOOP_FROM,
@@ -261,7 +263,7 @@ class StallWatch:
 
     def _local(self) -> list[Snapshot]:
         snaps = read_host(self.records_folder)
-        pids_alive = [s for s in snaps if _alive(s.pid)]
+        pids_alive = [s for s in snaps if psutil.pid_exists(s.pid)]
         return [s for s in pids_alive if self.world is None or s.rank < self.world]
 
     def _publish(self, local: list[Snapshot]) -> None:
@@ -364,16 +366,6 @@ class StallWatch:
         if self.nccl:
             dump_flight_recorder(self.output_dir / FLIGHT_RECORDER_DIR, self.record.rank)
         self.exit_fn(EXIT_STALLED)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def enable_flight_recorder(environ: dict[str, str] | Any = None) -> None:

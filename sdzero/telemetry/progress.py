@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 SHM_ROOT = Path("/dev/shm")
 MAGIC = b"SDZP"
 HOST_BYTES = 64
@@ -202,23 +204,13 @@ def reap_stale(root: Path = SHM_ROOT, idle_s: float = 60.0) -> int:
     for folder in root.glob("sdzero-progress-*"):
         for path in folder.glob("rank_*"):
             snap = read_record(path)
-            if snap is not None and not _pid_alive(snap.pid):
+            if snap is not None and not psutil.pid_exists(snap.pid):
                 path.unlink(missing_ok=True)
                 removed += 1
         with contextlib.suppress(OSError):  # not empty, or another rank just made it: kept
             if not any(folder.iterdir()) and time.time() - folder.stat().st_mtime > idle_s:
                 folder.rmdir()
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ------------------------------------------------------------------------------- the process's record
