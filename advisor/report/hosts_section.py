@@ -51,6 +51,21 @@ def straggler_note(m: pd.DataFrame) -> str | None:
     )
 
 
+def slow_link_note(m: pd.DataFrame) -> str | None:
+    """The host whose links the run named slow (the latest naming), as one sentence; None if none was."""
+    if "slow_link" not in m:
+        return None
+    named = [v for v in m["slow_link"] if isinstance(v, dict)]
+    if not named:
+        return None
+    last: dict[str, Any] = named[-1]
+    return (
+        f"Slow link: {last['host']} (ranks {', '.join(str(r) for r in last['ranks'])}) reached "
+        f"{last['gbps']:.3g} Gbit/s at best to any other host against {last['others_gbps']:.3g} Gbit/s "
+        f"between the other hosts, named at {len(named)} probe step(s)."
+    )
+
+
 def hosts_figure(steps: np.ndarray, series: dict[str, np.ndarray]) -> bytes:
     fig, axes = figures.new_figure()
     ax = axes[0, 0]
@@ -71,4 +86,7 @@ def hosts_items(m: pd.DataFrame) -> list[Item]:
     items: list[Item] = [FigureItem("hosts", "Compute time per host", CAPTION, hosts_figure(steps, series))]
     note = straggler_note(m)
     items.append(NoteItem("straggler", note or "No host was persistently slower than the others."))
+    link = slow_link_note(m)
+    if link:
+        items.append(NoteItem("slow_link", link))
     return items

@@ -60,6 +60,7 @@ PHASES: tuple[str, ...] = (
     "export",
     "callbacks",
     "straggler sharing",
+    "link probe",
     "finished",
 )
 """Phase names by code. The loop's phases come after "resume"; `LOOP_FROM` is the first of them."""
@@ -74,7 +75,14 @@ TIMER_PHASES = {
 }
 """The phase timers' names (sdzero.telemetry.phase_timers) and the progress phase each one is."""
 COLLECTIVE_PHASES = frozenset(
-    {"backward", "gradient reduction and optimizer", "step statistics", "checkpoint", "straggler sharing"}
+    {
+        "backward",
+        "gradient reduction and optimizer",
+        "step statistics",
+        "checkpoint",
+        "straggler sharing",
+        "link probe",
+    }
 )
 """Phases in which a rank may be waiting in a collective for a peer (ZeRO reduces in backward and step)."""
 

@@ -63,6 +63,13 @@ def host_verdict(
     }
 
 
+def rank_hosts() -> list[str]:
+    """Each rank's host name, by rank: one all-gather (at setup, not per step)."""
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return [str(n) for n in names]
+
+
 def straggler_line(found: dict[str, Any]) -> str:
     ranks = found["ranks"]
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
@@ -87,9 +94,7 @@ class StragglerCallback(Callback):
         self.named: str | None = None
 
     def on_setup(self, trainer: TrainerView) -> None:
-        names: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(names, socket.gethostname())  # once, at setup
-        self.hosts = [str(n) for n in names]
+        self.hosts = rank_hosts()
 
     def on_metrics(self, trainer: TrainerView, step: int, record: dict[str, Any]) -> None:
         self.compute.append(sum(float(record.get(k) or 0.0) for k in OWN_PHASES))

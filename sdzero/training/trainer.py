@@ -59,6 +59,7 @@ from sdzero.training.callbacks import (
 from sdzero.training.config_sweep import ConfigSweep, start_measurements
 from sdzero.training.engine import init_engine, loss_scale_of
 from sdzero.training.fast_paths import apply_backend_flags, check_attention, check_speed_options, speed_report
+from sdzero.training.link_probe import LinkProbeCallback
 from sdzero.training.run_output import export_final, prepare_output, quiet_libraries
 from sdzero.training.straggler import StragglerCallback
 from sdzero.training.validation import Validator
@@ -302,6 +303,7 @@ class Trainer:
             *filter(None, [start_measurements(cfg, ds, engine, comps)]),
             *extras,
             *([StragglerCallback(cfg.straggler_every)] if cfg.straggler_every else []),
+            *([LinkProbeCallback(cfg.straggler_every)] if cfg.straggler_every else []),
             PreemptionCallback(preemption),
         ]
         run_watch.startup_done(rank)
