@@ -1,4 +1,4 @@
-"""What the progress record and the straggler sharing cost per step, against the same loop without them.
+"""What the progress record, the straggler sharing and the link probe cost per step, against the same loop without them.
 
 One launch, one engine, one Trainer built by `Trainer.setup` as a run builds it (stall watch on,
 --straggler-every 4). Blocks of steps alternate between two sides, the first side swapped every round so
@@ -6,9 +6,11 @@ that drift in machine load hits both alike:
 
 - **with**: every phase stores (step, phase, time) into the rank's shared-memory record, the watcher
   thread beats, publishes the host file and leads every 0.5 s, and every 4th step the ranks all-gather
-  their compute times (sdzero.training.straggler);
-- **without**: no record is open (each phase mark returns at once), the watcher's poll does nothing, and the
-  straggler callback is not called.
+  their compute times (sdzero.training.straggler) and time a round trip between every pair of hosts
+  (sdzero.training.link_probe; here each rank stands for a host of its own, so that on one machine the
+  probe has pairs to time: with 2 ranks, one pair over the local transport);
+- **without**: no record is open (each phase mark returns at once), the watcher's poll does nothing, and
+  neither the straggler callback nor the link probe is called.
 
 The figure is the median of the rounds' own ratios (with / without samples/s) and its bootstrap 95%
 interval; within noise means the interval holds 1.0 (or the median is within a percent of it).
@@ -79,6 +81,7 @@ def worker(args: argparse.Namespace) -> None:
     from sdzero.config.train_config import TrainConfig
     from sdzero.telemetry import progress
     from sdzero.training import run_watch
+    from sdzero.training.link_probe import LinkProbeCallback, host_pairs
     from sdzero.training.straggler import StragglerCallback
     from sdzero.training.trainer import EVENTS, Trainer, overrides
 
@@ -103,8 +106,13 @@ def worker(args: argparse.Namespace) -> None:
     assert record is not None and watch is not None
     watch_poll = watch.poll
 
+    for probe in (c for c in trainer.callbacks if isinstance(c, LinkProbeCallback)):
+        probe.hosts = [f"bench-host{r}" for r in range(dist.get_world_size())]
+        probe.pairs = host_pairs(probe.hosts)
+    sharing = (StragglerCallback, LinkProbeCallback)
+
     def handlers(with_straggler: bool) -> dict:
-        chosen = [c for c in trainer.callbacks if with_straggler or not isinstance(c, StragglerCallback)]
+        chosen = [c for c in trainer.callbacks if with_straggler or not isinstance(c, sharing)]
         return {e: [getattr(c, e) for c in chosen if overrides(c, e)] for e in EVENTS}
 
     sides = {"with": handlers(True), "without": handlers(False)}
@@ -154,7 +162,7 @@ def report(args: argparse.Namespace, rates: dict[str, list[float]]) -> None:
     print(json.dumps(result, indent=2))
     w, wo = statistics.median(rates["with"]), statistics.median(rates["without"])
     print(
-        f"\nwith / without the progress record and straggler sharing, median of {args.rounds} rounds' "
+        f"\nwith / without the progress record, straggler sharing and link probe, median of {args.rounds} rounds' "
         f"ratios: {paired.median_s:.3f} (95% interval {paired.lo_s:.3f}-{paired.hi_s:.3f}); medians "
         f"{w:.1f} / {wo:.1f} samples/s"
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -36,7 +37,9 @@ from typing import Any
 
 import psutil
 
+from sdzero.process.link_check import LinkCheck, rendezvous
 from sdzero.telemetry.progress import (
+    CODES,
     COLLECTIVE_PHASES,
     LOOP_FROM,
     ProgressRecord,
@@ -62,6 +65,10 @@ HOST_STALE_S = 5.0
 
 def host_file_name(min_rank: int, host: str) -> str:
     return f"host-{min_rank:05d}-{host}.json"
+
+
+def link_file_name(rank: int) -> str:
+    return f"link-{rank:05d}.json"
 
 
 def snapshot_dict(s: Snapshot) -> dict[str, Any]:
@@ -92,6 +99,8 @@ class Leader:
     world: int
     ranks: dict[int, RankView] = field(default_factory=dict)
     armed: bool = False
+    cut_off: set[str] = field(default_factory=set)
+    """Hosts whose last host file says they cannot reach the rendezvous (sdzero.process.link_check)."""
     ended: bool = False
     """A rank finished or left: the run is ending, and no stall is named any more."""
 
@@ -141,13 +150,33 @@ def _who(ranks: list[RankView]) -> str:
     return f"{head} ({', '.join(hosts)})"
 
 
-def describe_stall(views: dict[int, RankView], now: float) -> tuple[list[str], list[dict[str, Any]]]:
+def cut_off_ranks(views: list[RankView], cut_off: set[str]) -> tuple[list[RankView], str]:
+    """The ranks of the host whose link is down, and why it is named: the hosts that cannot reach the
+    rendezvous, or, when every host but one is cut off (3 hosts or more), that one: its own link."""
+    hosts = {v.snapshot.host for v in views}
+    cut = cut_off & hosts
+    if not cut:
+        return [], ""
+    if len(hosts) >= 3 and len(hosts - cut) == 1:
+        return [
+            v for v in views if v.snapshot.host not in cut
+        ], " (no other host reaches it: its link is down)"
+    return [v for v in views if v.snapshot.host in cut], " (its host cannot reach the rendezvous: link down)"
+
+
+def describe_stall(
+    views: dict[int, RankView], now: float, cut_off: set[str] | None = None
+) -> tuple[list[str], list[dict[str, Any]]]:
     """One line per group of ranks, the ranks holding the job first: those not responding if any, else
-    those furthest behind (lowest step, then earliest phase); the others are waiting on them."""
+    those on a host whose link is down, else those furthest behind (lowest step, then earliest phase);
+    the others are waiting on them."""
     all_views = sorted(views.values(), key=lambda v: v.snapshot.rank)
     silent = [v for v in all_views if not v.responding]
+    linked, why = cut_off_ranks(all_views, cut_off or set())
     if silent:
-        culprits = silent
+        culprits, why = silent, ""
+    elif linked:
+        culprits = linked
     else:
         behind = min(v.snapshot.position()[:2] for v in all_views)
         culprits = [v for v in all_views if v.snapshot.position()[:2] == behind]
@@ -162,7 +191,7 @@ def describe_stall(views: dict[int, RankView], now: float) -> tuple[list[str], l
     for (held, step, phase), members in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1:])):
         seconds = now - max(v.changed_at for v in members)
         if held or not culprits:
-            state = " (not responding)" if not members[0].responding else ""
+            state = " (not responding)" if not members[0].responding else why if held else ""
             line = f"{_who(members)} in {phase} at step {step:,} for {seconds:.0f} s{state}"
         else:
             verb = "waiting in" if phase in COLLECTIVE_PHASES else "in"
@@ -177,6 +206,7 @@ def describe_stall(views: dict[int, RankView], now: float) -> tuple[list[str], l
                 "seconds": round(seconds, 1),
                 "holding_the_job": held,
                 "responding": all(v.responding for v in members),
+                "link_down": bool(held and why),
             }
         )
     return lines, records
@@ -206,6 +236,10 @@ class StallWatch:
         self._beat = 0
         self.started = time.time()
         self._last_publish = 0.0
+        self.link = LinkCheck(rendezvous())
+        self._position: tuple[int, str] | None = None
+        self._position_since = 0.0
+        self._link_answer: Any = "unset"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sdzero-stall-watch", daemon=True)
 
@@ -221,6 +255,7 @@ class StallWatch:
         """The run holds its output folder now (sdzero.checkpoint.checkpointer.find_resume claimed it): host
         files may go there. Not before: a folder that holds anything but sdzero's mark is refused."""
         self.progress_dir.mkdir(parents=True, exist_ok=True)
+        (self.progress_dir / link_file_name(self.record.rank)).unlink(missing_ok=True)  # an earlier run's
         self.publishing = True
 
     def stop(self) -> None:
@@ -242,6 +277,7 @@ class StallWatch:
         if (self.records_folder / STOP_FLAG).exists():
             self._exit_stalled()
             return
+        self._check_link(now)
         local = self._local()
         publisher = min((s.rank for s in local if time.time() - s.heartbeat_at < BEAT_STALE_S), default=None)
         if publisher != self.record.rank or now - self._last_publish < PUBLISH_S:
@@ -253,6 +289,30 @@ class StallWatch:
             return
         if self.world is not None and self._leads(local, now):
             self._lead(now)
+
+    def _check_link(self, now: float) -> None:
+        """Every rank checks its own host's way to the rendezvous once it has sat in one loop phase for
+        a while (sdzero.process.link_check), and writes the answer to its link file when it changes: the
+        ranks of a host may share one publisher, which cannot check another host's link for it."""
+        position = (self.record.step, self.record.phase)
+        if position != self._position:
+            self._position, self._position_since = position, now
+        idle = now - self._position_since if CODES.get(position[1], 0) >= LOOP_FROM else 0.0
+        answer = self.link.update(idle, now)
+        if self.publishing and answer != self._link_answer:
+            self._link_answer = answer
+            body = {"rank": self.record.rank, "host": socket.gethostname(), "reaches_rendezvous": answer}
+            write_quick(self.progress_dir / link_file_name(self.record.rank), json.dumps(body))
+
+    def _cut_off_hosts(self) -> set[str]:
+        """Hosts with a rank of this run that last found the rendezvous out of reach."""
+        hosts = set()
+        for path in self.progress_dir.glob("link-*.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                body = json.loads(path.read_text())
+                if body["reaches_rendezvous"] is False and int(body["rank"]) < (self.world or 0):
+                    hosts.add(str(body["host"]))
+        return hosts
 
     def _stall_named(self) -> bool:
         """stall.json was written during this run (one left by an earlier run in the folder is not)."""
@@ -328,6 +388,7 @@ class StallWatch:
             if snap.rank not in latest or responding:
                 latest[snap.rank] = (snap, responding)
         self.leader.observe(list(latest.values()), now)
+        self.leader.cut_off = self._cut_off_hosts()
         if self.stall_seconds > 0 and self.leader.stalled_for(now) > self.stall_seconds:
             self._name_stall(now)
 
@@ -335,7 +396,7 @@ class StallWatch:
         from sdzero.atomic import write_json_atomic
 
         assert self.leader is not None
-        lines, groups = describe_stall(self.leader.ranks, now)
+        lines, groups = describe_stall(self.leader.ranks, now, self.leader.cut_off)
         summary = "; ".join(lines)
         write_json_atomic(
             self.output_dir / STALL_FILE,
