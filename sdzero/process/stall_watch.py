@@ -122,9 +122,15 @@ class Leader:
             self.armed = True
 
     def stalled_for(self, now: float) -> float:
-        """Seconds since any rank last advanced (0 before every rank reached the loop, or at its end)."""
-        if not self.armed or self.ended or not self.ranks:
+        """Seconds since any rank last advanced (0 at the run's end). Before every rank reached the loop,
+        only while a rank is not responding (a stopped or gone process): a start-up phase may rightly
+        take longer than --stall-seconds (an op build, a download), a silent watcher never does."""
+        if self.ended or not self.ranks:
             return 0.0
+        if not self.armed:
+            silent = any(not v.responding for v in self.ranks.values())
+            if not silent or len(self.ranks) < self.world:
+                return 0.0
         return now - max(v.changed_at for v in self.ranks.values())
 
 

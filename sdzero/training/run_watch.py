@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from sdzero.config.train_config import TrainConfig, rank_from_env
 from sdzero.process.stall_watch import StallWatch, enable_flight_recorder
 from sdzero.telemetry import progress
 from sdzero.telemetry.progress import open_record, reap_stale, records_dir, run_key
+from sdzero.training.startup import longest_line, longest_phase, share_phases
 
 log = logging.getLogger("sdzero")
 
@@ -89,12 +91,15 @@ def mark(name: str) -> None:
     _CLOCK.enter(name)
 
 
-def startup_done(rank: int) -> list[tuple[str, float]]:
-    """Close the last start-up phase; rank 0 logs where start-up went. The phases and their seconds."""
+def startup_done(rank: int) -> list[dict[str, Any]]:
+    """Close the last start-up phase and share every rank's phases (one all-gather); rank 0 logs where its
+    start-up went and the longest phase of any rank. Every rank's {rank, host, phases, total_s}."""
     _CLOCK.enter(None)
+    ranks = share_phases(_CLOCK.phases)
+    found = longest_phase(ranks)
     if rank == 0 and _CLOCK.phases:
-        log.info(startup_line(_CLOCK.phases))
-    return list(_CLOCK.phases)
+        log.info("%s%s", startup_line(_CLOCK.phases), f"; {longest_line(found)}" if found else "")
+    return ranks
 
 
 def stop_watch() -> None:

@@ -61,6 +61,7 @@ from sdzero.training.engine import init_engine, loss_scale_of
 from sdzero.training.fast_paths import apply_backend_flags, check_attention, check_speed_options, speed_report
 from sdzero.training.link_probe import LinkProbeCallback
 from sdzero.training.run_output import export_final, prepare_output, quiet_libraries
+from sdzero.training.startup import StartupRecord
 from sdzero.training.straggler import StragglerCallback
 from sdzero.training.validation import Validator
 
@@ -306,7 +307,8 @@ class Trainer:
             *([LinkProbeCallback(cfg.straggler_every)] if cfg.straggler_every else []),
             PreemptionCallback(preemption),
         ]
-        run_watch.startup_done(rank)
+        # every rank's start-up phases, shared once; the first step's metrics line carries them
+        callbacks.append(StartupRecord(run_watch.startup_done(rank)))
         return cls(
             cfg,
             ds,
