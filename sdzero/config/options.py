@@ -95,8 +95,9 @@ class RunOptions:
     )
     straggler_every: int = option(
         50,
-        "every N steps the ranks share their own compute time per step; a host persistently slower than "
-        "the others is named in metrics.jsonl, on the terminal and in the report (0: off)",
+        "every N steps the ranks share their own compute time per step and time a round trip between "
+        "every pair of hosts; a host persistently slower than the others, or whose links are, is named in "
+        "metrics.jsonl, on the terminal and in the report (0: off)",
     )
 
 
