@@ -13,14 +13,13 @@ Phases (each resumable; run each under the heavy lock, they fit its few-minutes 
    each with and without gradient checkpointing, accumulation 1), one `sdzero profile` launch each;
 2. `cap`: the device memory cap: from the grid's measured per-rank peaks, the cap (its usable part, the
    advisor's default headroom of 10% left free) under which the fastest config that fits needs gradient
-   checkpointing, set midway (geometrically) between that config's peak and the smallest peak of a
-   faster config that does not use it: the case where SDXL at 1024 px does not fit a GPU without
-   checkpointing or offload, at this machine's scale;
+   checkpointing, clearly (`choose_cap`): the case where SDXL at 1024 px does not fit a GPU at a useful
+   micro-batch without checkpointing or offload, at this machine's scale;
 3. `advise`: `sdzero advise --max-nodes 1 --checkpointing both --device-memory-gib CAP` as a user runs it,
    timed from start to exit;
 4. `host`: `sdzero advise --replan` of that run with `--host-memory-gib` declared between the host RAM the
-   pick needs and the most any config needs (predictions.csv `host_bytes_per_node`): the configs over it
-   must be refused with their reason and the pick must stay;
+   pick needs and the most any config needs (predictions.csv `host_bytes_per_node`; where the pick needs
+   the most, between the least and the pick's): the configs over it must be refused with their reason;
 5. `report`: advise's pick against the grid's fastest config that fits the cap (per-sample rate at the
    pick's micro-batch and checkpointing, measured by the grid), whether their difference lies within the
    two measurements' 95% half-widths in quadrature, advise's wall time over the grid's, and whether the
@@ -136,21 +135,31 @@ def grid_row(r: pd.Series) -> dict:
 
 
 def choose_cap(rows: list[dict]) -> dict:
-    """The usable cap under which the fastest fitting config uses checkpointing, with the widest margin."""
-    best: dict | None = None
+    """The usable cap under which the fastest fitting config uses checkpointing, clearly.
+
+    Candidates sit (geometrically) midway in each gap between two adjacent measured peaks; a candidate
+    counts where the fastest config that fits is checkpointed and leads the fastest plain one that fits
+    (if any) by more than their two half-widths in quadrature. Of those, the widest gap: the peaks are
+    computed, not sampled, but the advisor predicts the configs it does not measure."""
     rows = [r for r in rows if in_reach(r["micro_batch"])]
-    for g in (r for r in rows if r["gc"]):
-        faster_plain = [r["peak"] for r in rows if not r["gc"] and r["rate"] > g["rate"]]
-        above = min((p for p in faster_plain if p > g["peak"]), default=None)
-        if above is None or any(p <= g["peak"] for p in faster_plain):
-            continue  # a faster plain config fits wherever g does
-        usable = math.sqrt(g["peak"] * above)
-        if max((r for r in rows if r["peak"] <= usable), key=lambda r: r["rate"])["gc"]:
-            margin = above / g["peak"]
-            if best is None or margin > best["margin"]:
-                best = {"usable_bytes": usable, "margin": margin, "gc_config": g["id"]}
+    peaks = sorted({r["peak"] for r in rows})
+    best: dict | None = None
+    for low, high in zip(peaks, peaks[1:], strict=False):
+        usable = math.sqrt(low * high)
+        fitting = [r for r in rows if r["peak"] <= usable]
+        top = max(fitting, key=lambda r: r["rate"])
+        plain = [r for r in fitting if not r["gc"]]
+        rival = max(plain, key=lambda r: r["rate"]) if plain else None
+        clear = rival is None or top["rate"] / rival["rate"] - 1 > math.hypot(top["half"], rival["half"])
+        if top["gc"] and clear and (best is None or high / low > best["margin"]):
+            best = {
+                "usable_bytes": usable,
+                "margin": high / low,
+                "fastest_fitting": top["id"],
+                "fastest_plain_fitting": None if rival is None else rival["id"],
+            }
     if best is None:
-        raise SystemExit("no cap makes a checkpointed config the fastest that fits: widen the grid")
+        raise SystemExit("no cap makes a checkpointed config clearly the fastest that fits: widen the grid")
     best["device_memory_gib"] = best["usable_bytes"] / (1 - HEADROOM) / 2**30
     return best
 
@@ -165,13 +174,17 @@ def run_advise(out: Path, model: Path, data: Path, cap_gib: float, budget: float
 
 
 def host_check(advise_dir: Path, out: Path) -> dict:
-    """Replan with a declared host RAM between the pick's need and the largest: who is refused, and why."""
+    """Replan with a declared host RAM between two configs' needs: who is refused, and why."""
     preds = pd.read_csv(advise_dir / "predictions.csv")
     rec = json.loads((advise_dir / "recommendation.json").read_text())
     one = preds[preds["node_count"] == 1]
+    needs = pd.to_numeric(one["host_bytes_per_node"], errors="coerce").dropna()
     pick_need = float(one.loc[one["config_id"] == rec["config_id"], "host_bytes_per_node"].max())
-    most = float(one["host_bytes_per_node"].max())
-    declared = math.sqrt(pick_need * most) / 2**30
+    most, least = float(needs.max()), float(needs[needs > 0].min())
+    # Between the pick's need and the most (the pick stays), or, where the pick needs the most, between
+    # the least and the pick's (the pick itself is refused and the answer moves).
+    low, high = (pick_need, most) if most > pick_need else (least, pick_need)
+    declared = math.sqrt(low * high) / 2**30
     cmd = [str(REPO / ".venv" / "bin" / "sdzero"), "advise", "--replan", str(advise_dir), "--out", str(out)]
     cmd += ["--host-memory-gib", f"{declared:.6f}"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
@@ -185,6 +198,7 @@ def host_check(advise_dir: Path, out: Path) -> dict:
         "declared_gib": declared,
         "pick_need_gib": pick_need / 2**30,
         "most_gib": most / 2**30,
+        "least_gib": least / 2**30,
         "refused": sorted(set(refused["config_id"])),
         "reasons": sorted(set(refused["host_reason"].astype(str)))[:2],
         "pick_after": str(again["config_id"]),
