@@ -116,9 +116,21 @@ def run_grid_stage(model: Path, data: Path, out: Path, stage: int) -> dict:
     )
     started = time.monotonic()
     result = run_profile(model, data, out, grid=grid, base_config=shipped_config("zero2_bf16.json"))
-    wall = time.monotonic() - started
+    call_s = time.monotonic() - started
     rows = result.table[result.table["status"] == "ok"]
-    return {"wall_s": wall, "rows": [grid_row(r) for _, r in rows.iterrows()]}
+    return {
+        "wall_s": launches_wall_s(out),
+        "call_s": call_s,
+        "rows": [grid_row(r) for _, r in rows.iterrows()],
+    }
+
+
+def launches_wall_s(out: Path) -> float:
+    """The grid's launches' walls (launches.json: a contended launch counted, whether or not its relaunch
+    finished): what the grid cost, also where a rerun of the phase found its configs measured."""
+    from advisor.measure.launch import LAUNCHES_FILE, read_launches
+
+    return sum(r.wall_s or 0.0 for r in read_launches(out / LAUNCHES_FILE))
 
 
 def grid_row(r: pd.Series) -> dict:
@@ -173,7 +185,7 @@ def run_advise(out: Path, model: Path, data: Path, cap_gib: float, budget: float
     return wall, terminal
 
 
-def host_check(advise_dir: Path, out: Path) -> dict:
+def host_check(advise_dir: Path, out: Path, cap_gib: float) -> dict:
     """Replan with a declared host RAM between two configs' needs: who is refused, and why."""
     preds = pd.read_csv(advise_dir / "predictions.csv")
     rec = json.loads((advise_dir / "recommendation.json").read_text())
@@ -186,7 +198,7 @@ def host_check(advise_dir: Path, out: Path) -> dict:
     low, high = (pick_need, most) if most > pick_need else (least, pick_need)
     declared = math.sqrt(low * high) / 2**30
     cmd = [str(REPO / ".venv" / "bin" / "sdzero"), "advise", "--replan", str(advise_dir), "--out", str(out)]
-    cmd += ["--host-memory-gib", f"{declared:.6f}"]
+    cmd += ["--host-memory-gib", f"{declared:.6f}", "--device-memory-gib", f"{cap_gib:.6f}"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     if done.returncode != 0:
         raise SystemExit(f"replan failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -310,7 +322,7 @@ def main() -> None:
         answer = next((x for x in terminal.splitlines() if x.startswith("answer:")), "")
         results["advise"] = {"out": str(out), "wall_s": wall, "answer": answer}
     elif phase == "host":
-        results["host"] = host_check(work / "advise", work / "host")
+        results["host"] = host_check(work / "advise", work / "host", results["cap"]["device_memory_gib"])
     else:
         results["report"] = report(results)
     path.write_text(json.dumps(results, indent=1))

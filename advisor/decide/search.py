@@ -126,24 +126,30 @@ def _rate(
 
 
 def _best_measured(
-    models: Models, trials: pd.DataFrame, nodes: int, target_net: Network, target: BatchTarget | None
+    models: Models,
+    trials: pd.DataFrame,
+    nodes: int,
+    target_net: Network,
+    target: BatchTarget | None,
+    usable_bytes: float = math.inf,
 ) -> float:
-    rates = [
-        _rate(
-            models,
-            Candidate(
-                int(r["zero_stage"]),
-                str(r["precision"]),
-                int(r["micro_batch"]),
-                str(r.get("offload", "none")),
-                is_checkpointed(r),
-            ),
-            nodes,
-            target_net,
-            target,
+    """The best predicted samples/s at `nodes` of the measured configs that fit `usable_bytes` there: a
+    faster one that does not fit (measured before the memory model knew) is no leader to beat."""
+    rates = []
+    world = nodes * target_net.gpus_per_node
+    for _, r in trials[trials["status"] == "ok"].iterrows():
+        c = Candidate(
+            int(r["zero_stage"]),
+            str(r["precision"]),
+            int(r["micro_batch"]),
+            str(r.get("offload", "none")),
+            is_checkpointed(r),
         )
-        for _, r in trials[trials["status"] == "ok"].iterrows()
-    ]
+        mem = models.memory.per_rank_bytes(
+            c.zero_stage, c.precision, c.micro_batch, c.offload, world, c.checkpointing
+        )
+        if mem["total"] <= usable_bytes:
+            rates.append(_rate(models, c, nodes, target_net, target))
     return max((r for r in rates if r is not None), default=0.0)
 
 
@@ -200,7 +206,7 @@ def _scored(
     (predicted rate over that count's best measured one, predicted rate, node count, spec, best measured
     rate), the widest lead first."""
     node_counts = _counts(target_nodes)
-    best = {n: _best_measured(models, trials, n, target_net, target) for n in node_counts}
+    best = {n: _best_measured(models, trials, n, target_net, target, usable_bytes) for n in node_counts}
     scored: list[tuple[float, float, int, TrialSpec, float]] = []
     for spec in (s for ladder in plan.ladders for s in ladder):
         if _blocked(spec, trials):

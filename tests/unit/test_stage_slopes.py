@@ -216,3 +216,23 @@ def test_the_search_stops_launching_once_the_groups_left_are_predicted_clearly_s
     # Without the stop (the margin never met) every group is launched: the cost grows with the grid.
     _, every, _ = searched(monkeypatch, budget_s=6000, decide=False, full=doubled, grid=grid)
     assert len(every.launches) == 6
+
+
+def test_a_measured_leader_over_the_memory_cap_decides_nothing():
+    """ZeRO-1 and 3 measured, ZeRO-2 left. With room for everything, ZeRO-2 is predicted far slower than
+    ZeRO-1's micro-batch 8 and the search is decided; under a cap that ZeRO-1's micro-batch 4 and 8 do
+    not fit (ZeRO-2's micro-batch 4, a little smaller, does), the leader to beat is ZeRO-1's micro-batch 2,
+    ZeRO-2's micro-batch 4 is predicted within DECIDED_MARGIN of it, and ZeRO-2 must be launched."""
+    full = full_grid().reset_index()
+    trials = full[full["trial_id"].str.startswith(("z1-", "z3-")) & ~full["trial_id"].str.endswith("-ga4")]
+    left = [ladder for ladder in plan().ladders if ladder[0].zero_stage == 2]
+    measured_net, target = nets(gpus=2)
+    models = search.fit_models(trials, NUMELS, ZERO, measured_net)
+    per_rank = {s: models.memory.per_rank_bytes(s, "bf16", 4, "none", 2)["total"] for s in (1, 2)}
+    cap = (per_rank[1] + per_rank[2]) / 2  # ZeRO-1's micro-batch 4 over it, ZeRO-2's under
+
+    def why(usable: float) -> str | None:
+        return search.decided(left, trials, NUMELS, ZERO, measured_net, target, 1, usable, None)
+
+    assert why(1e12) is not None and "z2-" in why(1e12)
+    assert why(cap) is None
