@@ -226,21 +226,22 @@ def report(results: dict) -> dict:
     fitting = [r for r in rows if r["peak"] <= usable]
     best = max(fitting, key=lambda r: r["rate"])
     rec = json.loads((Path(results["advise"]["out"]) / "recommendation.json").read_text())
-    gc = "gc" in str(rec["config_id"]).split("-")
+    # The grid is one node's: advise's choice at one node (its scaling table's row; the answer's node count
+    # follows the efficiency rule).
+    one = next(r for r in rec["scaling_table"] if int(r["node_count"]) == 1)
+    config = str(one["config_id"]).split("-")
+    stage, gc = int(config[0][1:]), "gc" in config
     matches = [
-        r
-        for r in rows
-        if r["stage"] == int(rec["zero_stage"])
-        and r["micro_batch"] == int(rec["micro_batch"])
-        and r["gc"] == gc
+        r for r in rows if (r["stage"], r["micro_batch"], r["gc"]) == (stage, int(one["micro_batch"]), gc)
     ]
     pick = matches[0] if matches else None
     grid_wall = sum(results[f"grid-{s}"]["wall_s"] for s in (1, 2, 3))
     out = {
         "best": best["id"],
         "best_needs_gc": best["gc"],
-        "pick": rec["config_id"],
-        "pick_grad_accum": int(rec["grad_accum"]),
+        "pick": str(one["config_id"]),
+        "pick_grad_accum": int(one["grad_accum"]),
+        "answer_config": f"{rec['node_count']} nodes, {rec['config_id']}",
         "pick_names_gc": gc,
         "grid_wall_s": grid_wall,
         "advise_wall_s": results["advise"]["wall_s"],
