@@ -83,6 +83,15 @@ def measured_seconds(out: Path) -> float:
     return total
 
 
+def trials_seconds(out: Path) -> float:
+    """The same from trials.csv alone: each row's measured steps x its median step time (every row, ok or
+    raced out, that measured steps; the accumulation checks included)."""
+    table = pd.read_csv(out / "profile" / "trials.csv")
+    steps = pd.to_numeric(table["measured_steps"], errors="coerce").fillna(0)
+    median = pd.to_numeric(table["step_time_median_s"], errors="coerce").fillna(0)
+    return float((steps * median).sum())
+
+
 def configs_measured(out: Path) -> int:
     table = pd.read_csv(out / "profile" / "trials.csv")
     return int(table.loc[table["status"] == "ok", "trial_id"].nunique())
@@ -126,11 +135,15 @@ def main() -> None:
             )
             (work / f"{key}.txt").write_text(terminal)
             measured = measured_seconds(out)
+            from_trials = trials_seconds(out)
             configs = configs_measured(out)
             results[key] = {
                 "wall_s": wall,
                 "measured_s": measured,
                 "measured_share": measured / wall,
+                "trials_steps_s": from_trials,
+                "trials_share": from_trials / wall,
+                "phases": phase_seconds(out),
                 "configs": configs,
                 "configs_per_minute": configs / (wall / 60),
                 "answer": next((line for line in terminal.splitlines() if line.startswith("answer:")), ""),
@@ -147,6 +160,25 @@ def main() -> None:
     print(table(results))
     if "grid-rehearsal" in results:
         print(grid_lines(results["grid-rehearsal"]))
+
+
+def phase_seconds(out: Path) -> dict[str, float]:
+    """Where the wall time went: the launches' walls, start-ups, steps and timed steps (launches.json);
+    the rest of the wall is outside the launches (the collectives benchmark, the fit, the report); the
+    span of the comm/ folder's file times bounds the benchmark from below."""
+    from advisor.measure.launch import LAUNCHES_FILE, read_launches
+
+    path = next((p for p in (out / "profile" / LAUNCHES_FILE, out / LAUNCHES_FILE) if p.is_file()), None)
+    records = read_launches(path) if path is not None else []
+    comm = [p.stat().st_mtime for p in (out / "comm").rglob("*") if p.is_file()]
+    return {
+        "launches": len(records),
+        "launch_wall_s": sum(r.wall_s or 0.0 for r in records),
+        "startup_s": sum(r.startup_s or 0.0 for r in records),
+        "steps_s": sum(r.steps_s or 0.0 for r in records),
+        "timed_s": sum(r.timed_s or 0.0 for r in records),
+        "comm_files_span_s": (max(comm) - min(comm)) if len(comm) > 1 else 0.0,
+    }
 
 
 def announced_budget_s(out: Path) -> float | None:
@@ -243,7 +275,9 @@ def cpu_name() -> str:
 
 def show(key: str, r: dict) -> None:
     print(
-        f"{key}: {r['wall_s']:.0f} s wall, {r['measured_s']:.0f} s in measured steps ({r['measured_share']:.0%}), "
+        f"{key}: {r['wall_s']:.0f} s wall, {r['measured_s']:.0f} s in measured steps ({r['measured_share']:.0%}; "
+        f"trials.csv: {r.get('trials_steps_s', float('nan')):.0f} s, {r.get('trials_share', float('nan')):.0%}), "
+        f"phases {r.get('phases')}, "
         f"{r['configs']} configs ({r['configs_per_minute']:.1f} a minute); budget announced "
         f"{(r.get('budget_s') or float('nan')):.0f} s; measured configs' intervals "
         f"+-{max(r.get('measured_halfwidths') or [float('nan')]):.1%} at most",

@@ -126,24 +126,30 @@ def _rate(
 
 
 def _best_measured(
-    models: Models, trials: pd.DataFrame, nodes: int, target_net: Network, target: BatchTarget | None
+    models: Models,
+    trials: pd.DataFrame,
+    nodes: int,
+    target_net: Network,
+    target: BatchTarget | None,
+    usable_bytes: float = math.inf,
 ) -> float:
-    rates = [
-        _rate(
-            models,
-            Candidate(
-                int(r["zero_stage"]),
-                str(r["precision"]),
-                int(r["micro_batch"]),
-                str(r.get("offload", "none")),
-                is_checkpointed(r),
-            ),
-            nodes,
-            target_net,
-            target,
+    """The best predicted samples/s at `nodes` of the measured configs that fit `usable_bytes` there: a
+    faster one that does not fit (measured before the memory model knew) is no leader to beat."""
+    rates = []
+    world = nodes * target_net.gpus_per_node
+    for _, r in trials[trials["status"] == "ok"].iterrows():
+        c = Candidate(
+            int(r["zero_stage"]),
+            str(r["precision"]),
+            int(r["micro_batch"]),
+            str(r.get("offload", "none")),
+            is_checkpointed(r),
         )
-        for _, r in trials[trials["status"] == "ok"].iterrows()
-    ]
+        mem = models.memory.per_rank_bytes(
+            c.zero_stage, c.precision, c.micro_batch, c.offload, world, c.checkpointing
+        )
+        if mem["total"] <= usable_bytes:
+            rates.append(_rate(models, c, nodes, target_net, target))
     return max((r for r in rates if r is not None), default=0.0)
 
 
@@ -167,10 +173,41 @@ def choose_next(
     measured config by the widest margin."""
     if (trials["status"] == "ok").sum() == 0:
         return None, "no trial succeeded, nothing to fit"
-    node_counts = (target_nodes,) if isinstance(target_nodes, int) else tuple(target_nodes)
     models = fit_models(trials, numels, zero, measured_net)
-    best = {n: _best_measured(models, trials, n, target_net, target) for n in node_counts}
-    scored: list[tuple[float, float, int, TrialSpec]] = []
+    scored = _scored(plan, trials, models, target_net, target_nodes, usable_bytes, target)
+    if not scored:
+        return None, "every unmeasured grid point is measured, predicted not to fit, or above an OOM"
+    lead, top_rate, nodes, top, best = scored[0]
+    # While a precision has a single micro-batch measured its compute is taken as proportional to the
+    # micro-batch, which cannot tell the micro-batches apart: measure the pick to learn the slope.
+    if not models.timing.proportional and lead <= 1 + DOMINATED_MARGIN:
+        return None, (
+            f"no unmeasured config is predicted faster than the best measured one at any of "
+            f"{', '.join(map(str, _counts(target_nodes)))} nodes ({top.trial_id} at {nodes}: "
+            f"{top_rate:.1f} vs {best:.1f} samples/s)"
+        )
+    return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {nodes} nodes"
+
+
+def _counts(target_nodes: int | Sequence[int]) -> tuple[int, ...]:
+    return (target_nodes,) if isinstance(target_nodes, int) else tuple(target_nodes)
+
+
+def _scored(
+    plan: GridPlan,
+    trials: pd.DataFrame,
+    models: Models,
+    target_net: Network,
+    target_nodes: int | Sequence[int],
+    usable_bytes: float,
+    target: BatchTarget | None,
+) -> list[tuple[float, float, int, TrialSpec, float]]:
+    """Every unmeasured grid point that fits, at every judged node count the global batch reaches:
+    (predicted rate over that count's best measured one, predicted rate, node count, spec, best measured
+    rate), the widest lead first."""
+    node_counts = _counts(target_nodes)
+    best = {n: _best_measured(models, trials, n, target_net, target, usable_bytes) for n in node_counts}
+    scored: list[tuple[float, float, int, TrialSpec, float]] = []
     for spec in (s for ladder in plan.ladders for s in ladder):
         if _blocked(spec, trials):
             continue
@@ -186,20 +223,41 @@ def choose_next(
             )
             if rate is None or max(trial_mem["total"], target_mem["total"]) > usable_bytes:
                 continue
-            scored.append((rate / best[n] if best[n] > 0 else float("inf"), rate, n, spec))
-    if not scored:
-        return None, "every unmeasured grid point is measured, predicted not to fit, or above an OOM"
+            scored.append((rate / best[n] if best[n] > 0 else float("inf"), rate, n, spec, best[n]))
     scored.sort(key=lambda t: -t[0])
-    lead, top_rate, nodes, top = scored[0]
-    # While a precision has a single micro-batch measured its compute is taken as proportional to the
-    # micro-batch, which cannot tell the micro-batches apart: measure the pick to learn the slope.
-    if not models.timing.proportional and lead <= 1 + DOMINATED_MARGIN:
-        return None, (
-            f"no unmeasured config is predicted faster than the best measured one at any of "
-            f"{', '.join(map(str, node_counts))} nodes ({top.trial_id} at {nodes}: {top_rate:.1f} vs "
-            f"{best[nodes]:.1f} samples/s)"
-        )
-    return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {nodes} nodes"
+    return scored
+
+
+def decided(
+    groups: Sequence[Sequence[TrialSpec]],
+    trials: pd.DataFrame,
+    numels: tuple[int, ...],
+    zero: ZeroSettings,
+    measured_net: Network,
+    target_net: Network,
+    target_nodes: int | Sequence[int],
+    usable_bytes: float,
+    target: BatchTarget | None,
+) -> str | None:
+    """Why launching the groups left would not change the pick, or None while one might: every config of
+    them that is predicted to fit is predicted slower than the best measured one by more than
+    DECIDED_MARGIN at every judged node count. Never while nothing is measured or while a precision's
+    compute is still taken as proportional to the micro-batch (one micro-batch measured)."""
+    if not groups or not (trials["status"] == "ok").any():
+        return None
+    models = fit_models(trials, numels, zero, measured_net)
+    if models.timing.proportional:
+        return None
+    scored = _scored(GridPlan(list(groups)), trials, models, target_net, target_nodes, usable_bytes, target)
+    if not scored:  # the memory model is least sure of the stages not launched: measure them
+        return None
+    lead, rate, nodes, top, best = scored[0]
+    if lead >= 1 - DECIDED_MARGIN:
+        return None
+    return (
+        f"the best of the groups left, {top.trial_id}, is predicted {1 - lead:.0%} slower than the best "
+        f"measured at {nodes} nodes ({rate:.1f} vs {best:.1f} samples/s)"
+    )
 
 
 FIRST_LAUNCH_MEASURE_SHARE = 0.5
@@ -308,6 +366,13 @@ def run_search(
     _hold_to(run_specs, started + _usable(budget_s))
     while groups and len(trials) < limit:
         left = _usable(budget_s) - (time.monotonic() - started)
+        why_done = decided(
+            groups, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
+        )
+        if why_done is not None:
+            result.log.append(f"stopped: the pick is decided; {len(groups)} groups not launched: {why_done}")
+            say(result.log[-1])
+            break
         models = fit_models(trials, numels, zero, measured_net) if (trials["status"] == "ok").any() else None
         group = _next_group(
             groups, plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
@@ -349,6 +414,12 @@ def run_search(
     result.trials = trials
     result.budget_s = budget_s
     return result
+
+
+DECIDED_MARGIN = 0.15
+"""The search stops launching groups once every config of the groups left is predicted slower than the
+best measured one by more than this fraction (their costs are borrowed, so the margin is wider than one
+measurement's noise): a larger grid then costs the launches that can change the pick, not one per group."""
 
 
 def _hold_to(run_specs: Callable[..., pd.DataFrame], deadline: float) -> None:

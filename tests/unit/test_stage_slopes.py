@@ -102,13 +102,24 @@ class LaunchReplay:
         return STARTUP_S, STEP_S
 
 
-def searched(monkeypatch, budget_s: float, default_base_s: float | None = None):
+def searched(
+    monkeypatch,
+    budget_s: float,
+    default_base_s: float | None = None,
+    decide: bool = False,
+    full: pd.DataFrame | None = None,
+    grid=None,
+):
+    """The search over the replayed grid; `decide` False: it never stops for a decided pick (the launches
+    and the budget's plan are what is tested), as where every group stays within DECIDED_MARGIN."""
     clock = Clock()
     monkeypatch.setattr(search.time, "monotonic", clock)
-    replay = LaunchReplay(full_grid(), clock)
+    if not decide:
+        monkeypatch.setattr(search, "DECIDED_MARGIN", 1.0)
+    replay = LaunchReplay(full_grid() if full is None else full, clock)
     measured_net, target = nets(gpus=2)
     result = run_search(
-        plan(),
+        plan() if grid is None else grid,
         replay,
         NUMELS,
         ZERO,
@@ -160,3 +171,68 @@ def test_the_default_budget_grows_to_launch_every_group_once_at_the_measured_cos
     assert capped.budget_s == 100
     grown, replay, spent = searched(monkeypatch, budget_s=100, default_base_s=100)
     assert grown.budget_s > 100 and len(replay.launches) == 3 and spent <= grown.budget_s
+
+
+def with_offload(full: pd.DataFrame) -> pd.DataFrame:
+    """The grid again with optimizer offload: every config slower by a fixed CPU-optimizer cost a step."""
+    rows = full.reset_index()
+    offloaded = rows.assign(
+        trial_id=rows["trial_id"].str.replace("off-none", "off-optimizer"),
+        offload="optimizer",
+        step_time_s=rows["step_time_s"] + 0.3,
+    )
+    offloaded["samples_per_s"] = offloaded["global_batch"] / offloaded["step_time_s"]
+    return pd.concat([rows, offloaded], ignore_index=True).set_index("trial_id")
+
+
+def test_the_search_stops_launching_once_the_groups_left_are_predicted_clearly_slower(monkeypatch):
+    """Across launches: once every config of the groups not launched is predicted more than
+    DECIDED_MARGIN slower than the best measured one, no more launches; the log says why. Doubling the
+    grid with slower groups (optimizer offload) adds no launch, and the grid's best is measured."""
+    result, replay, _ = searched(monkeypatch, budget_s=6000, decide=True)
+    assert [launch[0][:3] for launch in replay.launches] == ["z1-", "z3-"]  # ZeRO-2 predicted, not launched
+    (stop,) = [line for line in result.log if line.startswith("stopped: the pick is decided")]
+    assert "1 groups not launched" in stop and "z2-" in stop
+    full = full_grid()
+    plain = full[~full.index.str.endswith("-ga4")]
+    assert plain["samples_per_s"].idxmax() in set(result.trials["trial_id"])
+
+    doubled = with_offload(full)
+    grid = plan_grid(
+        GridRequest(
+            stages=(1, 2, 3),
+            precisions=("bf16",),
+            micro_batches=(1, 2, 4, 8),
+            offloads=("none", "optimizer"),
+            ranks_per_node=(2,),
+        ),
+        {"bf16": True},
+    )
+    larger, replay2, _ = searched(monkeypatch, budget_s=6000, decide=True, full=doubled, grid=grid)
+    assert len(replay2.launches) == len(replay.launches)  # 6 groups, the same 2 launches
+    assert any("4 groups not launched" in line for line in larger.log)
+    best = doubled[~doubled.index.str.endswith("-ga4")]["samples_per_s"].idxmax()
+    assert best in set(larger.trials["trial_id"])
+    # Without the stop (the margin never met) every group is launched: the cost grows with the grid.
+    _, every, _ = searched(monkeypatch, budget_s=6000, decide=False, full=doubled, grid=grid)
+    assert len(every.launches) == 6
+
+
+def test_a_measured_leader_over_the_memory_cap_decides_nothing():
+    """ZeRO-1 and 3 measured, ZeRO-2 left. With room for everything, ZeRO-2 is predicted far slower than
+    ZeRO-1's micro-batch 8 and the search is decided; under a cap that ZeRO-1's micro-batch 4 and 8 do
+    not fit (ZeRO-2's micro-batch 4, a little smaller, does), the leader to beat is ZeRO-1's micro-batch 2,
+    ZeRO-2's micro-batch 4 is predicted within DECIDED_MARGIN of it, and ZeRO-2 must be launched."""
+    full = full_grid().reset_index()
+    trials = full[full["trial_id"].str.startswith(("z1-", "z3-")) & ~full["trial_id"].str.endswith("-ga4")]
+    left = [ladder for ladder in plan().ladders if ladder[0].zero_stage == 2]
+    measured_net, target = nets(gpus=2)
+    models = search.fit_models(trials, NUMELS, ZERO, measured_net)
+    per_rank = {s: models.memory.per_rank_bytes(s, "bf16", 4, "none", 2)["total"] for s in (1, 2)}
+    cap = (per_rank[1] + per_rank[2]) / 2  # ZeRO-1's micro-batch 4 over it, ZeRO-2's under
+
+    def why(usable: float) -> str | None:
+        return search.decided(left, trials, NUMELS, ZERO, measured_net, target, 1, usable, None)
+
+    assert why(1e12) is not None and "z2-" in why(1e12)
+    assert why(cap) is None
