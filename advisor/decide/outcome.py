@@ -32,11 +32,11 @@ from advisor.decide.scaling_table import (
 from advisor.decide.search import CHECK_TRIALS, SearchResult
 from advisor.decide.withheld import larger_batch_note, withhold_timing
 from advisor.measure.grid import is_checkpointed
+from advisor.model.interval_words import NOT_MEASURED_WELL, TOO_WIDE, duration_range, range_text, too_wide
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate
 from advisor.model.target_compute import ComputeBasis
 from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
-from advisor.report.answer import NOT_MEASURED_WELL, TOO_WIDE, duration_range, range_text, too_wide
 from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
 from sdzero.telemetry.environment import bf16_emulated
