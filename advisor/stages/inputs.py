@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from advisor.decide.scaling_table import NodeRule
+from advisor.decide.node_rules import NodeRule, node_rule
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config
 from advisor.measure.profile import TrialsHost
 from advisor.measure.trials import TrialSettings
@@ -266,7 +266,7 @@ def check_request_options(
         r.inter_node_latency_us,
         r.nics_per_node,
     )
-    rule = NodeRule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
+    rule = node_rule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
     check_target_rate(r.target_tflops)
     samples_rule(r.samples_rule)
     for flag, value in (
