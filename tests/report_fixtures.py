@@ -398,6 +398,7 @@ def advise_answer(
     `measured` false the recommended config ran no trial; `stages` are the groups no trial measured."""
     from types import SimpleNamespace
 
+    from advisor.decide.node_rules import EfficiencyRule
     from advisor.decide.outcome import stages_without_trials, verdict
 
     batch, samples, startup, chosen = 256, 100_000, 12.0, 16
@@ -439,7 +440,7 @@ def advise_answer(
     groups = {"stages": list(stages), "budget_minutes": 9}
     outcome = SimpleNamespace(
         target_net=SimpleNamespace(inter=SimpleNamespace(source="preset ib-200")),
-        rule=SimpleNamespace(name="efficiency"),
+        rule=EfficiencyRule(),
         trials=pd.DataFrame([{"status": "ok", "zero_stage": 2, "precision": "bf16"}]),
         predictions=pd.DataFrame(
             [{"zero_stage": int(s.split()[0][-1]), "dtype": s.split()[1]} for s in stages]

@@ -16,15 +16,13 @@ from typing import Any
 import pandas as pd
 
 from advisor.decide.checkpointing import checkpointing_trade
+from advisor.decide.node_rules import NodeRule, table_knee
 from advisor.decide.scaling_table import (
     INTERVAL_COLUMNS,
     MEASURED,
     MODELLED,
     BatchReach,
-    NodeRule,
-    choose_node_count,
     link_provenance,
-    node_confidence,
     options_beside,
     scaling_table,
     table_records,
@@ -32,11 +30,11 @@ from advisor.decide.scaling_table import (
 from advisor.decide.search import CHECK_TRIALS, SearchResult
 from advisor.decide.withheld import larger_batch_note, withhold_timing
 from advisor.measure.grid import is_checkpointed
+from advisor.model.interval_words import NOT_MEASURED_WELL, TOO_WIDE, duration_range, range_text, too_wide
 from advisor.model.network import Network
 from advisor.model.predict import BatchTarget, Candidate
 from advisor.model.target_compute import ComputeBasis
 from advisor.model.time_to_train import StartUp, TrainAmount, cost_of, hours, money, trade_line
-from advisor.report.answer import NOT_MEASURED_WELL, TOO_WIDE, duration_range, range_text, too_wide
 from sdzero.config.lr_rule import LrChoice, choose_lr
 from sdzero.constants import GIB
 from sdzero.telemetry.environment import bf16_emulated
@@ -218,21 +216,17 @@ def stages_without_trials(o: Outcome) -> str:
 
 
 def node_choice(o: Outcome, table: pd.DataFrame) -> dict[str, Any]:
-    knee = choose_node_count(table, o.min_efficiency)
     chosen = int(o.best["node_count"])
     beside = options_beside(table)
     rows = table_records(table)
     return {
         "rule": o.rule.describe(GPU_HOURS),
-        "rule_name": o.rule.name,
-        "min_efficiency": o.min_efficiency,
-        "deadline_hours": o.rule.deadline_hours,
-        "max_gpu_hours": o.rule.max_gpu_hours,
+        **o.rule.record(),
         "chosen": chosen,
-        "knee": knee,
+        "knee": table_knee(table),
         **beside,
         "trade": trade_line(rows, chosen, beside["fastest"], GPU_HOURS, o.gpu_hour_price),
-        "confidence": node_confidence(o.rule, table, chosen),
+        "confidence": o.rule.confidence(table, chosen),
     }
 
 
@@ -341,7 +335,7 @@ def verdict(o: Outcome, rec: dict[str, Any]) -> str:
         f"(micro-batch {rec['micro_batch']} x accumulation {rec['grad_accum']}, global batch "
         f"{rec['global_batch']}): {figures} ({MODELLED} from {rec['trials_run']} trials on "
         f"{rec['provenance']['trials_ran_on']}, {measured}{link}{error}; node count by "
-        f"{'--nodes' if o.rule.name == 'nodes' else o.rule.name.replace('_', ' ') + ' rule'})"
+        f"{o.rule.verdict_words})"
     )
 
 

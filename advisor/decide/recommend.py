@@ -19,7 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY, choose_node_count, scaling_table
+from advisor.decide.node_rules import table_knee
+from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY, scaling_table
 from advisor.decide.ties import is_measured, is_tie, pick_config
 from advisor.measure.grid import TrialSpec, trial_ds_config
 from advisor.model.memory import MemoryModel
@@ -185,9 +186,7 @@ def recommend(
         raise ValueError("nothing fits")  # the caller turns this into what_would_fit
     if node_count is None:
         nodes = sorted(int(n) for n in predictions["node_count"].unique())
-        node_count = choose_node_count(
-            scaling_table(predictions, nodes, min_efficiency, "", set()), min_efficiency
-        )
+        node_count = table_knee(scaling_table(predictions, nodes, min_efficiency, "", set()))
     here = fits[fits["node_count"] == node_count]
     if here.empty:
         raise UserError(

@@ -5,8 +5,9 @@ Per node count the row is the fastest config that fits and reaches the global ba
 efficiency is its samples/s per node over the smallest node count's (1.0 is linear), and its time and
 GPU-hours to train are advisor.model.time_to_train's. The knee is the largest node count that keeps
 --min-efficiency: past it, each added node buys less than that fraction of a node's worth of throughput.
-The node count is chosen by one of the rules of NodeRule: the knee (the default), the fewest GPU-hours
-that finish within --deadline-hours, the soonest finish within --max-gpu-hours, or --nodes. A node count
+The knee is computed here, once per table, and marked in its `knee` column; the node count is chosen
+by one of the rules of advisor.decide.node_rules: the knee (the default), the fewest GPU-hours that finish
+within --deadline-hours, the soonest finish within --max-gpu-hours, or --nodes. A node count
 where no config reaches the global batch (strong scaling: more ranks than samples) or fits in memory is
 kept as a row that says so; an unreachable one also says the smallest global batch that would reach it.
 
@@ -26,7 +27,6 @@ import pandas as pd
 from advisor.decide.ties import pick_config
 from advisor.model.input_rate import INPUT_COLUMNS
 from advisor.model.uncertainty import ratio_bounds
-from sdzero.errors import UserError
 
 DEFAULT_MIN_EFFICIENCY = 0.8
 """80% parallel efficiency: below it, the last nodes added cost more than a fifth of their price for
@@ -207,167 +207,11 @@ class BatchReach:
 
 
 def choose_node_count(table: pd.DataFrame, min_efficiency: float) -> int | None:
-    """The largest node count that fits, reaches the batch and keeps `min_efficiency` (the knee)."""
+    """The largest node count that fits, reaches the batch and keeps `min_efficiency` (the knee): computed
+    here alone, marked in the table; the rules read the mark (advisor.decide.node_rules.table_knee)."""
     ok = at_asked_batch(table)
     ok = ok[ok["efficiency"] >= min_efficiency - 1e-9]
     return int(ok["node_count"].max()) if not ok.empty else None
-
-
-@dataclass(frozen=True)
-class NodeRule:
-    """How the node count is chosen: --nodes, else --deadline-hours, else --max-gpu-hours, else the knee."""
-
-    min_efficiency: float = DEFAULT_MIN_EFFICIENCY
-    nodes: int | None = None
-    deadline_hours: float | None = None
-    max_gpu_hours: float | None = None
-
-    def __post_init__(self) -> None:
-        given = [
-            f
-            for f, v in (
-                ("--nodes", self.nodes),
-                ("--deadline-hours", self.deadline_hours),
-                ("--max-gpu-hours", self.max_gpu_hours),
-            )
-            if v is not None
-        ]
-        if len(given) > 1:
-            raise UserError(f"{' and '.join(given)}: give one rule for the node count, not several")
-        for flag, value in (
-            ("--deadline-hours", self.deadline_hours),
-            ("--max-gpu-hours", self.max_gpu_hours),
-        ):
-            if value is not None and not value > 0:
-                raise UserError(f"{flag} {value}: must be a positive number of hours")
-
-    @property
-    def name(self) -> str:
-        if self.nodes is not None:
-            return "nodes"
-        if self.deadline_hours is not None:
-            return "deadline"
-        return "gpu_hours" if self.max_gpu_hours is not None else "efficiency"
-
-    def describe(self, unit: str = "GPU-h") -> str:
-        if self.nodes is not None:
-            return f"--nodes {self.nodes}"
-        if self.deadline_hours is not None:
-            return f"the fewest {unit} that finish within --deadline-hours {self.deadline_hours:g}"
-        if self.max_gpu_hours is not None:
-            return f"the soonest finish within --max-gpu-hours {self.max_gpu_hours:g}"
-        return f"the largest node count keeping scaling efficiency >= {self.min_efficiency:.0%} (the knee)"
-
-    def choose(self, table: pd.DataFrame) -> tuple[int | None, str | None]:
-        """(node count, why the rule could not be kept as asked, or None)."""
-        ok = at_asked_batch(table)
-        if self.nodes is not None:
-            return self.nodes, None
-        if self.name == "efficiency" or ok.empty or "time_to_train_s" not in ok:
-            knee = choose_node_count(table, self.min_efficiency)
-            if knee is None and not ok.empty:
-                first = int(ok["node_count"].min())
-                return (
-                    first,
-                    f"no node count keeps {self.min_efficiency:.0%} efficiency: the smallest is chosen",
-                )
-            return knee, None
-        seconds = pd.to_numeric(ok["time_to_train_s"])
-        gpu_hours = pd.to_numeric(ok["gpu_hours"])
-        if self.deadline_hours is not None:
-            within = ok[seconds <= self.deadline_hours * 3600]
-            if within.empty:
-                soonest = ok.loc[seconds.idxmin()]
-                return int(soonest["node_count"]), (
-                    f"no node count finishes within {self.deadline_hours:g} h: the soonest "
-                    f"({int(soonest['node_count'])} nodes, {float(soonest['time_to_train_s']) / 3600:.3g} h) "
-                    "is chosen"
-                )
-            pick = within.sort_values(["gpu_hours", "node_count"]).iloc[0]
-            return int(pick["node_count"]), None
-        assert self.max_gpu_hours is not None
-        within = ok[gpu_hours <= self.max_gpu_hours]
-        if within.empty:
-            cheapest = ok.sort_values(["gpu_hours", "node_count"]).iloc[0]
-            return int(cheapest["node_count"]), (
-                f"no node count trains within {self.max_gpu_hours:g} GPU-hours: the fewest "
-                f"({int(cheapest['node_count'])} nodes, {float(cheapest['gpu_hours']):.3g}) is chosen"
-            )
-        pick = within.sort_values(["time_to_train_s", "node_count"]).iloc[0]
-        return int(pick["node_count"]), None
-
-
-def _figure(row: pd.Series, column: str) -> tuple[float, float, float] | None:
-    """(value, lo, hi) of one scaling-table figure; None where the row has no interval for it."""
-    values = [
-        pd.to_numeric(pd.Series([row.get(c)]), errors="coerce")[0]
-        for c in (column, f"{column}_lo", f"{column}_hi")
-    ]
-    return None if any(pd.isna(v) for v in values) else tuple(float(v) for v in values)  # type: ignore[return-value]
-
-
-def _range(figure: tuple[float, float, float]) -> str:
-    """' (lo-hi)' of a percentage, or nothing where the interval has no width: a range of one value says
-    nothing a reader can act on."""
-    lo, hi = f"{figure[1]:.1%}", f"{figure[2]:.1%}"
-    return "" if lo == hi else f" ({lo}-{hi})"
-
-
-def _nodes(n: int) -> str:
-    return f"{n} node{'s' if n != 1 else ''}"
-
-
-def node_confidence(rule: NodeRule, table: pd.DataFrame, chosen: int) -> str:
-    """How sure the node-count choice is, in one line: whether the rule's bar falls inside the interval of
-    the chosen count or of its neighbours, and which count would be sure where the choice is not."""
-    ok = at_asked_batch(table).set_index("node_count", drop=False)  # larger-batch rows are never chosen
-    if chosen not in ok.index or rule.name == "nodes":
-        return ""
-    row = ok.loc[chosen]
-    if rule.name == "efficiency":
-        bar = rule.min_efficiency
-        own = _figure(row, "efficiency")
-        larger = [int(n) for n in ok.index if int(n) > chosen]
-        after = _figure(ok.loc[larger[0]], "efficiency") if larger else None
-        if own is None:
-            return ""
-        keep = "keeps" if chosen == 1 else "keep"
-        text = f"{_nodes(chosen)} {keep} {own[0]:.1%} efficiency{_range(own)}"
-        if after is not None:
-            text += f"; {_nodes(larger[0])} {after[0]:.1%}{_range(after)}"
-        borderline = own[1] < bar or (after is not None and after[2] >= bar)
-        # The same config at both counts: its compute cancels and the interval is the link's alone, which
-        # an assumed preset does not have; zero width there is not certainty.
-        unknown_link = own[1] == own[2] and "link assumed" in str(row.get("provenance", ""))
-        caveat = (
-            " (the intervals hold the link's spread alone, and the link is assumed: --hostfile measures it)"
-        )
-        if not borderline:
-            where = "both intervals" if after is not None else "its interval, and no larger count was asked"
-            return f"node count sure: {text}, the {bar:.0%} bar outside {where}" + (
-                caveat if unknown_link else ""
-            )
-        which = larger[0] if after is not None and after[2] >= bar else chosen
-        return f"node count borderline: {text}; the {bar:.0%} bar falls inside {_nodes(which)}' interval"
-    if rule.name == "deadline":
-        assert rule.deadline_hours is not None
-        limit, column, unit, scale = rule.deadline_hours * 3600, "time_to_train_s", "h", 1 / 3600
-    else:
-        assert rule.max_gpu_hours is not None
-        limit, column, unit, scale = rule.max_gpu_hours, "gpu_hours", "GPU-h", 1.0
-    own = _figure(row, column)
-    if own is None:
-        return ""
-    text = f"{_nodes(chosen)}: {own[0] * scale:.3g} {unit} ({own[1] * scale:.3g}-{own[2] * scale:.3g})"
-    if own[2] <= limit:
-        return f"node count sure: {text}, within {limit * scale:g} {unit} even at the interval's slow end"
-    sure = [int(n) for n in ok.index if (f := _figure(ok.loc[n], column)) is not None and f[2] <= limit]
-    fallback = f"; {_nodes(min(sure))} would be sure" if sure and rule.name == "deadline" else ""
-    if sure and rule.name == "gpu_hours":
-        fallback = f"; {_nodes(min(sure, key=lambda n: float(ok.loc[n, 'time_to_train_s'])))} would be sure"
-    return (
-        f"node count not sure: {text}, the {limit * scale:g} {unit} limit falls inside its interval{fallback}"
-    )
 
 
 def row_provenance(nodes: int, config_id: str, inter_source: str, measured_ids: set[str]) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from advisor.measure.alphabeta import AlphaBetaFit, load_fits
+from advisor.model.gpu_catalogue import GPUS
 from sdzero.errors import UserError
 
 GB = 1e9
@@ -68,7 +69,7 @@ class Machine:
     """A real GPU system: its node (or NVLink domain) and its NICs, each figure from the vendor's spec."""
 
     gpu: str
-    """advisor.stages.target.TARGET_GPUS name of its GPU (memory, and the compute-rate table)."""
+    """advisor.model.gpu_catalogue.GPUS name of its GPU (memory, and the compute rate)."""
     gpus_per_node: int
     """GPUs in one NVLink domain: the unit the hierarchical collectives treat as a node. A GB200 NVL72 rack
     is one 72-GPU domain; its 4-GPU compute trays are not nodes on the InfiniBand fabric."""
@@ -130,15 +131,7 @@ MACHINES: dict[str, Machine] = {
     ),
 }
 """`--preset` names of whole machines: the NVLink domain, its intra-node link and its NICs (sources above)."""
-GPU_MACHINE = {
-    "a100-40gb": "dgx-a100",
-    "a100-80gb": "dgx-a100",
-    "h100-80gb": "dgx-h100",
-    "h100-94gb": "dgx-h100",
-    "h200": "hgx-h200",
-    "b200": "dgx-b200",
-    "gb200": "gb200-nvl72",
-}
+GPU_MACHINE = {name: gpu.machine for name, gpu in GPUS.items() if gpu.machine is not None}
 """A --target-gpu's usual node, whose NVLink is the intra-node link when no machine preset names it."""
 
 

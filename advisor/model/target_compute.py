@@ -23,6 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from advisor.model.gpu_catalogue import GPUS, Anchor
 from advisor.model.model_cost import ModelCost, count_network
 from sdzero.atomic import write_json_atomic
 
@@ -69,40 +70,8 @@ MODEL_SHAPES = {"sd2-base-unet": SD2_BASE_UNET}
 """Named shapes a profile file or the anchor table may use instead of a diffusers folder."""
 
 
-@dataclass(frozen=True)
-class Anchor:
-    """A published per-GPU training throughput of a named shape."""
-
-    samples_per_s_per_gpu: float
-    shape: str
-    micro_batch: int
-    source: str
-
-
-GPU_ANCHORS: dict[str, Anchor] = {
-    "a100-80gb": Anchor(
-        290 / 8,
-        "sd2-base-unet",
-        16,
-        "mosaicml/diffusion README, 'How many GPUs do I need?': 8 x A100-80GB, SD2 base UNet at 512x512 with "
-        "precomputed latents, 290 images/s (micro-batch 16, yamls/hydra-yamls/SD-2-base-512.yaml)",
-    ),
-    "h100-80gb": Anchor(
-        119.1,
-        "sd2-base-unet",
-        32,
-        "MLPerf Training v4.1, Lambda 1-Click Cluster, 2 x 8 H100 SXM (results/lambda_1cc_n2_H100-SXM-80GB_"
-        "ngc24.04_nemo/stable_diffusion, config_1cc_02x08x32): 119.1 samples/s per GPU (a 2-node figure)",
-    ),
-    "h200": Anchor(
-        143.5,
-        "sd2-base-unet",
-        32,
-        "MLPerf Training v5.0, Dell XE9680L 8 x H200-SXM-141GB (config_XE9680lx8H200-SXM-141GB_01x08x32): "
-        "143.5 samples/s per GPU",
-    ),
-}
-"""--target-gpu names with a published rate (sources beside each); others need --target-tflops."""
+GPU_ANCHORS: dict[str, Anchor] = {name: gpu.anchor for name, gpu in GPUS.items() if gpu.anchor is not None}
+"""--target-gpu names with a published rate (advisor.model.gpu_catalogue); others need --target-tflops."""
 
 
 def shape_cost(name: str) -> ModelCost:

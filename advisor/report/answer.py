@@ -9,7 +9,8 @@ from typing import Any
 import pandas as pd
 
 from advisor.decide.scaling_table import short_provenance
-from advisor.model.time_to_train import HOUR_S, hours, money
+from advisor.model.interval_words import NOT_MEASURED_WELL, duration_range, range_text, too_wide
+from advisor.model.time_to_train import hours, money
 from advisor.report.page import FigureItem, Item, NoteItem, Section, frame_table, mapping_table
 
 SCALING_CAPTION = (
@@ -195,12 +196,6 @@ def input_cell(row: dict[str, Any]) -> str:
     return f"input-bound ({row.get('input_link')})" if row.get("input_bound") else f"{rate:.4g}"
 
 
-NOT_MEASURED_WELL = "not measured well enough"
-"""What a figure is whose 95% interval spans more than the figure itself: no figure a person can act on."""
-MEASURE_AGAIN = "run again on a quiet machine or raise --budget-minutes"
-TOO_WIDE = f"{NOT_MEASURED_WELL}: {MEASURE_AGAIN}"
-
-
 def bounds(row: dict[str, Any] | None, figure: str) -> tuple[float, float, float] | None:
     """(value, lo, hi) of a figure and its 95% interval (`figure`_lo, `figure`_hi); None where the row has
     no positive figure or no interval for it."""
@@ -209,46 +204,6 @@ def bounds(row: dict[str, Any] | None, figure: str) -> tuple[float, float, float
         return None
     value, lo, hi = (float(v) for v in values)  # type: ignore[arg-type]
     return (value, lo, hi) if value > 0 else None
-
-
-def too_wide(value: float, lo: float, hi: float) -> bool:
-    """Whether an interval spans more than its figure (or reaches zero): the figure is then no figure."""
-    return not lo > 0 or hi - lo > value
-
-
-def significant(value: float, digits: int) -> str:
-    """`value` to `digits` significant figures, in plain decimals (1200, 3.4, 0.052; never 1.2e+03)."""
-    if value == 0 or not math.isfinite(value):
-        return f"{value:g}"
-    places = digits - 1 - math.floor(math.log10(abs(value)))
-    rounded = round(value, places)
-    return f"{rounded:,.{max(places, 0)}f}"
-
-
-def range_text(lo: float, hi: float, unit: str = "") -> str:
-    """'2.9-3.4 min': two bounds in one unit, to the fewest significant figures (2 to 4) that tell them
-    apart."""
-    for digits in (2, 3, 4):
-        a, b = significant(lo, digits), significant(hi, digits)
-        if a != b:
-            break
-    shown = a if a == b else f"{a}-{b}"  # an interval of no width (nothing to spread it): the figure
-    return shown + (f" {unit}" if unit else "")
-
-
-def duration_unit(seconds: float) -> tuple[str, float]:
-    """The unit advisor.model.time_to_train.hours gives `seconds`, and seconds per unit."""
-    if seconds < HOUR_S:
-        return "min", 60.0
-    if seconds < 96 * HOUR_S:
-        return "h", HOUR_S
-    return "days", 24 * HOUR_S
-
-
-def duration_range(seconds: float, lo: float, hi: float) -> str:
-    """'2.9-3.4 min': a time's interval in the unit the time itself reads in."""
-    unit, per = duration_unit(seconds)
-    return range_text(lo / per, hi / per, unit)
 
 
 DURATIONS = frozenset({"time_to_train_s"})

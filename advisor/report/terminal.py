@@ -17,17 +17,15 @@ from rich.console import Console
 from rich.table import Table
 
 from advisor.decide.scaling_table import short_provenance
-from advisor.model.time_to_train import cost_of, hours, money
-from advisor.report.answer import (
+from advisor.model.interval_words import (
     MEASURE_AGAIN,
     NOT_MEASURED_WELL,
-    beyond_clause,
-    bounds,
     duration_range,
-    interval_text,
     range_text,
     too_wide,
 )
+from advisor.model.time_to_train import cost_of, hours, money
+from advisor.report.answer import beyond_clause, bounds, interval_text
 from sdzero.constants import GIB
 
 

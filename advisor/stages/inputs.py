@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from advisor.decide.scaling_table import NodeRule
+from advisor.decide.node_rules import NodeRule, node_rule
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config
 from advisor.measure.profile import TrialsHost
 from advisor.measure.trials import TrialSettings
@@ -156,9 +156,6 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     differs = target_differs(device, ranks, gpus_per_node, target_gpu)
     memory_given = target_memory(differs, r.device_memory_gib, target_gpu)  # refuses before any trial
     target_gpus = ranks if gpus_per_node is None else gpus_per_node
-    # Strong scaling unless asked: the base JSON's batch on one target node, the LR's reference too.
-    base_batch = lr_reference_batch_of(base, target_gpus)
-    target = asked or BatchTarget(base_batch, base_batch)
     claim_out(out_dir)  # one live run per folder, as the trainer's (issue #27); released at the end
     model, data = default_inputs(out_dir, r.model, r.data)
     amount = amount_for(r, data, embedded)
@@ -170,18 +167,9 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
     plan = trial_plan(
         with_checkpointing_knob(r.grid or (CPU_GRID if on_cpu else GridRequest()), r), device, ranks
     )
-    _refuse_unreachable(plan, target_gpus, node_list, target, asked is not None, base_batch)
     cost, cost_note = counted_cost(model, user_args)
-    return AdviseInputs(
-        request=r,
-        say=say,
-        out_dir=out_dir,
-        node_list=node_list,
-        user_args=user_args,
-        target=target,
-        target_asked=asked is not None,
+    source = InputSource(
         base=base,
-        base_batch=base_batch,
         device=device,
         ranks=ranks,
         target_gpus=target_gpus,
@@ -191,15 +179,88 @@ def read_inputs(request: AdviseRequest) -> AdviseInputs:
         data=data,
         settings=settings,
         setup=trial_setup_id(base, settings),
-        hosts=hosts,
         plan=plan,
         notes=[*plan.notes, *cost_note],
-        started=time.monotonic(),
         amount=amount,
-        rule=rule,
+        user_args=user_args,
+        hosts=hosts,
         embedded=embedded,
         model_cost=cost,
         trials_host=trials_host,
+    )
+    return build_inputs(r, out_dir, (node_list, user_args, asked, rule), source)
+
+
+@dataclass
+class InputSource:
+    """What one source of measurements says of the run: the live run (read_inputs: this machine or the
+    trials host), an advise folder (advisor.stages.replan) or a profile file or run folder
+    (advisor.stages.profile_source). `build_inputs` makes the stages' inputs of it, the same way for all."""
+
+    base: dict[str, Any]
+    device: dict[str, Any]
+    ranks: int
+    target_gpus: int
+    differs: str | None
+    memory_given: tuple[float, str] | None
+    model: str
+    data: Path
+    settings: TrialSettings
+    setup: str
+    plan: GridPlan
+    notes: list[str]
+    amount: TrainAmount
+    user_args: tuple[str, ...] = ()
+    hosts: list[Any] = field(default_factory=list)
+    started: float | None = None
+    """time.monotonic() the run's budget counts from; None: now."""
+    embedded: bool = False
+    model_cost: ModelCost | None = None
+    trials_host: TrialsHost | None = None
+
+
+CheckedRequest = tuple[list[int], tuple[str, ...], BatchTarget | None, NodeRule]
+"""check_request_options' answer: (node counts, --train-args, --global-batch, the node-count rule)."""
+
+
+def build_inputs(
+    r: AdviseRequest, out_dir: Path, checked: CheckedRequest, source: InputSource
+) -> AdviseInputs:
+    """The stages' inputs from a checked request and one source: the target's batch (--global-batch, else
+    strong scaling of the base JSON's batch on one target node, the LR's reference too), refused where no
+    grid micro-batch reaches it."""
+    node_list, _, asked, rule = checked
+    base_batch = lr_reference_batch_of(source.base, source.target_gpus)
+    target = asked or BatchTarget(base_batch, base_batch)
+    _refuse_unreachable(source.plan, source.target_gpus, node_list, target, asked is not None, base_batch)
+    return AdviseInputs(
+        request=r,
+        say=r.log or (lambda message: None),
+        out_dir=out_dir,
+        node_list=node_list,
+        user_args=source.user_args,
+        target=target,
+        target_asked=asked is not None,
+        base=source.base,
+        base_batch=base_batch,
+        device=source.device,
+        ranks=source.ranks,
+        target_gpus=source.target_gpus,
+        differs=source.differs,
+        memory_given=source.memory_given,
+        model=source.model,
+        data=source.data,
+        settings=source.settings,
+        setup=source.setup,
+        hosts=source.hosts,
+        plan=source.plan,
+        notes=source.notes,
+        started=time.monotonic() if source.started is None else source.started,
+        amount=source.amount,
+        rule=rule,
+        embedded=source.embedded,
+        model_cost=source.model_cost,
+        trials_host=source.trials_host,
     )
 
 
@@ -238,7 +299,7 @@ def dataset_size(r: AdviseRequest, data: Path, embedded: bool) -> tuple[int, str
 
 def check_request_options(
     r: AdviseRequest,
-) -> tuple[list[int], tuple[str, ...], BatchTarget | None, NodeRule]:
+) -> CheckedRequest:
     """The checks that need nothing but the request: (node counts, --train-args, --global-batch, the
     node-count rule)."""
     node_list = check_options(
@@ -266,7 +327,7 @@ def check_request_options(
         r.inter_node_latency_us,
         r.nics_per_node,
     )
-    rule = NodeRule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
+    rule = node_rule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
     check_target_rate(r.target_tflops)
     samples_rule(r.samples_rule)
     for flag, value in (

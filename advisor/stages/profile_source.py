@@ -21,7 +21,6 @@ import hashlib
 import math
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,6 @@ from advisor.model.memory import (
     state_elements,
 )
 from advisor.model.network import Network, build_network
-from advisor.model.predict import BatchTarget
 from advisor.model.step_time import TimeModel
 from advisor.model.target_compute import (
     MODEL_SHAPES,
@@ -64,12 +62,11 @@ from advisor.stages.input_schema import (
     check,
     load_yaml_bounded,
 )
-from advisor.stages.inputs import AdviseInputs, _refuse_unreachable, check_request_options, claim_out
+from advisor.stages.inputs import AdviseInputs, InputSource, build_inputs, check_request_options, claim_out
 from advisor.stages.measure import HardwareFigures, MeasuredTrials
 from advisor.stages.request import AdviseRequest
 from advisor.stages.target import TARGET_GPUS
 from sdzero.atomic import write_csv_atomic
-from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.config.user_file import read_json_lines, read_user_json, read_user_text
 from sdzero.constants import GIB
 from sdzero.errors import UserError
@@ -378,10 +375,8 @@ def profile_stages(
 def profile_inputs(r: AdviseRequest, path: Path, profile: Profile) -> AdviseInputs:
     """The inputs stage for a profile: the request checked, the grid of the measured configs, the target's
     batch (the profile's on one node unless --global-batch) and its memory (the profile's GPU's)."""
-    node_list, _, asked, rule = check_request_options(r)
+    checked = check_request_options(r)
     gpus = r.gpus_per_node or profile.gpus_per_node
-    base_batch = lr_reference_batch_of(profile.base, gpus)
-    target = asked or BatchTarget(base_batch, base_batch)
     out_dir = Path(r.out_dir).resolve()
     claim_out(out_dir)
     grid = GridRequest(
@@ -390,8 +385,6 @@ def profile_inputs(r: AdviseRequest, path: Path, profile: Profile) -> AdviseInpu
         micro_batches=tuple(sorted({c.micro_batch for c in profile.configs})),
         ranks_per_node=(gpus,),
     )
-    plan = plan_grid(grid, {"bf16": True, "fp16": True})
-    _refuse_unreachable(plan, gpus, node_list, target, asked is not None, base_batch)
     if r.samples is None and profile.dataset_images is None:
         raise UserError(
             f"--replan {path}: give --samples (samples in one epoch) or dataset_images in the profile"
@@ -413,16 +406,8 @@ def profile_inputs(r: AdviseRequest, path: Path, profile: Profile) -> AdviseInpu
         stall_timeout_s=None,
         train_args=(),
     )
-    return AdviseInputs(
-        request=r,
-        say=r.log or (lambda message: None),
-        out_dir=out_dir,
-        node_list=node_list,
-        user_args=(),
-        target=target,
-        target_asked=asked is not None,
+    source = InputSource(
         base=profile.base,
-        base_batch=base_batch,
         device={"device": profile.device, "count": gpus, "bf16": True, "fp16": True},
         ranks=profile.gpus_per_node,
         target_gpus=gpus,
@@ -432,13 +417,11 @@ def profile_inputs(r: AdviseRequest, path: Path, profile: Profile) -> AdviseInpu
         data=settings.data,
         settings=settings,
         setup="profile-" + hashlib.sha1(profile.source.encode()).hexdigest()[:12],
-        hosts=[],
-        plan=plan,
+        plan=plan_grid(grid, {"bf16": True, "fp16": True}),
         notes=profile_notes(profile),
-        started=time.monotonic(),
         amount=amount,
-        rule=rule,
     )
+    return build_inputs(r, out_dir, checked, source)
 
 
 def profile_notes(profile: Profile) -> list[str]:

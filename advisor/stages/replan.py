@@ -36,11 +36,11 @@ from advisor.model.lora_sizing import frozen_base_of, with_frozen_base
 from advisor.model.memory import ZeroSettings
 from advisor.model.model_cost import ModelCost
 from advisor.model.network import build_network
-from advisor.model.predict import BatchTarget
 from advisor.model.time_to_train import train_amount
 from advisor.stages.inputs import (
     AdviseInputs,
-    _refuse_unreachable,
+    InputSource,
+    build_inputs,
     check_request_options,
     claim_out,
     counted_cost,
@@ -52,7 +52,6 @@ from advisor.stages.profile_source import is_profile_source, profile_stages
 from advisor.stages.request import CPU_GRID, AdviseRequest
 from advisor.stages.target import machine_target, target_differs, target_memory
 from sdzero.atomic import write_json_atomic
-from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.config.user_file import read_user_json
 from sdzero.constants import GIB
 from sdzero.errors import UserError
@@ -180,20 +179,15 @@ def refuse_unmatched(request: AdviseRequest, record: dict[str, Any], folder: Pat
 def replan_inputs(request: AdviseRequest, record: dict[str, Any], folder: Path) -> AdviseInputs:
     """The inputs stage of a replan: the request checked against the record, nothing asked of the device."""
     r = request
-    node_list, _, asked, rule = check_request_options(r)
+    checked = check_request_options(r)
     refuse_unmatched(r, record, folder)
     device, ranks, base = record["device"], int(record["ranks"]), record["base"]
     gpus_per_node, target_gpu = machine_target(r.preset, r.gpus_per_node, r.target_gpu)
     differs = target_differs(device, ranks, gpus_per_node, target_gpu)
     memory_given = target_memory(differs, r.device_memory_gib, target_gpu)
-    target_gpus = ranks if gpus_per_node is None else gpus_per_node
-    base_batch = lr_reference_batch_of(base, target_gpus)
-    target = asked or BatchTarget(base_batch, base_batch)
     out_dir = Path(r.out_dir).resolve()
     claim_out(out_dir)
     grid = GridRequest(**{k: tuple(v) if isinstance(v, list) else v for k, v in record["grid"].items()})
-    plan = replan_grid(grid, device, ranks)
-    _refuse_unreachable(plan, target_gpus, node_list, target, asked is not None, base_batch)
     amount = train_amount(
         r.samples, r.epochs, int(record["dataset"]["images"]), str(record["dataset"]["source"])
     )
@@ -206,34 +200,26 @@ def replan_inputs(request: AdviseRequest, record: dict[str, Any], folder: Path) 
         stall_timeout_s=None,
         train_args=tuple(record["train_args"]),
     )
-    return AdviseInputs(
-        request=r,
-        say=r.log or (lambda message: None),
-        out_dir=out_dir,
-        node_list=node_list,
-        user_args=tuple(record["train_args"]),
-        target=target,
-        target_asked=asked is not None,
+    source = InputSource(
         base=base,
-        base_batch=base_batch,
         device=device,
         ranks=ranks,
-        target_gpus=target_gpus,
+        target_gpus=ranks if gpus_per_node is None else gpus_per_node,
         differs=differs,
         memory_given=memory_given,
         model=record["model"],
-        data=Path(record["data"]),
+        data=settings.data,
         settings=settings,
         setup=record["setup_id"],
-        hosts=[],
-        plan=plan,
+        plan=replan_grid(grid, device, ranks),
         notes=list(record["input_notes"]),
-        started=time.monotonic() - float(record["elapsed_s"]),
         amount=amount,
-        rule=rule,
+        user_args=tuple(record["train_args"]),
+        started=time.monotonic() - float(record["elapsed_s"]),
         embedded=bool(record["embedded"]),
         model_cost=recorded_cost(record),
     )
+    return build_inputs(r, out_dir, checked, source)
 
 
 def recorded_cost(record: dict[str, Any]) -> ModelCost | None:

@@ -13,26 +13,14 @@ import sys
 from typing import Any
 
 from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY
+from advisor.model.gpu_catalogue import GPUS
 from advisor.model.predict import node_counts
 from sdzero.config.lr_rule import check_rule
 from sdzero.errors import UserError
 
-TARGET_GPUS = {
-    "a100-40gb": 40.0,
-    "a100-80gb": 80.0,
-    "h100-80gb": 80.0,
-    "h100-94gb": 94.0,
-    "h200": 141.0,
-    "l40s": 48.0,
-    "a10g": 24.0,
-    "l4": 24.0,
-    "v100-32gb": 32.0,
-    "rtx4090": 24.0,
-    "b200": 180.0,
-    "gb200": 186.0,
-}
-"""--target-gpu names and their memory in GiB (the vendors' nominal figure; the usable part is smaller,
-which --headroom accounts for)."""
+TARGET_GPUS = {name: gpu.memory_gib for name, gpu in GPUS.items()}
+"""--target-gpu names and their memory in GiB, from the one catalogue (advisor.model.gpu_catalogue: the
+vendors' nominal figure; the usable part is smaller, which --headroom accounts for)."""
 
 
 def check_options(

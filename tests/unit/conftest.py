@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch.distributed as dist
 
@@ -16,3 +18,9 @@ def process_group(tmp_path_factory):
     yield
     if created:
         dist.destroy_process_group()
+        # DeepSpeed keeps a clone of the world group (deepspeed.utils.groups._WORLD_GROUP) that outlives
+        # it: a later module's engine would broadcast over the destroyed group ("Group ... is not
+        # registered"), depending on which modules share a pytest-xdist worker.
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None:
+            groups._release_process_group_references(None)

@@ -163,3 +163,67 @@ def test_importing_the_trainer_loads_no_advisor_module():
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+ADVISOR_FLOORS = {
+    "advisor": 0,  # the package root and stats.py: the statistics every floor shares
+    "advisor.stats": 0,
+    "advisor.measure": 1,
+    "advisor.model": 2,
+    "advisor.decide": 3,
+    "advisor.report": 4,
+    "advisor.stages": 5,
+    "advisor.commands": 6,
+    "advisor.cli": 7,
+}
+"""The advisor's floors, lowest first (README's layout): a module imports its own floor or lower ones."""
+
+
+def advisor_floor(module: str) -> int | None:
+    """The floor of an advisor module: its folder's, or its own for a top-level module; None: none given."""
+    parts = module.split(".")
+    for size in (2, 1):
+        if ".".join(parts[:size]) in ADVISOR_FLOORS:
+            return ADVISOR_FLOORS[".".join(parts[:size])]
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, what it imports) for every advisor import of a higher floor."""
+    return sorted(
+        (name, target)
+        for name, targets in graph.items()
+        if name.startswith("advisor")
+        for target in targets
+        if target.startswith("advisor") and (advisor_floor(target) or 0) > (advisor_floor(name) or 0)
+    )
+
+
+def test_every_advisor_module_has_a_floor():
+    """A new folder or top-level module is given its floor here before it can hold code."""
+    unplaced = [name for name in import_graph() if name.startswith("advisor") and advisor_floor(name) is None]
+    assert unplaced == []
+
+
+def test_no_advisor_module_imports_a_higher_floor():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_floor_rule_catches_an_upward_import():
+    graph = {
+        "advisor.decide.x": {"advisor.report.y", "advisor.model.z"},
+        "advisor.report.y": {"advisor.decide.x"},
+    }
+    assert upward_imports(graph) == [("advisor.decide.x", "advisor.report.y")]
+
+
+def test_no_two_advisor_folders_import_each_other():
+    folders: dict[str, set[str]] = {}
+    for name, targets in import_graph().items():
+        if name.startswith("advisor"):
+            folders.setdefault(subpackage_of(name), set()).update(
+                subpackage_of(t) for t in targets if t.startswith("advisor")
+            )
+    for name, targets in folders.items():
+        targets.discard(name)
+    assert cycles(folders) == []

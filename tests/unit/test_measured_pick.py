@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
+from advisor.decide.node_rules import EfficiencyRule
 from advisor.decide.outcome import UNMEASURED_PICK, verdict
 from advisor.decide.recommend import why_not
 from advisor.decide.ties import pick_config
@@ -79,7 +80,7 @@ def test_an_unmeasured_config_is_picked_only_when_no_measured_one_is_within_nois
 def _verdict(measured: dict) -> str:
     outcome = SimpleNamespace(
         target_net=SimpleNamespace(inter=SimpleNamespace(source="measured: 2 hosts")),
-        rule=SimpleNamespace(name="efficiency"),
+        rule=EfficiencyRule(),
     )
     rec = {
         "time_to_train": {"seconds": 600.0, "gpu_hours": 0.5, "samples": 1000, "cost": None},

@@ -20,15 +20,15 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from advisor.decide.outcome import UNMEASURED_PICK
-from advisor.report.answer import (
+from advisor.model.interval_words import (
     MEASURE_AGAIN,
     NOT_MEASURED_WELL,
     TOO_WIDE,
     duration_range,
-    interval_text,
     range_text,
     significant,
 )
+from advisor.report.answer import interval_text
 from advisor.report.terminal import ANSWER_LINES, print_advice
 
 WIDTH = 160

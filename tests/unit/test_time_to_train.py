@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 from test_advisor_model import advise_on_synthetic_trials
 
-from advisor.decide.scaling_table import BatchReach, NodeRule, scaling_table
+from advisor.decide.node_rules import node_rule
+from advisor.decide.scaling_table import BatchReach, scaling_table
 from advisor.model.time_to_train import (
     StartUp,
     TrainAmount,
@@ -119,20 +120,20 @@ def test_each_rule_chooses_what_it_says():
     table = _timed_table({1: 100.0, 2: 180.0, 4: 320.0, 8: 480.0, 16: 640.0})
     hours = dict(zip(table["node_count"], table["time_to_train_s"] / 3600, strict=True))
     gpu_hours = dict(zip(table["node_count"], table["gpu_hours"], strict=True))
-    assert NodeRule().choose(table) == (4, None) and "knee" in NodeRule().describe()
+    assert node_rule().choose(table) == (4, None) and "knee" in node_rule().describe()
     # the fewest GPU-hours finishing in time: 2 nodes make it by a hair, 1 does not
     deadline = (hours[1] + hours[2]) / 2
-    assert NodeRule(deadline_hours=deadline).choose(table) == (2, None)
-    late, why = NodeRule(deadline_hours=hours[16] / 2).choose(table)
+    assert node_rule(deadline_hours=deadline).choose(table) == (2, None)
+    late, why = node_rule(deadline_hours=hours[16] / 2).choose(table)
     assert late == 16 and "no node count finishes within" in why
     # the soonest finish within the GPU-hours: 4 nodes, not 8
     budget = (gpu_hours[4] + gpu_hours[8]) / 2
-    assert NodeRule(max_gpu_hours=budget).choose(table) == (4, None)
-    assert NodeRule(nodes=8).choose(table) == (8, None)
+    assert node_rule(max_gpu_hours=budget).choose(table) == (4, None)
+    assert node_rule(nodes=8).choose(table) == (8, None)
     with pytest.raises(UserError, match="give one rule"):
-        NodeRule(nodes=8, deadline_hours=3)
+        node_rule(nodes=8, deadline_hours=3)
     with pytest.raises(UserError, match="--max-gpu-hours"):
-        NodeRule(max_gpu_hours=0)
+        node_rule(max_gpu_hours=0)
 
 
 def test_an_unreachable_row_says_the_smallest_batch_that_reaches_it():

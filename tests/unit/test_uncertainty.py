@@ -1,5 +1,5 @@
 """Intervals on predicted figures, the tie rule and the node count's confidence (advisor.model.uncertainty,
-advisor.decide.scaling_table.node_confidence)."""
+advisor.decide.node_rules: each rule's confidence)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 from trial_rows import ok_trial
 
+from advisor.decide.node_rules import node_rule
 from advisor.decide.recommend import why_not
-from advisor.decide.scaling_table import NodeRule, node_confidence, scaling_table
+from advisor.decide.scaling_table import scaling_table
 from advisor.decide.ties import is_tie, pick_config
 from advisor.model.uncertainty import Spread, add_intervals, estimate_spread
 from advisor.stats import MEAN_ABS_TO_SIGMA, Z95, t_quantile
@@ -230,7 +231,7 @@ def _table(effs: dict[int, tuple[float, float]], rule_min: float = 0.8) -> pd.Da
 def test_the_knee_is_sure_when_the_bar_is_outside_both_intervals():
     table = _table({1: (1.0, 0.0), 2: (0.95, 0.02), 4: (0.6, 0.02)})
     assert table["efficiency_lo"].iloc[1] == pytest.approx(0.95 / 1.02)
-    line = node_confidence(NodeRule(0.8), table, 2)
+    line = node_rule(0.8).confidence(table, 2)
     assert line.startswith("node count sure: 2 nodes keep 95.0% efficiency (93.1%-96.9%); 4 nodes 60.0%")
 
 
@@ -240,17 +241,17 @@ def test_a_sure_knee_on_an_assumed_link_says_its_interval_holds_no_link_spread()
         row = _row("z2-mb4", 2, 4, 100.0 * n * eff, 1e9, nodes=n)
         rows.append(row | {"compare_halfwidth": 0.05, "link_halfwidth": 0.0})
     table = scaling_table(pd.DataFrame(rows), [1, 2, 4], 0.8, "assumed", {"z2-mb4"})
-    line = node_confidence(NodeRule(0.8), table, 2)
+    line = node_rule(0.8).confidence(table, 2)
     # a range of zero width is not printed as one: the figure alone, and the caveat says why
     assert line.startswith("node count sure: 2 nodes keep 95.0% efficiency; 4 nodes 60.0%, the 80% bar")
     assert line.endswith("the link is assumed: --hostfile measures it)")
     measured = scaling_table(pd.DataFrame(rows), [1, 2, 4], 0.8, "measured", {"z2-mb4"})
-    assert "assumed" not in node_confidence(NodeRule(0.8), measured, 2)
+    assert "assumed" not in node_rule(0.8).confidence(measured, 2)
 
 
 def test_the_knee_is_borderline_when_the_next_count_may_keep_the_bar():
     table = _table({1: (1.0, 0.0), 2: (0.95, 0.02), 4: (0.78, 0.05)})
-    line = node_confidence(NodeRule(0.8), table, 2)
+    line = node_rule(0.8).confidence(table, 2)
     assert line.startswith("node count borderline") and "inside 4 nodes' interval" in line
 
 
@@ -258,11 +259,11 @@ def test_a_deadline_is_sure_only_at_the_slow_end():
     table = _table({1: (1.0, 0.0), 2: (0.95, 0.02), 4: (0.9, 0.02)})
     seconds = dict(zip(table["node_count"], table["time_to_train_s"], strict=True))
     between = (seconds[2] + seconds[2] * 1.1) / 2 / 3600  # inside 2 nodes' interval, above 4 nodes' end
-    line = node_confidence(NodeRule(deadline_hours=between), table, 2)
+    line = node_rule(deadline_hours=between).confidence(table, 2)
     assert line.startswith("node count not sure: 2 nodes") and "4 nodes would be sure" in line
-    line = node_confidence(NodeRule(deadline_hours=seconds[2] * 1.2 / 3600), table, 2)
+    line = node_rule(deadline_hours=seconds[2] * 1.2 / 3600).confidence(table, 2)
     assert line.startswith("node count sure: 2 nodes")
-    assert node_confidence(NodeRule(nodes=2), table, 2) == ""
+    assert node_rule(nodes=2).confidence(table, 2) == ""
 
 
 def test_efficiency_cancels_the_compute_error_of_one_config():
