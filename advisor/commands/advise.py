@@ -8,7 +8,8 @@ import dataclasses
 
 from advisor.stages.advise import run_advise
 from advisor.stages.inputs import check_request_options
-from advisor.stages.request import AdviseRequest
+from advisor.stages.replan import replan_out
+from advisor.stages.request import DEFAULT_OUT, AdviseRequest
 from sdzero.config.command_options import command_of
 from sdzero.config.output_folder import check_output_folder
 from sdzero.config.output_lock import claim_output_dir
@@ -29,7 +30,11 @@ def advise_command(request: AdviseRequest) -> None:
     from sdzero.library_logs import library_chatter_to
 
     started = time.monotonic()
-    out_dir, replan = request.out_dir, request.replan
+    replan = request.replan
+    out_dir = request.out_dir or (
+        replan_out(replan) if replan is not None else DEFAULT_OUT
+    )  # --out's default
+    request = dataclasses.replace(request, out_dir=out_dir)
     console = Console(stderr=True)
     check_output_folder(out_dir, "--out")  # a folder of the user's: refused before advise.log is in it
     if replan is None:  # a bad value is refused before the folder or its log exists

@@ -97,11 +97,12 @@ class AdviseRequest:
         panel=INPUTS_PANEL,
     )
     out_dir: Path = option(
-        None,
+        DEFAULT_OUT,
         "folder for trials, benchmark, predictions, recommendation, report (default reports/advise; "
         "with --replan, the replanned folder).",
         flags=("--out", "-o"),
         show_default=False,
+        command_default=None,  # not given: the command picks reports/advise or the replanned folder
     )
     budget_minutes: float | None = option(
         None,
@@ -257,10 +258,3 @@ class AdviseRequest:
     """Seconds for the collectives benchmark; None: 15 on a CPU, 60 on GPUs."""
     log: Callable[[str], None] | None = None
     """Where progress lines go (the command prints them dimmed on stderr); None: nowhere."""
-
-    def __post_init__(self) -> None:
-        if self.out_dir is None:  # --out not given: the replanned folder, else reports/advise
-            from advisor.stages.replan import replan_out
-
-            out = DEFAULT_OUT if self.replan is None else replan_out(self.replan)
-            object.__setattr__(self, "out_dir", out)
