@@ -8,7 +8,6 @@ this package never imports the advisor. `python -m sdzero.cli` runs these comman
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from sdzero.config.command_groups import LAUNCH_PANEL, CacheOptions, K8sOptions, SlurmOptions
+from sdzero.config.command_groups import LAUNCH_PANEL, CacheOptions, K8sOptions, SlurmOptions, job_fields
 from sdzero.config.command_options import check_options, command_of
 from sdzero.config.options import DEFAULTS, cli_option
 from sdzero.errors import EXIT_USER_ERROR, UserError
@@ -224,7 +223,7 @@ def slurm(ctx: typer.Context, o: SlurmOptions) -> None:
     """Print a Slurm batch script that trains across the allocation, checkpoints on preemption, requeues."""
     from sdzero.cluster.slurm import SlurmJob, render
 
-    typer.echo(render(SlurmJob(train_args=list(ctx.args), **dataclasses.asdict(o))), nl=False)
+    typer.echo(render(SlurmJob(train_args=list(ctx.args), **job_fields(o))), nl=False)
 
 
 @command(
@@ -236,8 +235,7 @@ def k8s(ctx: typer.Context, o: K8sOptions) -> None:
     """Print Kubernetes manifests (Indexed Job + headless Service, or a Kubeflow PyTorchJob) for N pods."""
     from sdzero.cluster.k8s import K8sJob, render
 
-    settings = {k: v for k, v in dataclasses.asdict(o).items() if k != "out"}
-    text = render(K8sJob(train_args=list(ctx.args), **settings))
+    text = render(K8sJob(train_args=list(ctx.args), **job_fields(o, "out")))
     if o.out is None:
         typer.echo(text, nl=False)
         return

@@ -1,14 +1,16 @@
 """The options of sdzero's own commands `cache`, `slurm` and `k8s`, each declared once (type, default, help,
 check); sdzero.cli generates each command from its dataclass (sdzero.config.command_options).
 
-The slurm and k8s fields are named as sdzero.cluster's SlurmJob and K8sJob name them, so a job is these
-options plus the trainer's arguments; the spellings on the command line stay those of the flags given.
+A slurm or k8s job (sdzero.cluster's SlurmJob, K8sJob) is these options, named as the job names them (`job_fields`),
+plus the trainer's arguments.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from sdzero.config.options import INPUTS_PANEL, option, shared
 from sdzero.config.train_config import check_resolution
@@ -26,6 +28,12 @@ def at_least_one_pixel(pixels: int) -> int:
 def resolution_check(resolution: int | None) -> int | None:
     check_resolution(resolution)  # the trainer's bound: a cache at 100000 px would exhaust memory too
     return resolution
+
+
+def job_fields(options: SlurmOptions | K8sOptions, *leave_out: str) -> dict[str, Any]:
+    """The options as the job's keyword arguments, each under the job's name for it."""
+    names = options.JOB_NAMES
+    return {names.get(k, k): v for k, v in dataclasses.asdict(options).items() if k not in leave_out}
 
 
 @dataclass(frozen=True)
@@ -52,14 +60,19 @@ class CacheOptions:
 class SlurmOptions:
     """`sdzero slurm`: the batch script's settings (sdzero.cluster.slurm.SlurmJob less the trainer's args)."""
 
+    JOB_NAMES: ClassVar[dict[str, str]] = {
+        "gpus_per_node": "ranks_per_node",
+        "rendezvous_port": "master_port",
+    }
+
     nodes: int = shared("nodes")
-    ranks_per_node: int = shared("gpus_per_node", flags=("--gpus-per-node",))
+    gpus_per_node: int = shared("gpus_per_node")
     time_limit: str = option("24:00:00", "Slurm time limit", flags=("--time",))
     partition: str | None = option(None, "Slurm partition")
     account: str | None = option(None, "Slurm account")
     job_name: str = option("sdzero", "Slurm job name")
     signal_lead_s: int = option(120, "seconds before the limit that Slurm warns (USR1): one step + a save")
-    master_port: int = shared("rendezvous_port")
+    rendezvous_port: int = shared("rendezvous_port")
     cpus_per_task: int | None = option(None, "CPU cores per rank")
     gpus: bool = shared("gpus")
 
@@ -67,6 +80,8 @@ class SlurmOptions:
 @dataclass(frozen=True)
 class K8sOptions:
     """`sdzero k8s`: the manifests' settings (sdzero.cluster.k8s.K8sJob less the trainer's args), and --out."""
+
+    JOB_NAMES: ClassVar[dict[str, str]] = {"rendezvous_port": "master_port"}
 
     nodes: int = shared("nodes")
     gpus_per_node: int = shared("gpus_per_node")
@@ -79,7 +94,7 @@ class K8sOptions:
     namespace: str | None = option(None, "namespace; default: kubectl's current one")
     shm_size: str = option("16Gi", "size of /dev/shm (memory-backed emptyDir)")
     grace_period_s: int = option(600, "seconds between SIGTERM and SIGKILL: one step + a checkpoint save")
-    master_port: int = shared("rendezvous_port")
+    rendezvous_port: int = shared("rendezvous_port")
     gpus: bool = shared("gpus", note="nvidia.com/gpu on Kubernetes")
     cpu: str | None = option(None, "CPU cores per pod (request = limit)")
     memory: str | None = option(None, "memory per pod, e.g. 200Gi (request = limit)")

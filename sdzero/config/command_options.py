@@ -100,7 +100,7 @@ def command_of(options: type[T]) -> Callable[[Callable[..., Any]], Callable[...,
     def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
         hints = typing.get_type_hints(body)
         lead = [
-            p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints.get(p.name, p.annotation))
+            p.replace(annotation=hints.get(p.name, p.annotation))
             for p in list(inspect.signature(body).parameters.values())[:-1]
         ]
         signature = inspect.Signature([*lead, *parameters(options)])
