@@ -100,6 +100,7 @@ def profile_command(o: ProfileOptions) -> None:
 
     console = get_console()  # the progress bar's console too, so messages print above the live bar
     check_options(o)  # a bad --overlap-comm, an unbalanced quote: one line, before the folder is made
+    grid = grid_request(o)  # a bad --stage, --precision, ...: the same
     # every writer of a folder takes its lock: one profile at a time in a folder
     claim_output_dir(o.out, flag="--out")
     try:
@@ -107,7 +108,7 @@ def profile_command(o: ProfileOptions) -> None:
             model=o.model,
             data=o.data,
             out_dir=o.out,
-            grid=grid_request(o),
+            grid=grid,
             base_config=o.deepspeed_config,
             steps=o.steps,
             warmup_steps=o.warmup_steps,
