@@ -81,7 +81,8 @@ def checkpointing_choice(choice: str) -> str:
 
 @dataclass(frozen=True)
 class AdviseRequest:
-    """The options of one advise run, in `--help` order; the flag of each is its name in dashes."""
+    """The options of one advise run, in `--help` order; the flag of each is its name in dashes unless
+    `flags=` says otherwise (`out_dir` is `--out`)."""
 
     max_nodes: int = option(32, "Predict for 1, 2, 4, ... up to this many nodes.", check=passing(node_counts))
     model: str | None = shared(

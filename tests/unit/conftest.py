@@ -16,3 +16,15 @@ def process_group(tmp_path_factory):
     yield
     if created:
         dist.destroy_process_group()
+        forget_deepspeed_world_group()
+
+
+def forget_deepspeed_world_group() -> None:
+    """DeepSpeed keeps a clone of the world group (deepspeed.utils.groups._WORLD_GROUP) once an engine asked for
+    it; after the group is destroyed, a later module's engine would be handed that dead clone ("Group ... is
+    not registered") instead of one of its own group."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        groups._WORLD_GROUP = None
