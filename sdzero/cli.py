@@ -17,10 +17,10 @@ from typing import Annotated, Any
 
 import typer
 
-from sdzero.config.options import DEFAULTS, cli_option, input_option
+from sdzero.config.command_groups import LAUNCH_PANEL, CacheOptions, K8sOptions, SlurmOptions, job_fields
+from sdzero.config.command_options import check_options, command_of
+from sdzero.config.options import DEFAULTS, cli_option
 from sdzero.errors import EXIT_USER_ERROR, UserError
-
-LAUNCH_PANEL = "Launch"
 
 app = typer.Typer(
     name="sdzero",
@@ -103,85 +103,49 @@ def shard(
 
 
 @command("cache")
-def cache(
-    model: Annotated[str, input_option("model")],
-    data: Annotated[Path, input_option("data")],
-    out: Annotated[Path, typer.Option(help="cache folder (new, or an interrupted build of the same cache)")],
-    resolution: Annotated[int | None, cli_option("resolution")] = DEFAULTS.resolution,
-    buckets: Annotated[bool, cli_option("buckets", note="as the trainer's --buckets")] = DEFAULTS.buckets,
-    flip: Annotated[
-        str, typer.Option(help="none, or both: also cache mirrored images (--random-flip)")
-    ] = "none",
-    dtype: Annotated[str, typer.Option(help="the training run's precision: bf16, fp16 or fp32")] = "bf16",
-    max_sequence_length: Annotated[
-        int | None, cli_option("max_sequence_length", note="SD3 only")
-    ] = DEFAULTS.max_sequence_length,
-    shard_size: Annotated[int, typer.Option(help="samples per shard file")] = 256,
-    batch_size: Annotated[int, typer.Option(help="images per VAE / text-encoder call")] = 16,
-    max_bad_fraction: Annotated[float, cli_option("max_bad_fraction")] = DEFAULTS.max_bad_fraction,
-    max_image_pixels: Annotated[int, cli_option("max_image_pixels")] = DEFAULTS.max_image_pixels,
-    num_gpus: Annotated[int | None, cli_option("num_gpus", panel=LAUNCH_PANEL)] = DEFAULTS.num_gpus,
-    hostfile: Annotated[
-        Path | None, input_option("hostfile", note="every host builds its share")
-    ] = DEFAULTS.hostfile,
-) -> None:
+@command_of(CacheOptions)
+def cache(o: CacheOptions) -> None:
     """Encode latents and text embeddings once, into sharded safetensors files (see docs/caching.md)."""
-    from sdzero.config.train_config import check_resolution, rank_from_env
+    from sdzero.config.train_config import rank_from_env
     from sdzero.data.cache import read_build_record
     from sdzero.data.cache_build import build_cache, cache_launch
     from sdzero.data.images import set_max_image_pixels
 
-    check_resolution(resolution)  # the trainer's bound: a cache at 100000 px would exhaust memory too
-    read_build_record(out)  # an interrupted build's record that is not sdzero's: one line, before any launch
-    if num_gpus is not None or hostfile is not None:
+    check_options(o)  # --resolution (the trainer's bound), --max-image-pixels: one line, before any launch
+    # an interrupted build's record that is not sdzero's: one line, before any launch
+    read_build_record(o.out)
+    if o.num_gpus is not None or o.hostfile is not None:
         args = [
-            "--model",
-            model,
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--flip",
-            flip,
-            "--dtype",
-            dtype,
-            "--shard-size",
-            str(shard_size),
-            "--batch-size",
-            str(batch_size),
-            "--max-bad-fraction",
-            str(max_bad_fraction),
-            "--max-image-pixels",
-            str(max_image_pixels),
+            *("--model", o.model, "--data", str(o.data), "--out", str(o.out), "--flip", o.flip),
+            *("--dtype", o.dtype, "--shard-size", str(o.shard_size), "--batch-size", str(o.batch_size)),
+            *("--max-bad-fraction", str(o.max_bad_fraction), "--max-image-pixels", str(o.max_image_pixels)),
         ]
-        args += ["--resolution", str(resolution)] if resolution else []
-        args += ["--max-sequence-length", str(max_sequence_length)] if max_sequence_length else []
-        args += ["--buckets"] if buckets else []
-        launch = cache_launch(args, num_gpus, hostfile)
+        args += ["--resolution", str(o.resolution)] if o.resolution else []
+        args += ["--max-sequence-length", str(o.max_sequence_length)] if o.max_sequence_length else []
+        args += ["--buckets"] if o.buckets else []
+        launch = cache_launch(args, o.num_gpus, o.hostfile)
         typer.echo("+ " + " ".join(launch.command), err=True)
         raise typer.Exit(launch.run())
-    if max_image_pixels < 1:
-        raise UserError(f"--max-image-pixels must be at least 1, got {max_image_pixels}")
-    set_max_image_pixels(max_image_pixels)  # the header check before any image is decoded, as in training
+    set_max_image_pixels(o.max_image_pixels)  # the header check before any image is decoded, as in training
     result = build_cache(
-        model,
-        data,
-        out,
-        resolution=resolution,
-        buckets=buckets,
-        flip=flip,
-        dtype=dtype,
-        max_sequence_length=max_sequence_length,
-        shard_size=shard_size,
-        batch_size=batch_size,
-        max_bad_fraction=max_bad_fraction,
+        o.model,
+        o.data,
+        o.out,
+        resolution=o.resolution,
+        buckets=o.buckets,
+        flip=o.flip,
+        dtype=o.dtype,
+        max_sequence_length=o.max_sequence_length,
+        shard_size=o.shard_size,
+        batch_size=o.batch_size,
+        max_bad_fraction=o.max_bad_fraction,
     )
     if rank_from_env() == 0:
         if result.already_complete:
-            typer.echo(f"{out}: already a complete cache of {result.samples} samples for these settings")
+            typer.echo(f"{o.out}: already a complete cache of {result.samples} samples for these settings")
         else:
             typer.echo(
-                f"cached {result.samples} samples in {result.shards} shards to {out} in "
+                f"cached {result.samples} samples in {result.shards} shards to {o.out} in "
                 f"{result.seconds:.1f} s (this rank: {result.built_here} built, {result.skipped_here} "
                 "already there)"
             )
@@ -254,105 +218,25 @@ def launch(
     "slurm",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
-def slurm(
-    ctx: typer.Context,
-    nodes: Annotated[int, cli_option("nodes")],
-    gpus_per_node: Annotated[int, cli_option("gpus_per_node")],
-    time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit")] = "24:00:00",
-    partition: Annotated[str | None, typer.Option(help="Slurm partition")] = None,
-    account: Annotated[str | None, typer.Option(help="Slurm account")] = None,
-    job_name: Annotated[str, typer.Option(help="Slurm job name")] = "sdzero",
-    signal_lead_s: Annotated[
-        int, typer.Option(help="seconds before the limit that Slurm warns (USR1): one step + a save")
-    ] = 120,
-    rendezvous_port: Annotated[int, cli_option("rendezvous_port")] = DEFAULTS.rendezvous_port,
-    cpus_per_task: Annotated[int | None, typer.Option(help="CPU cores per rank")] = None,
-    gpus: Annotated[bool, cli_option("gpus")] = DEFAULTS.gpus,
-) -> None:
+@command_of(SlurmOptions)
+def slurm(ctx: typer.Context, o: SlurmOptions) -> None:
     """Print a Slurm batch script that trains across the allocation, checkpoints on preemption, requeues."""
     from sdzero.cluster.slurm import SlurmJob, render
 
-    job = SlurmJob(
-        nodes=nodes,
-        ranks_per_node=gpus_per_node,
-        train_args=list(ctx.args),
-        gpus=gpus,
-        time_limit=time_limit,
-        partition=partition,
-        account=account,
-        job_name=job_name,
-        signal_lead_s=signal_lead_s,
-        master_port=rendezvous_port,
-        cpus_per_task=cpus_per_task,
-    )
-    typer.echo(render(job), nl=False)
+    typer.echo(render(SlurmJob(train_args=list(ctx.args), **job_fields(o))), nl=False)
 
 
 @command(
     "k8s",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
-def k8s(
-    ctx: typer.Context,
-    nodes: Annotated[int, cli_option("nodes")],
-    gpus_per_node: Annotated[int, cli_option("gpus_per_node")],
-    image: Annotated[str, typer.Option(help="container image with sdzero installed")] = "sdzero:latest",
-    pvc: Annotated[
-        str, typer.Option(help="ReadWriteMany PersistentVolumeClaim shared by the pods")
-    ] = "sdzero-shared",
-    pvc_size: Annotated[
-        str | None, typer.Option(help="also write the claim, of this size (e.g. 500Gi)")
-    ] = None,
-    storage_class: Annotated[str | None, typer.Option(help="storage class of a written claim")] = None,
-    mount_path: Annotated[
-        str, typer.Option(help="where the shared volume is mounted in each pod")
-    ] = "/shared",
-    name: Annotated[str, typer.Option(help="Job and Service name (a DNS label)")] = "sdzero",
-    namespace: Annotated[str | None, typer.Option(help="namespace; default: kubectl's current one")] = None,
-    shm_size: Annotated[str, typer.Option(help="size of /dev/shm (memory-backed emptyDir)")] = "16Gi",
-    grace_period_s: Annotated[
-        int, typer.Option(help="seconds between SIGTERM and SIGKILL: one step + a checkpoint save")
-    ] = 600,
-    rendezvous_port: Annotated[int, cli_option("rendezvous_port")] = DEFAULTS.rendezvous_port,
-    gpus: Annotated[bool, cli_option("gpus", note="nvidia.com/gpu on Kubernetes")] = DEFAULTS.gpus,
-    cpu: Annotated[str | None, typer.Option(help="CPU cores per pod (request = limit)")] = None,
-    memory: Annotated[str | None, typer.Option(help="memory per pod, e.g. 200Gi (request = limit)")] = None,
-    flavour: Annotated[
-        str, typer.Option(help="job: Indexed Job + headless Service, no operator; pytorchjob: Kubeflow's")
-    ] = "job",
-    out: Annotated[Path | None, typer.Option(help="write the manifests here instead of stdout")] = None,
-    rdma: Annotated[
-        str | None,
-        typer.Option(
-            help="RDMA resource per pod, NAME[=COUNT] (e.g. rdma/ib), with IPC_LOCK for NCCL over IB"
-        ),
-    ] = None,
-) -> None:
+@command_of(K8sOptions)
+def k8s(ctx: typer.Context, o: K8sOptions) -> None:
     """Print Kubernetes manifests (Indexed Job + headless Service, or a Kubeflow PyTorchJob) for N pods."""
     from sdzero.cluster.k8s import K8sJob, render
 
-    job = K8sJob(
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        train_args=list(ctx.args),
-        image=image,
-        pvc=pvc,
-        pvc_size=pvc_size,
-        storage_class=storage_class,
-        mount_path=mount_path,
-        name=name,
-        namespace=namespace,
-        shm_size=shm_size,
-        grace_period_s=grace_period_s,
-        master_port=rendezvous_port,
-        gpus=gpus,
-        cpu=cpu,
-        memory=memory,
-        flavour=flavour,
-        rdma=rdma,
-    )
-    text = render(job)
-    if out is None:
+    text = render(K8sJob(train_args=list(ctx.args), **job_fields(o, "out")))
+    if o.out is None:
         typer.echo(text, nl=False)
         return
     from sdzero.atomic import write_text_atomic
@@ -360,9 +244,9 @@ def k8s(
     from sdzero.config.output_folder import check_replaceable_file
 
     # A folder, a special file, or a file of the user's is never replaced; an earlier manifest file is.
-    check_replaceable_file(out, "--out", HEADER_SIGNATURE, "a manifest file")
-    write_text_atomic(out, text)
-    typer.echo(f"wrote {out}: kubectl apply -f {out}", err=True)
+    check_replaceable_file(o.out, "--out", HEADER_SIGNATURE, "a manifest file")
+    write_text_atomic(o.out, text)
+    typer.echo(f"wrote {o.out}: kubectl apply -f {o.out}", err=True)
 
 
 @command("doctor")

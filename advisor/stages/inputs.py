@@ -15,10 +15,9 @@ from advisor.decide.node_rules import NodeRule, node_rule
 from advisor.measure.grid import GridPlan, GridRequest, load_base_config
 from advisor.measure.profile import TrialsHost
 from advisor.measure.trials import TrialSettings
-from advisor.model.batch_growth import samples_rule
 from advisor.model.model_cost import ModelCost, count_model_cost
 from advisor.model.network import build_network
-from advisor.model.predict import BatchTarget, check_reachable
+from advisor.model.predict import BatchTarget, check_reachable, node_counts
 from advisor.model.time_to_train import TrainAmount, train_amount
 from advisor.stages.fine_tune import (
     EMBEDDED_FINE_TUNE,
@@ -27,15 +26,14 @@ from advisor.stages.fine_tune import (
     default_inputs,
     embedded_base,
 )
-from advisor.stages.request import CPU_GRID, AdviseRequest
+from advisor.stages.request import CPU_GRID, AdviseRequest, checkpointing_choice
 from advisor.stages.scaleout_check import prepare_hostfile
 from advisor.stages.target import (
-    check_options,
-    check_target_rate,
     machine_target,
     target_differs,
     target_memory,
 )
+from sdzero.config.command_options import check_options as check_declared
 from sdzero.config.lr_rule import reference_batch as lr_reference_batch_of
 from sdzero.errors import UserError
 
@@ -300,25 +298,14 @@ def dataset_size(r: AdviseRequest, data: Path, embedded: bool) -> tuple[int, str
 def check_request_options(
     r: AdviseRequest,
 ) -> CheckedRequest:
-    """The checks that need nothing but the request: (node counts, --train-args, --global-batch, the
-    node-count rule)."""
-    node_list = check_options(
-        r.max_nodes,
-        r.headroom,
-        r.device_memory_gib,
-        r.lr_scaling,
-        r.budget_minutes,
-        r.min_efficiency,
-        r.nodes,
-        r.target_gpu,
-    )
-    if r.lr_reference_batch is not None and r.lr_reference_batch < 1:
-        raise UserError(f"--lr-reference-batch {r.lr_reference_batch}: must be at least 1")
+    """The checks that need nothing but the request: each option's own (declared with it in
+    advisor.stages.request), then those of several options together. Returns (node counts, --train-args,
+    --global-batch, the node-count rule)."""
+    check_declared(r)
+    node_list = sorted({*node_counts(r.max_nodes), *(() if r.nodes is None else (r.nodes,))})
     user_args = check_train_args(r.train_args)
     check_checkpointing(r.checkpointing, user_args)
-    if r.host_memory_gib is not None and not r.host_memory_gib > 0:
-        raise UserError(f"--host-memory-gib {r.host_memory_gib}: give the RAM of one node in GiB, above 0")
-    # the target network's flags too: a bad --preset or --gpus-per-node fails before anything is written
+    # the target network's flags together: a bad --preset fails before anything is written
     build_network(
         None,
         machine_target(r.preset, r.gpus_per_node, None)[0] or 1,
@@ -328,18 +315,6 @@ def check_request_options(
         r.nics_per_node,
     )
     rule = node_rule(r.min_efficiency, r.nodes, r.deadline_hours, r.max_gpu_hours)
-    check_target_rate(r.target_tflops)
-    samples_rule(r.samples_rule)
-    for flag, value in (
-        ("--loader-workers", r.loader_workers),
-        ("--cpu-cores-per-node", r.cpu_cores_per_node),
-        ("--storage-gbps", r.storage_gbps),
-    ):
-        if value is not None and not value > 0:
-            raise UserError(f"{flag} {value}: must be a positive number")
-    if r.gpu_hour_price is not None and not r.gpu_hour_price > 0:
-        raise UserError(f"--gpu-hour-price {r.gpu_hour_price}: must be a positive price per GPU-hour")
-    train_amount(r.samples, r.epochs, 1, "")  # their bounds, before anything runs
     return node_list, user_args, BatchTarget.parse(r.global_batch), rule
 
 
@@ -359,9 +334,6 @@ def _trial_settings(
     return replace(settings, race=True)
 
 
-CHECKPOINTING_CHOICES = ("off", "both")
-
-
 def with_checkpointing_knob(grid: GridRequest, r: AdviseRequest) -> GridRequest:
     """The grid with gradient checkpointing as a knob (`--checkpointing both`): every micro-batch with and
     without it."""
@@ -369,8 +341,7 @@ def with_checkpointing_knob(grid: GridRequest, r: AdviseRequest) -> GridRequest:
 
 
 def check_checkpointing(choice: str, user_args: tuple[str, ...]) -> None:
-    if choice not in CHECKPOINTING_CHOICES:
-        raise UserError(f"--checkpointing {choice!r}: choose off or both")
+    checkpointing_choice(choice)
     if choice == "both" and "--gradient-checkpointing" in user_args:
         raise UserError(
             "--checkpointing both with --train-args --gradient-checkpointing: the search measures each "

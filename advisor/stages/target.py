@@ -12,47 +12,12 @@ import subprocess
 import sys
 from typing import Any
 
-from advisor.decide.scaling_table import DEFAULT_MIN_EFFICIENCY
 from advisor.model.gpu_catalogue import GPUS
-from advisor.model.predict import node_counts
-from sdzero.config.lr_rule import check_rule
 from sdzero.errors import UserError
 
 TARGET_GPUS = {name: gpu.memory_gib for name, gpu in GPUS.items()}
 """--target-gpu names and their memory in GiB, from the one catalogue (advisor.model.gpu_catalogue: the
 vendors' nominal figure; the usable part is smaller, which --headroom accounts for)."""
-
-
-def check_options(
-    max_nodes: int,
-    headroom: float,
-    device_memory_gib: float | None,
-    lr_scaling: str,
-    budget_minutes: float | None,
-    min_efficiency: float = DEFAULT_MIN_EFFICIENCY,
-    fixed_nodes: int | None = None,
-    target_gpu: str | None = None,
-) -> list[int]:
-    """The node counts to predict (1, 2, 4, ... --max-nodes, and --nodes); bad values raise UserError."""
-    nodes = node_counts(max_nodes)
-    if not 0 <= headroom < 1:
-        raise UserError(f"--headroom {headroom}: a fraction in [0, 1), e.g. 0.1 keeps 10% of memory free")
-    if device_memory_gib is not None and not device_memory_gib > 0:
-        raise UserError(f"--device-memory-gib {device_memory_gib}: must be a positive number of GiB")
-    check_rule(lr_scaling)
-    if budget_minutes is not None and not budget_minutes > 0:
-        raise UserError(f"--budget-minutes {budget_minutes}: must be a positive number of minutes")
-    if not 0 < min_efficiency <= 1:
-        raise UserError(f"--min-efficiency {min_efficiency}: a fraction in (0, 1], e.g. 0.8")
-    if target_gpu is not None and target_gpu.lower() not in TARGET_GPUS:
-        raise UserError(
-            f"--target-gpu {target_gpu!r}: unknown; choose from {', '.join(TARGET_GPUS)} "
-            "or give --device-memory-gib"
-        )
-    if fixed_nodes is not None:
-        node_counts(fixed_nodes)  # the same bounds as --max-nodes
-        nodes = sorted({*nodes, fixed_nodes})
-    return nodes
 
 
 def target_differs(

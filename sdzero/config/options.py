@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,10 @@ EXPORT_DTYPES = ("fp32", "bf16", "fp16")
 LAUNCHERS = ("pdsh", "openmpi")
 
 
+FIELD_DEFAULT = "<the field's>"
+"""`Cli.command_default` when the command line's default is the field's own."""
+
+
 @dataclass(frozen=True)
 class Cli:
     """How one field appears on a command line (kept in the field's metadata)."""
@@ -46,6 +51,15 @@ class Cli:
     metavar: str | None = None
     negatable: bool = False
     """A boolean that also has `--no-NAME` (argparse's BooleanOptionalAction)."""
+    check: Callable[[Any], Any] | None = None
+    """A `sdzero` command's check of the value: returns it (or its parsed form), raises UserError."""
+    panel: str | None = None
+    """The `--help` panel of a `sdzero` command's option (default: Options)."""
+    show_default: bool = True
+    command_type: Any = None
+    """What the command line gives when it is not the field's type (a string the check parses)."""
+    command_default: Any = FIELD_DEFAULT
+    """The command line's default when it is not the field's (None: the check or the object fills it in)."""
 
 
 def option(
@@ -57,10 +71,26 @@ def option(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     negatable: bool = False,
+    **command: Any,
 ) -> Any:
-    """A dataclass field with its command-line spelling and help; no default means required."""
-    meta = {"cli": Cli(help, flags, choices, metavar, negatable)}
+    """A dataclass field with its command-line spelling and help; no default means required. `command`:
+    what only the `sdzero` commands read (check, panel, show_default, command_type, command_default)."""
+    meta = {"cli": Cli(help, flags, choices, metavar, negatable, **command)}
     return field(default=default, default_factory=factory, metadata=meta)
+
+
+def shared(
+    name: str, value: Any = MISSING, *, note: str = "", help: str | None = None, **command: Any
+) -> Any:
+    """A field of a command's options that is option `name` of the trainer or the launcher: its spelling and
+    help (`note` adds what this command does with it), its default unless `value` is given."""
+    trainer = option_field(name)
+    cli: Cli = trainer.metadata["cli"]
+    text = (cli.help if help is None else help) + (f"; {note}" if note else "")
+    spec = {"cli": dataclasses.replace(cli, help=text, **command)}
+    if value is MISSING and trainer.default is MISSING:
+        return field(metadata=spec)  # required, as the trainer's own
+    return field(default=default(name) if value is MISSING else value, metadata=spec)
 
 
 # ---------------------------------------------------------------------------------------------- groups
