@@ -90,7 +90,10 @@ class Pick:
             return ""
         others = [c for c in self.tied if c != str(self.row["config_id"])]
         verb = "chosen over the faster-predicted" if self.broke_tie else "tied with"
-        return f"{self.row['config_id']} {verb} {', '.join(others)} within noise: {TIE_RULE}"
+        how = "within noise"
+        if self.broke_tie and not is_tie(self.row, self.fastest):
+            how = "inside its interval, which holds work no trial measured"
+        return f"{self.row['config_id']} {verb} {', '.join(others)} {how}: {TIE_RULE}"
 
 
 def _memory_scale(rows: pd.DataFrame, least: float) -> float:

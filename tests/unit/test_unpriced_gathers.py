@@ -88,5 +88,6 @@ def test_a_measured_config_inside_an_unpriced_interval_is_the_pick():
     assert pick_config(_pick_rows(130.0, 0.0)).row["zero_stage"] == 3
     pick = pick_config(_pick_rows(130.0, 0.5))
     assert pick.row["zero_stage"] == 1 and pick.measured_tied
+    assert "inside its interval, which holds work no trial measured" in pick.describe()
     # an interval that stays above the measured config does not tie: the faster prediction stands
     assert pick_config(_pick_rows(300.0, 0.01)).row["zero_stage"] == 3
