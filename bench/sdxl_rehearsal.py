@@ -23,7 +23,10 @@ Phases (each resumable; run each under the heavy lock, they fit its few-minutes 
 5. `report`: advise's pick against the grid's fastest config that fits the cap (per-sample rate at the
    pick's micro-batch and checkpointing, measured by the grid), whether their difference lies within the
    two measurements' 95% half-widths in quadrature, advise's wall time over the grid's, and whether the
-   answer names checkpointing where the grid says it is needed.
+   answer names checkpointing where the grid says it is needed;
+6. `coverage`: `sdzero advise --replan` of the advise run with this checkout's model (nothing measured
+   again), and its intervals for the configs the run did not measure against the grid's steps (as
+   `report` does for the run itself), each with its width (upper over lower bound).
 
     flock /tmp/sdzero-heavy.lock .venv/bin/python bench/sdxl_rehearsal.py --work W --phase grid-1
     ... --phase grid-2, grid-3, advise (its --budget-minutes), host, report
@@ -218,6 +221,20 @@ def host_check(advise_dir: Path, out: Path, cap_gib: float) -> dict:
     }
 
 
+def replan_coverage(results: dict, out: Path) -> dict:
+    """The advise run replanned with this checkout's model (its intervals recomputed, nothing measured),
+    against the grid as `coverage` judges the run itself."""
+    cmd = [str(REPO / ".venv" / "bin" / "sdzero"), "advise", "--replan", results["advise"]["out"]]
+    cmd += ["--out", str(out), "--device-memory-gib", f"{results['cap']['device_memory_gib']:.6f}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    if done.returncode != 0:
+        raise SystemExit(f"replan failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rows = [r for s in (1, 2, 3) for r in results[f"grid-{s}"]["rows"]]
+    result = coverage(out, [r for r in rows if in_reach(r["micro_batch"])])
+    result["answer"] = next((x for x in done.stdout.splitlines() if x.startswith("answer:")), "")
+    return result
+
+
 def report(results: dict) -> dict:
     """advise's pick against the grid's fastest fitting config, and the wall times."""
     rows = [r for s in (1, 2, 3) for r in results[f"grid-{s}"]["rows"]]
@@ -287,6 +304,7 @@ def coverage(advise_dir: Path, rows: list[dict]) -> dict:
                 "interval": [lo, hi],
                 "measured_s": truth,
                 "covered": lo <= truth <= hi,
+                "width": hi / lo,
             }
         )
     return {"scale": scale, "scale_from": len(measured), "configs": configs}
@@ -296,7 +314,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument(
-        "--phase", required=True, choices=["grid-1", "grid-2", "grid-3", "cap", "advise", "host", "report"]
+        "--phase",
+        required=True,
+        choices=["grid-1", "grid-2", "grid-3", "cap", "advise", "host", "report", "coverage"],
     )
     parser.add_argument("--budget-minutes", type=float, default=None)
     args = parser.parse_args()
@@ -324,6 +344,8 @@ def main() -> None:
         results["advise"] = {"out": str(out), "wall_s": wall, "answer": answer}
     elif phase == "host":
         results["host"] = host_check(work / "advise", work / "host", results["cap"]["device_memory_gib"])
+    elif phase == "coverage":
+        results["coverage"] = replan_coverage(results, work / "replan")
     else:
         results["report"] = report(results)
     path.write_text(json.dumps(results, indent=1))

@@ -8,7 +8,9 @@ unknown, and the fastest prediction is still the best bet (its interval says how
 machine's drift is left out too: configs of one launch were measured side by side, interleaved, and
 launches are put on one machine speed by their tie (advisor.measure.launch). The difference's interval is
 tighter than asking whether two intervals overlap, which calls ties up to 1.4x the difference's own
-half-width.
+half-width. One exception: an unmeasured config whose interval holds work the model cannot price (a
+ZeRO-3 config predicted from ZeRO-1/2 trials, advisor.model.step_time.unmeasured_handling_s) ties with
+every measured config its interval reaches, so measured evidence decides.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def is_tie(a: pd.Series, b: pd.Series) -> bool:
         return False
     ha, hb = _halfwidth(a), _halfwidth(b)
     return abs(math.log(fa / fb)) <= math.hypot(ha, hb)
+
+
+def _within_unpriced(measured: pd.Series, unmeasured: pd.Series) -> bool:
+    """Whether a measured config lies inside the interval of an unmeasured one whose interval holds work
+    the model cannot price (predictions' `unmeasured_s`, advisor.model.step_time.unmeasured_handling_s):
+    its figure is then no better evidence than the measurement, and the two count as tied."""
+    if not is_measured(measured) or is_measured(unmeasured) or _value(unmeasured, "unmeasured_s") <= 0:
+        return False
+    low = _value(unmeasured, "samples_per_s_lo")
+    return low > 0 and float(measured["samples_per_s"]) >= low
 
 
 def _value(row: pd.Series, column: str) -> float:
@@ -78,7 +90,10 @@ class Pick:
             return ""
         others = [c for c in self.tied if c != str(self.row["config_id"])]
         verb = "chosen over the faster-predicted" if self.broke_tie else "tied with"
-        return f"{self.row['config_id']} {verb} {', '.join(others)} within noise: {TIE_RULE}"
+        how = "within noise"
+        if self.broke_tie and not is_tie(self.row, self.fastest):
+            how = "inside its interval, which holds work no trial measured"
+        return f"{self.row['config_id']} {verb} {', '.join(others)} {how}: {TIE_RULE}"
 
 
 def _memory_scale(rows: pd.DataFrame, least: float) -> float:
@@ -106,7 +121,7 @@ def pick_config(rows: pd.DataFrame) -> Pick:
     if "contended" in rows and not rows["contended"].fillna(False).astype(bool).all():
         rows = rows[~rows["contended"].fillna(False).astype(bool)]
     fastest = rows.loc[rows["samples_per_s"].astype(float).idxmax()]
-    tied = rows[[is_tie(r, fastest) for _, r in rows.iterrows()]]
+    tied = rows[[is_tie(r, fastest) or _within_unpriced(r, fastest) for _, r in rows.iterrows()]]
     if len(tied) < 2:
         return Pick(fastest, fastest, [str(fastest["config_id"])], is_measured(fastest))
     ids = [str(c) for c in tied.sort_values("samples_per_s", ascending=False)["config_id"]]

@@ -162,6 +162,10 @@ def predict_table(
                     "feasible": mem["total"] <= usable_bytes,
                     "usable_bytes": usable_bytes,  # what the tie rule weighs memory differences against
                     "borrowed_halfwidth": borrowed_halfwidth(timing, c, accum, step.step_time_s),
+                    # Seconds the model cannot price, added to the step's upper bound only.
+                    "unmeasured_s": timing.unmeasured_handling_s(
+                        c.zero_stage, c.precision, c.offload, accum, net.gpus_per_node, n, net
+                    ),
                 }
             )
     table = pd.DataFrame(rows)

@@ -111,6 +111,9 @@ class TimeModel:
     `compute_per_micro_s` includes it (one micro-step at accumulation 1)."""
     derived_stages: set[int] = field(default_factory=set)
     """Stages whose collectives come from the derived mix alone: no trial at 2+ ranks logged them."""
+    unbucketed_ops: dict[int, list[CommOp]] = field(default_factory=dict)
+    """Per derived stage: its ops with one call per tensor (no bucket, no prefetch coalescing): the most
+    calls the stage's per-parameter work can take (`unmeasured_handling_s`)."""
     proportional: dict[Group, float] = field(default_factory=dict)
     """Seconds per sample of a group whose precision has one measured micro-batch only: its compute is
     taken as proportional to the micro-batch (no intercept can be told from a slope)."""
@@ -205,6 +208,36 @@ class TimeModel:
         donors = _donors(dict.fromkeys(fitted, 0.0), group)
         return [self.compute_per_micro_s(g[0], g[1], micro_batch, g[2]) for g in donors]
 
+    def unmeasured_handling_s(
+        self,
+        stage: int,
+        precision: str,
+        offload: str,
+        grad_accum: int,
+        ranks_per_node: int,
+        nodes: int,
+        net: Network,
+    ) -> float:
+        """Seconds per step a config may spend beyond its prediction in work no trial measured: a stage no
+        trial ran that gathers parameters per micro-step (ZeRO-3), predicted from groups whose stages do
+        not, borrows compute that holds none of its per-parameter fetch and release. The model cannot
+        price that work; at worst it goes one tensor at a time, each at the measured link's per-call cost:
+        the stage's collectives with one call per tensor, less those the prediction costs. 0 where the
+        group was measured, the stage's collectives were logged, or a measured stage gathers alike."""
+        if not self.borrowed_compute_s(stage, precision, 1, offload) or stage not in self.unbucketed_ops:
+            return 0.0
+        measured = {g[0] for g in (*self.intercepts, *self.proportional)}
+        if any(_gathers_per_micro_step(self.ops.get(s, [])) for s in measured):
+            return 0.0
+        if not _gathers_per_micro_step(self.ops.get(stage, [])):
+            return 0.0
+        worst = replace(self, ops={stage: self.unbucketed_ops[stage]})
+        return max(
+            sum(worst.comm_seconds(stage, grad_accum, ranks_per_node, nodes, net))
+            - sum(self.comm_seconds(stage, grad_accum, ranks_per_node, nodes, net)),
+            0.0,
+        )
+
     def once_s(self, stage: int, precision: str, offload: str, per_micro_s: float) -> float:
         """The once-per-step compute of this group (its own, else the closest group's), never above one
         micro-step's compute."""
@@ -291,6 +324,10 @@ class TimeModel:
         )
 
 
+def _gathers_per_micro_step(ops: list[CommOp]) -> bool:
+    return any(op.collective == "all_gather" and op.per_micro_step for op in ops)
+
+
 def measured_step_s(rows: pd.DataFrame) -> pd.Series:
     """The step time the model is fitted to and judged by: the median of a trial's measured steps (one
     step slowed by another process on a shared machine moves the mean, not the median); the mean for
@@ -332,6 +369,18 @@ def _mixes(
         return {}
     world = max(int(pd.to_numeric(ok["world_size"], errors="coerce").max()), 2)
     return {stage: collective_mix(numels, stage, world, zero or ZeroSettings()) for stage in (0, 1, 2, 3)}
+
+
+def _unbucketed_ops(
+    numels: tuple[int, ...] | None, zero: ZeroSettings | None, ok: pd.DataFrame, stages: set[int]
+) -> dict[int, list[CommOp]]:
+    """The derived stages' ops as `_mixes` builds them, but one call per tensor: no reduce bucket holds
+    two gradients, no prefetch two parameters (see TimeModel.unmeasured_handling_s)."""
+    if numels is None or not stages:
+        return {}
+    world = max(int(pd.to_numeric(ok["world_size"], errors="coerce").max()), 2)
+    single = replace(zero or ZeroSettings(), reduce_bucket_size=1, prefetch_bucket_size=0)
+    return {stage: ops_from_mix(collective_mix(numels, stage, world, single)) for stage in stages}
 
 
 def _trial_ops(row: pd.Series, mixes: dict[int, list[Collective]]) -> list[CommOp]:
@@ -420,6 +469,7 @@ def fit_time_model(
     for (stage, precision, offload), rows in measured_once.groupby(["zero_stage", "precision", "offload"]):
         model.once_per_step_s[(int(stage), str(precision), str(offload))] = float(rows["once_s"].median())
     _set_ops(model, ok, mixes)
+    model.unbucketed_ops = _unbucketed_ops(numels, zero, ok, model.derived_stages)
     for stage, rows in ok.groupby("zero_stage"):
         _calibrate(model, int(stage), rows, measured_net)
     model.side_stream = _side_stream(ok)

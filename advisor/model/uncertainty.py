@@ -381,6 +381,8 @@ def add_intervals(predictions: pd.DataFrame, spread: Spread) -> pd.DataFrame:
     compare = np.sqrt(noise**2 + link**2)
     half = np.sqrt(fit**2 + link**2 + spread.noise_halfwidth**2)
     lo_step, hi_step = ratio_bounds(step, half)
+    # Work no trial measured and the model cannot price only adds: it raises the upper bound alone.
+    hi_step = ratio_bounds(step + _column(table, "unmeasured_s"), half)[1]
     batch = table["global_batch"].to_numpy(dtype=float)
     table["step_time_s_lo"], table["step_time_s_hi"] = lo_step, hi_step
     table["samples_per_s_lo"], table["samples_per_s_hi"] = batch / hi_step, batch / lo_step

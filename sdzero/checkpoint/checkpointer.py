@@ -24,10 +24,8 @@ every file's size and sha256, and falls back to the previous checkpoint with a w
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -35,10 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from sdzero.atomic import fsync_dir, planted_link, write_text_atomic
+from sdzero.checkpoint.disk_space import disk_full, filesystem_of
 from sdzero.checkpoint.identity import ELASTIC_MAY_CHANGE, SAFE_TO_CHANGE, differences
 from sdzero.checkpoint.manifest import (
     CHECKPOINTS,
@@ -59,6 +55,7 @@ from sdzero.checkpoint.manifest import (
     verify_files,
 )
 from sdzero.checkpoint.output_lock import claim_output_dir
+from sdzero.checkpoint.rng_state import capture_rng, restore_rng
 from sdzero.checkpoint.safe_load import (
     UnsafeFileError,
     check_safetensors,
@@ -177,35 +174,6 @@ def check_compatible(path: Path, manifest: Manifest, now: dict[str, Any], elasti
         f"with the original settings, or start a new run from its weights: `sdzero export {path} OUT`, "
         "then --model OUT"
     )
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states in types that torch.load(weights_only=True) accepts (no numpy objects)."""
-    from deepspeed.accelerator import get_accelerator
-
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "accelerator": get_accelerator().get_rng_state(),
-        "numpy": [
-            str(name),
-            torch.from_numpy(keys.astype(np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ],
-        "python": random.getstate(),
-    }
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    torch.set_rng_state(state["torch"])
-    get_accelerator().set_rng_state(state["accelerator"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    random.setstate(state["python"])
 
 
 def check_ema_files(path: Path, manifest: Manifest) -> None:
@@ -364,43 +332,6 @@ def find_resume(
     if elastic and manifest.world_size != world_size:
         point.universal = universal_for(path, manifest, world_size, ds_raw or {})  # rank 0 converts
     return point
-
-
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-def disk_full(exc: BaseException, root: Path) -> bool:
-    """Whether a failed save ran out of space: an ENOSPC/EDQUOT anywhere in the exception's chain, or an
-    error without an errno (torch.save on a full disk says "basic_ios::clear: iostream error", then "unexpected
-    pos N vs M": no errno, no "write") while the filesystem has (next to) nothing free."""
-    seen: BaseException | None = exc
-    for _ in range(16):  # the chain is short; a bound, in case of a cycle
-        if seen is None:
-            break
-        if isinstance(seen, OSError) and seen.errno in FULL_ERRNOS:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        usage = shutil.disk_usage(root if root.exists() else root.parent)
-    except OSError:
-        return False
-    return usage.free < max(usage.total // 1000, 1 << 20)
-
-
-def filesystem_of(path: Path) -> str:
-    """`DEVICE (mounted at MOUNT)` of the filesystem that holds `path`, from /proc/self/mounts where it
-    is readable, else the mount point alone."""
-    mount = Path(os.path.abspath(path if path.exists() else path.parent))
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
-    try:
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 1 and fields[1] == str(mount):
-                return f"{fields[0]} (mounted at {mount})"
-    except OSError:
-        pass
-    return str(mount)
 
 
 def no_space_line(root: Path, step: int) -> str:

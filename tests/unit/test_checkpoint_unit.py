@@ -16,6 +16,7 @@ import torch
 
 from sdzero.atomic import write_text_atomic
 from sdzero.checkpoint import checkpointer as ck
+from sdzero.checkpoint import rng_state
 from sdzero.config.train_config import parse_train_args
 from sdzero.errors import UserError
 
@@ -364,12 +365,12 @@ def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
 
 def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     torch.manual_seed(1), np.random.seed(2), random.seed(3)
-    state = ck.capture_rng()
+    state = rng_state.capture_rng()
     expected = (torch.rand(3), np.random.rand(3), random.random())
     torch.save(state, tmp_path / "rng.pt")
     loaded = torch.load(tmp_path / "rng.pt", weights_only=True)  # no pickled numpy objects inside
     torch.manual_seed(9), np.random.seed(9), random.seed(9)
-    ck.restore_rng(loaded)
+    rng_state.restore_rng(loaded)
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(again[0], expected[0]) and np.array_equal(again[1], expected[1])
     assert again[2] == expected[2]
