@@ -26,7 +26,7 @@ from sdzero.cluster.shared_storage import check_shared_storage
 from sdzero.config.train_config import DsSettings, TrainConfig, load_ds_config, world_size_from_env
 from sdzero.data.buckets import BucketBatchSampler, samples_dropped
 from sdzero.data.cache import CacheIndex, open_cache
-from sdzero.data.feed import Batches, BatchSource, build_data
+from sdzero.data.feed import Batches, build_data
 from sdzero.data.images import LateFailures
 from sdzero.data.shards import read_records
 from sdzero.models.encoding import encode_batch
@@ -63,6 +63,7 @@ from sdzero.training.link_probe import LinkProbeCallback
 from sdzero.training.run_output import export_final, prepare_output, quiet_libraries
 from sdzero.training.startup import StartupRecord
 from sdzero.training.straggler import StragglerCallback
+from sdzero.training.trainer_parts import DataSide, ModelSide, RunSettings
 from sdzero.training.validation import Validator
 
 log = logging.getLogger("sdzero")
@@ -81,37 +82,38 @@ class RunSummary:
 
 
 class Trainer:
-    """A training run's state and its step. Build with `Trainer.setup(cfg)` for a real run."""
+    """A training run's state and its step. Build with `Trainer.setup(cfg)` for a real run, or from its parts
+    (sdzero.training.trainer_parts) where there is no pipeline folder or dataset to set a run up from."""
 
     def __init__(
         self,
-        cfg: TrainConfig,
-        ds: DsSettings,
-        comps: Components,
-        engine: Any,
-        batches: BatchSource,
+        run: RunSettings,
+        model: ModelSide,
+        data: DataSide,
         *,
-        device: torch.device,
-        prediction_type: str,
         callbacks: Iterable[Callback] = (),
         writer: MetricsWriter | None = None,
-        state: TrainState | None = None,
-        ema: Any = None,
-        skipped_images: int = 0,
     ) -> None:
         import torch.distributed as dist
 
-        self.cfg, self.ds, self.comps, self.engine, self.batches = cfg, ds, comps, engine, batches
-        self.device, self.prediction_type = device, prediction_type
-        self.writer, self.ema = writer, ema
-        self.state = state if state is not None else TrainState()
-        self.skipped_images = skipped_images
+        cfg, ds, comps, engine = run.cfg, run.ds, model.comps, model.engine
+        # Held flat: the callbacks see these names (TrainerView); ds and batches change per config in a
+        # sweep, the benches swap batches and writer between timed blocks.
+        self.cfg, self.ds, self.device = cfg, ds, run.device
+        self.comps, self.engine, self.prediction_type, self.ema = (
+            comps,
+            engine,
+            model.prediction_type,
+            model.ema,
+        )
+        self.batches, self.state, self.skipped_images = data.batches, data.start, data.skipped_images
+        self.writer = writer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Constant for the run, so computed here and not per micro-step.
-        self.objective = Objective(prediction_type, cfg.snr_gamma, comps.family.flow_settings(cfg))
+        self.objective = Objective(model.prediction_type, cfg.snr_gamma, comps.family.flow_settings(cfg))
         self.model_dtype = next(p for p in engine.module.parameters()).dtype
         # No CPU-GPU sync per phase unless --sync-timing: on CUDA, events timed per phase, read a step late.
-        self.timer = PhaseTimer(timing_mode(device, cfg.sync_timing))
+        self.timer = PhaseTimer(timing_mode(run.device, cfg.sync_timing))
         self.shape = {
             "world_size": self.world,
             "zero_stage": ds.zero_stage,
@@ -310,18 +312,11 @@ class Trainer:
         # every rank's start-up phases, shared once; the first step's metrics line carries them
         callbacks.append(StartupRecord(run_watch.startup_done(rank)))
         return cls(
-            cfg,
-            ds,
-            comps,
-            engine,
-            batches,
-            device=device,
-            prediction_type=prediction_type,
+            RunSettings(cfg, ds, device),
+            ModelSide(comps, engine, prediction_type, ema),
+            DataSide(batches, state, skipped_images=n_bad),
             callbacks=callbacks,
             writer=writer,
-            state=state,
-            ema=ema,
-            skipped_images=n_bad,
         )
 
 

@@ -21,6 +21,7 @@ from sdzero.training import fast_paths as speed
 from sdzero.training import trainer as trainer_module
 from sdzero.training.callbacks import Callback
 from sdzero.training.trainer import Trainer
+from sdzero.training.trainer_parts import DataSide, ModelSide, RunSettings
 
 
 @pytest.fixture
@@ -110,13 +111,9 @@ def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, ste
     )
     writer = SimpleNamespace(write=hooks.lines.append, close=lambda: None)
     trainer = Trainer(
-        cfg,
-        ds,
-        comps,
-        FakeEngine(),
-        batches,
-        device=torch.device("cpu"),
-        prediction_type="epsilon",
+        RunSettings(cfg, ds, torch.device("cpu")),
+        ModelSide(comps, FakeEngine(), "epsilon"),
+        DataSide(batches),
         callbacks=[hooks],
         writer=writer,
     )

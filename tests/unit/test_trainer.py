@@ -30,6 +30,7 @@ from sdzero.training.callbacks import (
     overrides,
 )
 from sdzero.training.trainer import Trainer
+from sdzero.training.trainer_parts import DataSide, ModelSide, RunSettings
 
 
 class Feed:
@@ -120,13 +121,9 @@ def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: in
     ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="fp32", micro_batch=2)
     comps = SimpleNamespace(family=network_family, noise_scheduler=None)
     trainer = Trainer(
-        cfg,
-        ds,
-        comps,
-        engine,
-        Feed(),
-        device=torch.device("cpu"),
-        prediction_type="epsilon",
+        RunSettings(cfg, ds, torch.device("cpu")),
+        ModelSide(comps, engine, "epsilon"),
+        DataSide(Feed()),
         callbacks=callbacks,
     )
     return trainer, SimpleNamespace(losses=losses, flow_calls=flow_calls)
