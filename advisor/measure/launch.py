@@ -42,6 +42,7 @@ from sdzero.atomic import write_json_atomic
 from sdzero.config.user_file import parse_json_text, read_user_text
 from sdzero.constants import GIB
 from sdzero.errors import UserError
+from sdzero.training.config_sweep import OVER_CAP
 
 LAUNCHES_FILE = "launches.json"
 LAUNCH_MEASURE_S = 24.0
@@ -319,8 +320,12 @@ class LaunchRunner:
             return head + (f" ({outcome.reason})" if outcome.reason else "")
         share = record.timed_s / record.wall_s if record.wall_s else 0.0
         head += f" (start-up {record.startup_s:.0f} s, {record.timed_s:.0f} s measuring: {share:.0%})"
-        if record.raced:
-            head += f"; raced out: {', '.join(record.raced)} (slower per sample than the launch's leader)"
+        over = [k for k, why in record.raced.items() if why.split(": ", 1)[-1].startswith(OVER_CAP)]
+        slower = [k for k in record.raced if k not in over]
+        if slower:
+            head += f"; raced out: {', '.join(slower)} (slower per sample than the launch's leader)"
+        if over:
+            head += f"; left the race {OVER_CAP}: {', '.join(over)}"
         return head
 
     # ------------------------------------------------------------------------------------ budget

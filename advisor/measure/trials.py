@@ -106,7 +106,11 @@ class TrialSettings:
     """A launch's seconds of timed steps, all its configs together (advisor.measure.launch)."""
     race: bool = False
     """A launch races its configs (`--profile-race`, sdzero.training.config_sweep.race): one clearly
-    slower per sample than the leader stops being measured, and the launch ends once the leader is alone."""
+    slower per sample than the leader stops being measured, and the launch ends once the configs left are
+    measured to `target_rel_halfwidth` (or its time is spent)."""
+    race_memory_cap_bytes: float | None = None
+    """A racing launch's cap on a config's device peak per rank (the advisor's usable memory): a config over
+    it cannot lead the race (`--profile-memory-cap-gib`); None: no cap."""
 
     @property
     def step_cap(self) -> int:
@@ -182,8 +186,19 @@ def sweep_args(settings: TrialSettings) -> list[str]:
         str(settings.steps),
         "--profile-max-seconds",
         f"{settings.launch_measure_s:g}",
-        *(["--profile-race"] if settings.race else []),
+        *(race_args(settings) if settings.race else []),
     ]
+
+
+def race_args(settings: TrialSettings) -> list[str]:
+    """A racing launch: the configs left once the race has thinned them are measured to the trials' target
+    half-width, and the race's leader is one that fits the memory cap."""
+    args = ["--profile-race"]
+    if settings.target_rel_halfwidth is not None:
+        args += ["--profile-target-halfwidth", f"{settings.target_rel_halfwidth:g}"]
+    if settings.race_memory_cap_bytes:
+        args += ["--profile-memory-cap-gib", f"{settings.race_memory_cap_bytes / GIB:.6g}"]
+    return args
 
 
 def adaptive_args(settings: TrialSettings) -> list[str]:

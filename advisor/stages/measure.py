@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +160,8 @@ def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredT
     base_s = (5.0 if inputs.on_cpu else 30.0) * 60
     total_s = given * 60 if given else base_s
     runner = trial_runner(
-        inputs.settings,
+        # the race's leader is a config that fits the memory the plan has (sdzero.training.config_sweep)
+        replace(inputs.settings, race_memory_cap_bytes=hardware.usable_bytes),
         inputs.base,
         inputs.out_dir / "profile",
         inputs.setup,

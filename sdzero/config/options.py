@@ -246,6 +246,11 @@ class ProfileOptions:
         "with --profile-configs: a config whose samples/s interval lies wholly below the leader's stops "
         "being measured, and the launch ends once the leader is the only config left",
     )
+    profile_memory_cap_gib: float = option(
+        0.0,
+        "with --profile-race: a config whose device peak per rank is over this many GiB cannot be the pick: "
+        "it neither leads the race nor keeps the launch going (0: no cap)",
+    )
     profile_target_halfwidth: float = option(
         0.0,
         "stop once the 95% interval of the median measured step is within this fraction of it on each "

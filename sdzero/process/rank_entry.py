@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USER_ERROR)
     sys.stdout.flush()
     sys.stderr.flush()
+    from sdzero.process.session_watch import watch_ssh_session
+
+    watch_ssh_session()  # a remote rank ends with the ssh session of its launcher (no orphans)
     # exec, not a child: the per-node launcher watches and signals this pid, and the rank's exit code is
     # the launcher's verdict; an os.environ-only env passes non-UTF-8 values back as their bytes.
     os.execve(command[0], command, env)

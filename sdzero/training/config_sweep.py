@@ -35,8 +35,14 @@ config has `--profile-min-steps` timed steps.
 With `--profile-race` the launch races its configs (`race`): after each round, a config with at least
 `--profile-min-steps` timed steps whose samples/s interval (the 95% bootstrap interval of its median
 step, sdzero.telemetry.step_interval) lies wholly below the leader's stops being measured (it keeps what it
-measured; `launch.raced` says in which round and behind whom), and the launch ends once each leader is the
-only config left: the launch's pick is decided within its noise, and its remaining time is not spent.
+measured; `launch.raced` says in which round and behind whom). The time the race saves goes to the configs
+still in it (the leader and the rivals within its noise): the launch ends once each of their intervals is
+within `--profile-target-halfwidth` (its pick decided, and its figures as tight as asked) or its time is
+spent; without a target, once each leader is the only config left.
+With `--profile-memory-cap-gib` a config whose device peak per rank (the largest rank's, read on its
+instrumented step) is over the cap cannot be the pick: it neither leads the race nor keeps the launch going,
+and once it has its least timed steps it stops being measured, its reason beginning `OVER_CAP`
+(`launch.over_cap`).
 Configs race those of their own accumulation only: more micro-steps a step amortise its once-per-step
 costs, so a config at another accumulation (the advisor's check) is no rival, and is measured on.
 
@@ -60,10 +66,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from sdzero.atomic import write_json_atomic
+from sdzero.constants import GIB
 from sdzero.data.feed import Batches
 from sdzero.data.images import EpochSampler
 from sdzero.errors import UserError
-from sdzero.telemetry.step_interval import median_interval
+from sdzero.telemetry.step_interval import interval_is_tight, median_interval
 from sdzero.telemetry.step_stats import StepLog
 from sdzero.training.callbacks import Callback
 from sdzero.training.probe import Probe, StopRule, start_probe, stop_rule
@@ -72,6 +79,8 @@ SWEEP_VERSION = 1
 TIE_SIZE = 256
 """The tie's square matrices: a product of a few milliseconds on a CPU core, far less on a GPU."""
 TIE_REPEATS = 8
+OVER_CAP = "over the memory cap"
+"""How `race` begins the reason of a config it stops for its memory (advisor.measure.launch reads it)."""
 SETTLE_S = 10.0
 """Seconds of a launch's first steps that run slow whatever the model (the process's first seconds)."""
 
@@ -216,6 +225,10 @@ class ConfigSweep(Callback):
         self.min_steps = stop_rule.min_steps
         self.race = race
         self.max_seconds = stop_rule.max_seconds
+        self.target = stop_rule.target_rel_halfwidth
+        self.memory_cap = float(getattr(cfg, "profile_memory_cap_gib", 0.0) or 0.0) * GIB
+        self.over_cap: set[str] = set()
+        """Configs measured over the memory cap: they cannot be the pick (`race`'s `over`)."""
         frozen = comps.frozen_modules()
         self.entries = [_Entry(c, ConfigProbe(engine, self._ds_of(c), frozen, out)) for c in configs]
         for entry in self.entries:  # with no worker the rank decodes itself: that is its own work
@@ -304,21 +317,57 @@ class ConfigSweep(Callback):
         if not live:
             return True
         enough = all(len(e.probe.records) >= self.min_steps for e in live)
-        if self.race and enough and any(e.raced for e in self.entries):
-            left = [e.config.grad_accum for e in live]
-            if len(left) == len(set(left)):
-                return True  # each accumulation's leader alone is left: the launch's pick is decided
-        return enough and self.seconds["timed"] >= self.max_seconds
+        if not enough:
+            return False
+        if self.seconds["timed"] >= self.max_seconds:
+            return True
+        if not self.race:
+            return False
+        # Only the configs that may be the pick (they fit) keep the launch going.
+        contenders = [e for e in live if e.config.key not in self.over_cap]
+        if self.target:
+            # The launch's seconds are spent on the leader and its rivals within noise until their figures
+            # are as tight as asked: the pick is then decided, and what the fit reads of it is sure.
+            return all(self._tight(e) for e in contenders)
+        left = [e.config.grad_accum for e in contenders]
+        # each accumulation's leader alone is left: the launch's pick is decided
+        return any(e.raced for e in self.entries) and len(left) == len(set(left))
+
+    def _tight(self, entry: _Entry) -> bool:
+        times = [r["step_time_s"] for r in entry.probe.records]
+        return len(times) >= 2 and interval_is_tight(median_interval(times), self.target)
 
     def _race(self) -> None:
         """Rank 0's race after a round, for every rank: configs clearly slower per sample than the leader
         leave the rounds (`race`)."""
         classes = {e.config.key: e.config.grad_accum for e in self.entries}
-        verdict = [race(self._rate_intervals(), self.min_steps, classes) if dist.get_rank() == 0 else {}]
+        self.over_cap |= self._over_cap()
+        rates = self._rate_intervals()
+        verdict = [race(rates, self.min_steps, classes, self.over_cap) if dist.get_rank() == 0 else {}]
         dist.broadcast_object_list(verdict, src=0)
         for entry in self.entries:
             if entry.config.key in verdict[0] and entry.raced is None:
                 entry.raced = f"round {self.rounds}: {verdict[0][entry.config.key]}"
+
+    def _over_cap(self) -> set[str]:
+        """The configs whose device peak on the largest rank is over `--profile-memory-cap-gib` (a collective:
+        every rank takes part, every rank gets the same set)."""
+        if not self.memory_cap:
+            return set()
+        peaks = torch.tensor(
+            [
+                float(e.probe._rank_figures()["device_peak_bytes"]) if e.probe.states else 0.0
+                for e in self.entries
+            ],
+            dtype=torch.float64,
+            device=_collective_device(),
+        )
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        return {
+            e.config.key
+            for e, peak in zip(self.entries, peaks.tolist(), strict=True)
+            if peak > self.memory_cap
+        }
 
     def _rate_intervals(self) -> dict[str, tuple[float, float, float, int]]:
         """Per live config: (samples/s, its 95% low, high, timed steps) from its timed steps."""
@@ -519,6 +568,7 @@ class ConfigSweep(Callback):
                     "tie_s": self.tie_s,
                     "oom": {e.config.key: e.oom for e in self.entries if e.oom},
                     "raced": {e.config.key: e.raced for e in self.entries if e.raced},
+                    "over_cap": sorted(self.over_cap),
                     "round_medians_s": {e.config.key: e.round_medians for e in self.entries},
                     "intervals": {
                         e.config.key: median_interval(
@@ -573,23 +623,32 @@ def race(
     rates: dict[str, tuple[float, float, float, int]],
     min_steps: int,
     classes: dict[str, int] | None = None,
+    over: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, str]:
     """The configs to stop measuring, and why: those with at least `min_steps` timed steps whose samples/s
     interval (rate, lo, hi, steps) lies wholly below the leader's, the config of the highest rate among
-    those of its class (`classes`: the accumulation; one class without). A config whose interval still
-    overlaps the leader's may yet be the pick and goes on."""
+    those of its class (`classes`: the accumulation; one class without) that fit the memory cap (`over`:
+    those that do not, which cannot be the pick however fast). A config whose interval still overlaps the
+    leader's may yet be the pick and goes on."""
     out: dict[str, str] = {}
     for kind in set((classes or {}).get(k, 0) for k in rates):
         mine = {k: v for k, v in rates.items() if (classes or {}).get(k, 0) == kind}
-        if len(mine) < 2:
+        fitting = [k for k in mine if k not in over]
+        if len(mine) < 2 or not fitting:
             continue
-        leader = max(mine, key=lambda k: mine[k][0])
+        leader = max(fitting, key=lambda k: mine[k][0])
         floor = mine[leader][1]
         out |= {
             key: f"slower per sample than {leader} ({rate:.3g} vs {mine[leader][0]:.3g} samples/s; its "
             f"interval {lo:.3g}-{hi:.3g} below the leader's {floor:.3g})"
             for key, (rate, lo, hi, steps) in mine.items()
             if key != leader and steps >= min_steps and hi < floor
+        }
+        # measured enough for the fit, it cannot be the pick: its turns go to the configs that can
+        out |= {
+            key: f"{OVER_CAP} (it cannot be the pick; {leader} leads those that fit)"
+            for key, (_, _, _, steps) in mine.items()
+            if key in over and key not in out and steps >= min_steps
         }
     return out
 

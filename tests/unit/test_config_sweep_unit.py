@@ -136,6 +136,7 @@ def _sweep(race_on: bool, live: list[tuple[str, int]]) -> ConfigSweep:
     """A sweep's bookkeeping without a launch: (key, timed steps) per config still measured."""
     sweep = ConfigSweep.__new__(ConfigSweep)
     sweep.race, sweep.min_steps, sweep.max_seconds = race_on, 3, 100.0
+    sweep.target, sweep.over_cap = 0.0, set()
     sweep.seconds = {"timed": 5.0}
     sweep.entries = []
     for key, steps in live:
@@ -167,3 +168,50 @@ def test_configs_race_those_of_their_own_accumulation_only() -> None:
     sweep = _sweep(True, [("mb8-ga1", 6), ("mb2-ga1", 6), ("mb8-ga4", 6)])
     sweep.entries[1].raced = "round 4"
     assert sweep._done()  # each accumulation's leader alone is left
+
+
+def _times(sweep: ConfigSweep, key: str, times: list[float]) -> None:
+    next(e for e in sweep.entries if e.config.key == key).probe.records = [{"step_time_s": t} for t in times]
+
+
+def test_the_time_the_race_saves_measures_the_configs_left_to_the_target_half_width() -> None:
+    """With a target the leader alone does not end the launch: it (and any rival still within noise) is
+    measured until its interval is that tight, or the launch's seconds are spent."""
+    sweep = _sweep(True, [("mb8-ga1", 4), ("mb2-ga1", 4)])
+    sweep.target = 0.03
+    sweep.entries[1].raced = "round 3: slower per sample than mb8-ga1"
+    _times(sweep, "mb8-ga1", [0.10, 0.14, 0.08, 0.12, 0.09])  # +-20%-ish: not decided to 3%
+    assert not sweep._done()
+    _times(sweep, "mb8-ga1", [0.100, 0.101, 0.099, 0.100, 0.1005, 0.0995, 0.100])
+    assert sweep._done()  # as tight as asked
+    _times(sweep, "mb8-ga1", [0.10, 0.14, 0.08, 0.12, 0.09])
+    sweep.seconds["timed"] = 100.0
+    assert sweep._done()  # the launch's seconds are spent
+    sweep = _sweep(True, [("mb8-ga1", 4), ("mb4-ga1", 4)])  # a rival within noise: both to the target
+    sweep.target = 0.03
+    _times(sweep, "mb8-ga1", [0.100, 0.101, 0.099, 0.100, 0.1005, 0.0995, 0.100])
+    _times(sweep, "mb4-ga1", [0.05, 0.07, 0.04, 0.06, 0.045])
+    assert not sweep._done()
+
+
+def test_the_race_leader_is_a_config_that_fits_the_memory_cap() -> None:
+    """A faster config over --profile-memory-cap-gib cannot be the pick: it does not race out the fastest
+    config that fits (micro-batch 4 with checkpointing), and it leaves the race itself once measured."""
+    rates = {
+        "mb8-ga1": (100.0, 97.0, 103.0, 6),  # fastest, over the cap
+        "mb4-ga1-gc": (80.0, 77.0, 83.0, 6),  # fits: the leader
+        "mb2-ga1": (60.0, 57.0, 63.0, 6),  # fits, clearly slower than the one that fits
+    }
+    out = race(rates, 5, over={"mb8-ga1"})
+    assert set(out) == {"mb8-ga1", "mb2-ga1"}
+    assert out["mb2-ga1"].startswith("slower per sample than mb4-ga1-gc")
+    assert out["mb8-ga1"].startswith("over the memory cap")
+    assert "mb4-ga1-gc" in race(rates, 5)  # without the cap the config that fits is raced out
+    assert (
+        race({"mb8-ga1": (100.0, 97.0, 103.0, 2), "mb4-ga1": rates["mb4-ga1-gc"]}, 5, over={"mb8-ga1"}) == {}
+    )
+    sweep = _sweep(True, [("mb8-ga1", 4), ("mb4-ga1", 4)])
+    sweep.over_cap = {"mb8-ga1"}
+    assert sweep._done() is False  # nothing raced out yet
+    sweep.entries[0].raced = "round 2: over the memory cap"
+    assert sweep._done()  # the config that fits is the leader alone
