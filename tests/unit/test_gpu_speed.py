@@ -309,7 +309,7 @@ def test_speed_options_parse_from_the_command_line(tmp_path):
 def test_advisor_launches_time_their_steps_without_a_sync_a_users_run_does_not_take():
     """A launch's timed steps are the user's (phases timed by events on CUDA, read a step late): no
     --sync-timing; DeepSpeed's synchronizing instruments are on in its instrumented steps only
-    (sdzero.training.config_sweep)."""
+    (sdzero.training.measuring.sweep)."""
     from dataclasses import replace
 
     from advisor.measure.trials import TrialSettings, trainer_args
