@@ -258,6 +258,7 @@ def sdzero_rate(
     from sdzero.training.engine import init_engine
     from sdzero.training.fast_paths import apply_backend_flags, check_attention, speed_report
     from sdzero.training.trainer import Trainer
+    from sdzero.training.trainer_parts import DataSide, ModelSide, RunSettings
 
     work = a.out / "work"
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -290,7 +291,9 @@ def sdzero_rate(
         used = speed_report(cfg, engine, timing_mode(device, cfg.sync_timing), attention)
         # Built from parts: this in-memory UNet has no pipeline folder or dataset to set a run up from, and
         # nothing is due around the step (no EMA, checkpoint, validation or stop vote): no callbacks.
-        trainer = Trainer(cfg, ds, comps, engine, Premade(batches), device=device, prediction_type="epsilon")
+        trainer = Trainer(
+            RunSettings(cfg, ds, device), ModelSide(comps, engine, "epsilon"), DataSide(Premade(batches))
+        )
         trainer.train()  # warm-up: --max-steps is a.warmup
         sync(device)
         start = time.perf_counter()

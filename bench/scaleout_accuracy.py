@@ -18,7 +18,7 @@ ZeRO stage and gradient accumulation (bf16, the shipped base config):
    the next by more than the model's error (docs/multinode.md), so a drift between the trial and the
    hosts' runs is halved, and the two trials' difference (`one_host_spread`) says how large it was.
 
-Every rank records its own time in collectives per step (sdzero/training/probe.py), so each case also gives
+Every rank records its own time in collectives per step (sdzero/training/measuring/probe.py), so each case also gives
 the transport (the least any rank spent, per step: the rank that waited least) and the wait on top of it
 (rank 0's and the most any rank spent) beside the predicted link and wait terms (the second table).
 

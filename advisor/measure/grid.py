@@ -62,7 +62,7 @@ class TrialSpec:
     once-per-step costs (the optimizer step, ZeRO-1's boundary reduction) from per-micro-step ones."""
     checkpointing: bool = False
     """Gradient checkpointing: the network recomputes its activations in the backward. Measured in the
-    same launch as the configs without it (sdzero.training.config_sweep switches it on the built
+    same launch as the configs without it (sdzero.training.measuring.sweep switches it on the built
     network); an id without the `gc` part (every id before it existed) is a config without it."""
 
     @property
@@ -272,7 +272,7 @@ def trial_ds_config(base: dict[str, Any], spec: TrialSpec) -> dict[str, Any]:
         zero["reduce_bucket_size"] = spec.reduce_bucket_size
     if spec.allgather_bucket_size is not None:
         zero["allgather_bucket_size"] = spec.allgather_bucket_size
-    # DeepSpeed's per-step forward/backward/step timers and its per-collective log (sdzero.training.probe reads
+    # DeepSpeed's per-step forward/backward/step timers and its per-collective log (sdzero.training.measuring.probe reads
     # both). Both add synchronisations on GPUs, so a trial's samples/s is slightly below an unmeasured run's.
     config["wall_clock_breakdown"] = True
     config["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}

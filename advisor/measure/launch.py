@@ -1,6 +1,6 @@
 """Launches: one run of the trainer per ZeRO stage, precision and offload, measuring all its configs.
 
-A *launch* starts the trainer once (sdzero.training.config_sweep: model, encoders, data and engine built
+A *launch* starts the trainer once (sdzero.training.measuring.sweep: model, encoders, data and engine built
 once) and measures every config asked of its group, interleaved A B C A B C, so that the machine's drift
 over the launch falls on all of them alike. trials.csv keeps one row per config, as for a single trial;
 the row's `trial_dir` is its launch's folder, `wall_s` what a run of the config alone would take (the
@@ -42,7 +42,7 @@ from sdzero.atomic import write_json_atomic
 from sdzero.config.user_file import parse_json_text, read_user_text
 from sdzero.constants import GIB
 from sdzero.errors import UserError
-from sdzero.training.config_sweep import OVER_CAP
+from sdzero.training.measuring.race import OVER_CAP
 
 LAUNCHES_FILE = "launches.json"
 LAUNCH_MEASURE_S = 24.0
@@ -83,7 +83,7 @@ class LaunchRecord:
     at: float = 0.0
     raced: dict[str, str] = field(default_factory=dict)
     """Configs the launch stopped measuring as clearly slower per sample than its leader, and why
-    (sdzero.training.config_sweep.race)."""
+    (sdzero.training.measuring.race.race)."""
 
     @property
     def step_s(self) -> float:

@@ -1,6 +1,6 @@
 """One trial: the trainer under the `deepspeed` launcher, watched, killed if stuck, and classified.
 
-A trial runs `sdzero/train.py --profile-out` (see sdzero.training.probe) in its own session, with its output in
+A trial runs `sdzero/train.py --profile-out` (see sdzero.training.measuring.probe) in its own session, with its output in
 `<trial>/log.txt`. Every way it can end becomes data rather than an exception:
 
 - ok: the trainer wrote its profile (a launcher that then hangs in teardown is killed, the result kept);
@@ -10,7 +10,7 @@ A trial runs `sdzero/train.py --profile-out` (see sdzero.training.probe) in its 
 
 A trial measures at least `steps` steps and, with `target_rel_halfwidth`, goes on until the 95% interval
 of its median step is that tight (sdzero.telemetry.step_interval), or `max_steps` / `max_measure_s` is
-reached: the trainer's probe votes to stop (sdzero.training.probe). While a trial runs on this machine, the
+reached: the trainer's probe votes to stop (sdzero.training.measuring.probe). While a trial runs on this machine, the
 watcher samples the machine's CPU time and the trial's own (advisor.measure.contention): what others took
 over its window.
 
@@ -101,11 +101,11 @@ class TrialSettings:
     max_measure_s: float | None = None
     """With a target: stop measuring after this many seconds of measured steps (None: no limit)."""
     sweep: str = ""
-    """A launch of several configs (sdzero.training.config_sweep): `MB:GA,...`; "" for one config."""
+    """A launch of several configs (sdzero.training.measuring.sweep): `MB:GA,...`; "" for one config."""
     launch_measure_s: float = 0.0
     """A launch's seconds of timed steps, all its configs together (advisor.measure.launch)."""
     race: bool = False
-    """A launch races its configs (`--profile-race`, sdzero.training.config_sweep.race): one clearly
+    """A launch races its configs (`--profile-race`, sdzero.training.measuring.race.race): one clearly
     slower per sample than the leader stops being measured, and the launch ends once the configs left are
     measured to `target_rel_halfwidth` (or its time is spent)."""
     race_memory_cap_bytes: float | None = None
@@ -423,7 +423,7 @@ def read_profile(path: Path) -> dict[str, Any] | None:
         if "not JSON" in str(exc) or "nested deeper" in str(exc):
             return None  # torn by a kill: the trial is classified without it
         raise
-    # one config's profile, or a launch's (sdzero.training.config_sweep: its configs' profiles inside)
+    # one config's profile, or a launch's (sdzero.training.measuring.sweep: its configs' profiles inside)
     return profile if isinstance(profile, dict) and (profile.get("ranks") or "configs" in profile) else None
 
 
@@ -541,7 +541,7 @@ def profile_columns(profile: dict[str, Any] | None, step_times: list[float] | No
         "comm_s": comm.get("seconds_per_step"),
         "comm_bytes": comm.get("bytes_per_step"),
         "comm_ops": json.dumps(comm.get("ops")) if comm else None,
-        # Every rank's own time in collectives (sdzero.training.probe): the least is the closest to the transport
+        # Every rank's own time in collectives (sdzero.training.measuring.probe): the least is the closest to the transport
         # alone, the most adds the longest wait for a slower rank.
         **rank_comm_columns(ranks),
         "trained_params": profile["trained_params"],

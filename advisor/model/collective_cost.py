@@ -30,7 +30,7 @@ the burst's bytes move while its calls wait out their latencies, so it takes the
 
 A burst's calls are started without waiting (async), and DeepSpeed's comms_logger times an async call up
 to its start only, unless the accelerator synchronizes (CUDA does; a CPU does not). Trials now also time
-the waits (sdzero.training.probe.WaitMeter), so their communication includes the bursts as the ranks lived
+the waits (sdzero.training.measuring.comm_meters.WaitMeter), so their communication includes the bursts as the ranks lived
 them. For older trials, whose logged communication misses most of each burst (which would pass for
 compute), the fit counts the burst at the larger of what was logged and what it costs on the trial's own
 network (see _unlogged_burst_s): a separate benchmark's figure, noisier where latency is CPU scheduling."""
@@ -49,7 +49,7 @@ class CommOp:
     """Seconds per step (per micro-step where per_micro_step) the trial's ranks spent in it: comms_logger's
     time, plus the time they blocked waiting for it where the trial measured that (`waits_measured`)."""
     waits_measured: bool = False
-    """The trial timed its waits on async calls (sdzero.training.probe.WaitMeter), so `logged_s` is the whole
+    """The trial timed its waits on async calls (sdzero.training.measuring.comm_meters.WaitMeter), so `logged_s` is the whole
     time spent in the op; older trials logged the async calls' launch only (see BURST_CALLS)."""
     phase: str = ""
     """When in the step (advisor.model.collective_mix.PHASES), where the derived mix says; "" unknown."""

@@ -24,7 +24,7 @@ The device peak is the larger of two moments (`MemoryModel.per_rank_bytes`): the
 above) and the optimizer step, where activations are gone but the step builds an fp32 copy of the rank's
 gradient partition and the optimizer may allocate temporaries. The step's bytes are read from DeepSpeed
 0.19.8 and torch 2.x, not fitted (see `MemoryModel.step_bytes`). A CPU trial cannot check them: sdzero's
-profile (sdzero/training/probe.py) has no device allocator to read there, so its `device_peak_bytes` is the sum
+profile (sdzero/training/measuring/probe.py) has no device allocator to read there, so its `device_peak_bytes` is the sum
 of the fwd/bwd parts above (model states, buckets, frozen, one micro-batch's activations), not a
 measurement of the step; only a GPU's `torch.cuda.max_memory_allocated` measures it (bench/gpu_check.py).
 """

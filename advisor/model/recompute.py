@@ -5,7 +5,7 @@ block's forward again inside it: the forward is counted twice. So:
 
 - **compute**: a checkpointed config's per-sample compute is the same config's without it, plus `share`
   of it. Where trials ran with checkpointing (in the same launch as those without,
-  sdzero.training.config_sweep), `share` is measured: the median over them of their compute beyond the
+  sdzero.training.measuring.sweep), `share` is measured: the median over them of their compute beyond the
   fitted compute of the same config without it, per unit of that config's per-sample compute; per ZeRO
   stage, precision and offload where that group ran with it (`by_group`: at ZeRO-3 the recomputed
   forward gathers its parameters again), the median over the groups elsewhere. Where none did, it is the forward pass's share of the trials' compute (their phase timers: forward / (forward +

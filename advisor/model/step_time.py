@@ -8,7 +8,7 @@ gets a line of its own (`group_slopes`): what the stage adds per micro-step grow
 too (ZeRO-3's step grows faster with the micro-batch than ZeRO-1's: docs/calibration/advisor-rounds.md),
 and a shared slope would put the average growth on every stage's unmeasured micro-batches. A trial's compute is its step time minus the
 time its ranks spent inside collectives (DeepSpeed's comms_logger, plus the time they then waited for
-async calls, which the trial times itself: sdzero.training.probe.WaitMeter).
+async calls, which the trial times itself: sdzero.training.measuring.comm_meters.WaitMeter).
 
 Once-per-step compute (the optimizer step, less the collectives inside it) is measured per group from
 the trials' optimizer phase and charged once per step; the rest of a micro-step's compute is charged per

@@ -160,7 +160,7 @@ def measure_trials(inputs: AdviseInputs, hardware: HardwareFigures) -> MeasuredT
     base_s = (5.0 if inputs.on_cpu else 30.0) * 60
     total_s = given * 60 if given else base_s
     runner = trial_runner(
-        # the race's leader is a config that fits the memory the plan has (sdzero.training.config_sweep)
+        # the race's leader is a config that fits the memory the plan has (sdzero.training.measuring.race)
         replace(inputs.settings, race_memory_cap_bytes=hardware.usable_bytes),
         inputs.base,
         inputs.out_dir / "profile",

@@ -255,7 +255,7 @@ class ExportOptions:
 
 @dataclass(kw_only=True)
 class ProfileOptions:
-    """profiling (the advisor's trials; sdzero/training/probe.py)"""
+    """profiling (the advisor's trials; sdzero/training/measuring/probe.py)"""
 
     profile_out: Path | None = option(
         None,
@@ -269,7 +269,7 @@ class ProfileOptions:
     profile_configs: str = option(
         "",
         "measure several configs in this one launch, in interleaved rounds: MICRO_BATCH:ACCUMULATION pairs "
-        "such as 1:1,4:1,4:4 (sdzero/training/config_sweep.py); --profile-out then holds each config's profile",
+        "such as 1:1,4:1,4:4 (sdzero/training/measuring/sweep.py); --profile-out then holds each config's profile",
     )
     profile_race: bool = option(
         False,

@@ -9,7 +9,7 @@ rate at the data's location.
   files, or a shard's members), each file first dropped from the page cache (posix_fadvise DONTNEED), so
   that the figure is the storage's and not the memory's: bytes/s and files/s.
 
-The launch of several configs (sdzero.training.config_sweep) records both in its profile under "input";
+The launch of several configs (sdzero.training.measuring.sweep) records both in its profile under "input";
 the advisor turns them into each node count's input rate (advisor.model.input_rate).
 """
 

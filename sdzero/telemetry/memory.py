@@ -1,4 +1,4 @@
-"""What a rank holds in memory, measured for `sdzero profile` (sdzero.training.probe's Probe reads these).
+"""What a rank holds in memory, measured for `sdzero profile` (sdzero.training.measuring.probe's Probe reads these).
 
 - Model states, by kind (16-bit parameters, gradients, fp32 master weights, optimizer states; gradient
   buckets apart), read from the engine as the storages that hold them, so padding counts and views count once;

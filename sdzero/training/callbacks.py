@@ -1,5 +1,5 @@
 """What happens around the training step besides the step itself, as Trainer callbacks: EMA, validation,
-checkpoints and preemption here; profiling in sdzero.training.probe (`Probe`); extra callbacks named in
+checkpoints and preemption here; profiling in sdzero.training.measuring.probe (`Probe`); extra callbacks named in
 SDZERO_CALLBACKS (the tests inject their faults this way). docs/trainer.md lists the events and their order.
 
 A callback subclasses `Callback` and overrides the events it needs; every event receives the Trainer (seen as a
@@ -184,7 +184,7 @@ class ValidationCallback(Callback):
 
 
 def ends_as_a_trial(trainer: TrainerView) -> bool:
-    """A profiled run without --checkpoint-every is an advisor trial (sdzero.training.probe): nothing resumes
+    """A profiled run without --checkpoint-every is an advisor trial (sdzero.training.measuring.probe): nothing resumes
     it, so a stop (its probe's measurement is done, or the advisor ends it) ends it as its last step would:
     no checkpoint (a real model's states would cost more than the trial), no preemption exit, the profile
     written. The same on every rank: the options are."""

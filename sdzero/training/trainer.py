@@ -56,18 +56,27 @@ from sdzero.training.callbacks import (
     model_reference,
     overrides,
 )
-from sdzero.training.config_sweep import ConfigSweep, start_measurements
 from sdzero.training.engine import init_engine, loss_scale_of
 from sdzero.training.fast_paths import apply_backend_flags, check_attention, check_speed_options, speed_report
 from sdzero.training.link_probe import LinkProbeCallback
+from sdzero.training.measuring.configs import plan_sweep
+from sdzero.training.measuring.probe import start_probe
+from sdzero.training.measuring.sweep import ConfigSweep
 from sdzero.training.run_output import export_final, prepare_output, quiet_libraries
 from sdzero.training.startup import StartupRecord
 from sdzero.training.straggler import StragglerCallback
+from sdzero.training.trainer_parts import DataSide, ModelSide, RunSettings
 from sdzero.training.validation import Validator
 
 log = logging.getLogger("sdzero")
 
 EVENTS = tuple(name for name in vars(Callback) if name.startswith("on_") or name == "wants_stop")
+
+
+def handlers_of(callbacks: list[Callback]) -> dict[str, list[Any]]:
+    """Per event, the bound methods of the callbacks that override it, in list order: an event no callback
+    overrides costs nothing per step."""
+    return {e: [getattr(c, e) for c in callbacks if overrides(c, e)] for e in EVENTS}
 
 
 @dataclass
@@ -81,37 +90,39 @@ class RunSummary:
 
 
 class Trainer:
-    """A training run's state and its step. Build with `Trainer.setup(cfg)` for a real run."""
+    """A training run's state and its step. Build with `Trainer.setup(cfg)` for a real run, or from its parts
+    (sdzero.training.trainer_parts) where there is no pipeline folder or dataset to set a run up from."""
 
     def __init__(
         self,
-        cfg: TrainConfig,
-        ds: DsSettings,
-        comps: Components,
-        engine: Any,
-        batches: BatchSource,
+        run: RunSettings,
+        model: ModelSide,
+        data: DataSide,
         *,
-        device: torch.device,
-        prediction_type: str,
         callbacks: Iterable[Callback] = (),
         writer: MetricsWriter | None = None,
-        state: TrainState | None = None,
-        ema: Any = None,
-        skipped_images: int = 0,
+        measuring: Callback | None = None,
     ) -> None:
         import torch.distributed as dist
 
-        self.cfg, self.ds, self.comps, self.engine, self.batches = cfg, ds, comps, engine, batches
-        self.device, self.prediction_type = device, prediction_type
-        self.writer, self.ema = writer, ema
-        self.state = state if state is not None else TrainState()
-        self.skipped_images = skipped_images
+        cfg, ds, comps, engine = run.cfg, run.ds, model.comps, model.engine
+        # Held flat: the callbacks see these names (TrainerView); ds and batches change per config in a
+        # sweep, the benches swap batches and writer between timed blocks.
+        self.cfg, self.ds, self.device = cfg, ds, run.device
+        self.comps, self.engine, self.prediction_type, self.ema = (
+            comps,
+            engine,
+            model.prediction_type,
+            model.ema,
+        )
+        self.batches, self.state, self.skipped_images = data.batches, data.start, data.skipped_images
+        self.writer = writer
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Constant for the run, so computed here and not per micro-step.
-        self.objective = Objective(prediction_type, cfg.snr_gamma, comps.family.flow_settings(cfg))
+        self.objective = Objective(model.prediction_type, cfg.snr_gamma, comps.family.flow_settings(cfg))
         self.model_dtype = next(p for p in engine.module.parameters()).dtype
         # No CPU-GPU sync per phase unless --sync-timing: on CUDA, events timed per phase, read a step late.
-        self.timer = PhaseTimer(timing_mode(device, cfg.sync_timing))
+        self.timer = PhaseTimer(timing_mode(run.device, cfg.sync_timing))
         self.shape = {
             "world_size": self.world,
             "zero_stage": ds.zero_stage,
@@ -120,7 +131,9 @@ class Trainer:
             "grad_accum": ds.grad_accum,
         }
         self.callbacks = list(callbacks)
-        self._handlers = {e: [getattr(c, e) for c in self.callbacks if overrides(c, e)] for e in EVENTS}
+        self.measuring = measuring
+        """The callback among `callbacks` that measures the steps (`measure_with` gives its place to another)."""
+        self._handlers = handlers_of(self.callbacks)
         self.step_log: StepLog | None = None
         self.step_extras: dict[str, Any] = {}
         """Fields a callback adds to this step's metrics line (set before `on_step_queued`)."""
@@ -131,6 +144,29 @@ class Trainer:
     def _emit(self, event: str, *args: Any) -> None:
         for handler in self._handlers[event]:
             handler(self, *args)
+
+    def measure_with(self, probe: Callback) -> None:
+        """Put `probe` in the measuring callback's place, keeping the callbacks' order: a launch of several
+        configs installs each config's probe there for its steps (sdzero.training.measuring.sweep)."""
+        if self.measuring is None:
+            raise ValueError("this Trainer has no measuring slot (Trainer.setup makes one)")
+        self.callbacks[self.callbacks.index(self.measuring)] = probe
+        self.measuring = probe
+        self._handlers = handlers_of(self.callbacks)
+
+    def use_batch_shape(self, ds: DsSettings, batches: BatchSource) -> None:
+        """From the next step, draw from `batches` and take `ds`'s micro-batch and accumulation (the engine
+        is told apart): a launch of several configs switches between them on one engine."""
+        self.ds, self.batches = ds, batches
+        self.shape.update(micro_batch=ds.micro_batch, grad_accum=ds.grad_accum)
+
+    def open_step_log(self, bar: Any) -> StepLog:
+        """A fresh log of the steps about to run: each step's metrics line read back, written, on `bar`."""
+        lag = 1 if self.timer.mode == "events" else 0  # on CUDA a step's line is read a step late
+        self.step_log = StepLog(
+            lag, self.ds.global_batch, self.writer, self.engine.monitor, self._on_record, bar
+        )
+        return self.step_log
 
     def emit_checkpoint_staged(self, step: int, folder: Path) -> None:
         """Raised by the Checkpointer inside a save (see CheckpointCallback.on_setup)."""
@@ -214,10 +250,7 @@ class Trainer:
             disable=self.rank != 0,
             dynamic_ncols=True,
         )
-        lag = 1 if self.timer.mode == "events" else 0
-        self.step_log = StepLog(
-            lag, self.ds.global_batch, self.writer, self.engine.monitor, self._on_record, bar
-        )
+        self.open_step_log(bar)
         try:
             for step in range(first, last + 1):
                 if self.train_step(step):
@@ -295,13 +328,16 @@ class Trainer:
             log_run_shape(cfg, ds, world, len(dataset), n_bad, dropped, sampler, from_cache=cache is not None)
         late = LateFailures(len(dataset), n_bad, cfg.max_bad_fraction, cfg.data) if cache is None else None
         batches = Batches(loader, sampler, state.epoch, state.batches_in_epoch, state.samples_in_epoch, late)
+        # The measuring slot: --profile-out's probe, or a callback with no events that a launch of several
+        # configs fills with each config's probe in turn (sdzero.training.measuring.sweep).
+        measuring = start_probe(cfg, ds, engine, comps) or Callback()
         # Order matters where two act on one event: validation before the checkpoint of the same step, the
         # profile after the final validation and checkpoint, and the preemption exit after its checkpoint.
         callbacks: list[Callback] = [
             *([EmaCallback(ema)] if ema is not None else []),
             ValidationCallback(validator),
             checkpoints,
-            *filter(None, [start_measurements(cfg, ds, engine, comps)]),
+            measuring,
             *extras,
             *([StragglerCallback(cfg.straggler_every)] if cfg.straggler_every else []),
             *([LinkProbeCallback(cfg.straggler_every)] if cfg.straggler_every else []),
@@ -310,18 +346,12 @@ class Trainer:
         # every rank's start-up phases, shared once; the first step's metrics line carries them
         callbacks.append(StartupRecord(run_watch.startup_done(rank)))
         return cls(
-            cfg,
-            ds,
-            comps,
-            engine,
-            batches,
-            device=device,
-            prediction_type=prediction_type,
+            RunSettings(cfg, ds, device),
+            ModelSide(comps, engine, prediction_type, ema),
+            DataSide(batches, state, skipped_images=n_bad),
             callbacks=callbacks,
             writer=writer,
-            state=state,
-            ema=ema,
-            skipped_images=n_bad,
+            measuring=measuring,
         )
 
 
@@ -422,11 +452,11 @@ def log_run_shape(
 
 
 def run(cfg: TrainConfig) -> RunSummary:
-    """A whole run from its options: what `sdzero/train.py` does."""
+    """A whole run from its options: what `sdzero/train.py` does. Its driver is the Trainer's own loop, or
+    for --profile-configs the launch that measures several configs (sdzero.training.measuring.sweep)."""
+    sweep = plan_sweep(cfg)  # its options checked before the slow start-up
     trainer = Trainer.setup(cfg)
     try:
-        # --profile-configs: one launch measures several configs (sdzero.training.config_sweep)
-        sweep = next((c for c in trainer.callbacks if isinstance(c, ConfigSweep)), None)
-        return RunSummary(**sweep.run(trainer)) if sweep else trainer.train()
+        return RunSummary(**ConfigSweep(trainer, sweep).run()) if sweep else trainer.train()
     finally:
         trainer.close()

@@ -130,7 +130,7 @@ def test_profile_counts_the_family_network_and_every_frozen_part(family, family_
     """`sdzero profile` measures what the trainer trains: the UNet or the SD3 transformer, and all of the
     family's frozen modules (two or three text encoders and the VAE)."""
     from sdzero.models.loading import load_components
-    from sdzero.training.probe import module_bytes
+    from sdzero.telemetry.memory import module_bytes
 
     model, run, _ = family_runs(family)
     profile = json.loads((run.parent / "profile.json").read_text())

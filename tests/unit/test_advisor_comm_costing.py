@@ -104,7 +104,7 @@ def test_bursts_the_logger_missed_are_communication_not_compute():
 
 
 def test_waits_the_trial_timed_replace_the_benchmark_figure():
-    """A trial that timed its waits (sdzero.training.probe.WaitMeter) already counts its bursts whole: the fit
+    """A trial that timed its waits (sdzero.training.measuring.comm_meters.WaitMeter) already counts its bursts whole: the fit
     takes its communication as measured and costs nothing more, however the link benchmark came out."""
     from advisor.model.collective_cost import ops_from_trial
     from advisor.model.network import CollectiveFigures, Link, Network

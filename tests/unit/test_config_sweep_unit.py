@@ -11,7 +11,10 @@ from deepspeed.runtime.engine import EngineTimers
 from deepspeed.utils.timer import NoopTimer
 
 from sdzero.errors import UserError
-from sdzero.training.config_sweep import ConfigSweep, SweepConfig, _Entry, _Instruments, parse_configs, race
+from sdzero.training.measuring.configs import Entry, SweepConfig, parse_configs, plan_sweep
+from sdzero.training.measuring.instruments import Instruments
+from sdzero.training.measuring.probe import StopRule
+from sdzero.training.measuring.race import Race, race
 
 
 def test_configs_parse_and_bad_ones_say_how_to_write_them() -> None:
@@ -45,7 +48,7 @@ def test_timed_steps_run_without_the_comms_logger_and_timers_and_instrumented_on
     monkeypatch.setattr(ds_comm.comms_logger, "enabled", True)
     engine = _engine(breakdown=True)
     on_timers = engine.engine_timers
-    instruments = _Instruments(engine)
+    instruments = Instruments(engine)
     instruments.set(False)
     # comms_logger synchronizes after every collective; the timers around every phase
     assert ds_comm.comms_logger.enabled is False
@@ -60,7 +63,7 @@ def test_timed_steps_run_without_the_comms_logger_and_timers_and_instrumented_on
 def test_instrumented_steps_turn_on_only_what_the_json_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ds_comm.comms_logger, "enabled", False)
     engine = _engine(breakdown=False)
-    _Instruments(engine).set(True)
+    Instruments(engine).set(True)
     assert ds_comm.comms_logger.enabled is False and engine._config.wall_clock_breakdown is False
 
 
@@ -68,29 +71,29 @@ def test_the_out_of_memory_vote_travels_on_the_backends_device(monkeypatch: pyte
     """NCCL takes CUDA tensors, gloo CPU ones (stand-ins for the process group and the device)."""
     import torch
 
-    from sdzero.training import config_sweep
+    from sdzero.training.measuring import instruments
 
-    monkeypatch.setattr(config_sweep.dist, "get_backend", lambda: "nccl")
-    monkeypatch.setattr(config_sweep.torch.cuda, "current_device", lambda: 3)
-    assert config_sweep._collective_device() == torch.device("cuda", 3)
-    monkeypatch.setattr(config_sweep.dist, "get_backend", lambda: "gloo")
-    assert config_sweep._collective_device() == torch.device("cpu")
+    monkeypatch.setattr(instruments.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(instruments.torch.cuda, "current_device", lambda: 3)
+    assert instruments.collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(instruments.dist, "get_backend", lambda: "gloo")
+    assert instruments.collective_device() == torch.device("cpu")
 
 
 def test_a_cuda_out_of_memory_is_told_from_other_errors() -> None:
     import torch
 
-    from sdzero.training.config_sweep import _is_oom
+    from sdzero.training.measuring.instruments import is_oom
 
-    assert _is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert _is_oom(RuntimeError("[enforce fail] DefaultCPUAllocator: out of memory"))
-    assert not _is_oom(RuntimeError("size mismatch"))
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("[enforce fail] DefaultCPUAllocator: out of memory"))
+    assert not is_oom(RuntimeError("size mismatch"))
 
 
 def test_of_two_instrumented_steps_the_one_with_less_time_in_collectives_is_kept() -> None:
     """Each config is instrumented on its first and second visits; a step slowed by anything else on the
     machine only adds time to its collectives, so the lesser reading is the config's communication."""
-    from sdzero.training.config_sweep import ConfigProbe
+    from sdzero.training.measuring.config_probe import ConfigProbe
 
     class Meter:
         def __init__(self, seconds: float) -> None:
@@ -132,26 +135,33 @@ def test_a_config_clearly_slower_per_sample_than_the_leader_leaves_the_race() ->
     assert race({"mb8-ga1": rates["mb8-ga1"]}, 5) == {}
 
 
-def _sweep(race_on: bool, live: list[tuple[str, int]]) -> ConfigSweep:
-    """A sweep's bookkeeping without a launch: (key, timed steps) per config still measured."""
-    sweep = ConfigSweep.__new__(ConfigSweep)
-    sweep.race, sweep.min_steps, sweep.max_seconds = race_on, 3, 100.0
-    sweep.target, sweep.over_cap = 0.0, set()
-    sweep.seconds = {"timed": 5.0}
-    sweep.entries = []
-    for key, steps in live:
-        mb, ga = (int(p[2:]) for p in key.split("-"))
-        probe = SimpleNamespace(records=[{"step_time_s": 0.1}] * steps)
-        sweep.entries.append(_Entry(SweepConfig(mb, ga), probe))  # type: ignore[arg-type]
-    return sweep
+class _Launch:
+    """A launch's bookkeeping without a launch: its race's rules over (key, timed steps) per config still
+    measured, 5 of its 100 s of timed steps spent."""
+
+    def __init__(self, race_on: bool, live: list[tuple[str, int]]) -> None:
+        self.race = Race(StopRule(min_steps=3, max_seconds=100.0), racing=race_on)
+        self.timed_s = 5.0
+        self.entries = []
+        for key, steps in live:
+            mb, ga = (int(p[2:]) for p in key.split("-"))
+            probe = SimpleNamespace(records=[{"step_time_s": 0.1}] * steps)
+            self.entries.append(Entry(SweepConfig(mb, ga), probe))  # type: ignore[arg-type]
+
+    def done(self) -> bool:
+        return self.race.done(self.entries, self.timed_s)
+
+
+def _sweep(race_on: bool, live: list[tuple[str, int]]) -> _Launch:
+    return _Launch(race_on, live)
 
 
 def test_the_launch_ends_once_its_leader_is_the_only_config_left() -> None:
     sweep = _sweep(True, [("mb8-ga1", 4), ("mb2-ga1", 4)])
-    assert not sweep._done()  # 5 of 100 s measured, two configs racing
+    assert not sweep.done()  # 5 of 100 s measured, two configs racing
     sweep.entries[1].raced = "round 3: slower per sample than mb8-ga1"
-    assert sweep._done()  # the leader alone: decided, the other 95 s are not spent
-    assert not _sweep(False, [("mb8-ga1", 4)])._done()  # without racing the time is spent
+    assert sweep.done()  # the leader alone: decided, the other 95 s are not spent
+    assert not _sweep(False, [("mb8-ga1", 4)]).done()  # without racing the time is spent
 
 
 def test_configs_race_those_of_their_own_accumulation_only() -> None:
@@ -167,10 +177,10 @@ def test_configs_race_those_of_their_own_accumulation_only() -> None:
     assert set(race(rates, 5)) == {"mb8-ga1", "mb2-ga1"}  # one class: the check would lead them all
     sweep = _sweep(True, [("mb8-ga1", 6), ("mb2-ga1", 6), ("mb8-ga4", 6)])
     sweep.entries[1].raced = "round 4"
-    assert sweep._done()  # each accumulation's leader alone is left
+    assert sweep.done()  # each accumulation's leader alone is left
 
 
-def _times(sweep: ConfigSweep, key: str, times: list[float]) -> None:
+def _times(sweep: _Launch, key: str, times: list[float]) -> None:
     next(e for e in sweep.entries if e.config.key == key).probe.records = [{"step_time_s": t} for t in times]
 
 
@@ -178,20 +188,20 @@ def test_the_time_the_race_saves_measures_the_configs_left_to_the_target_half_wi
     """With a target the leader alone does not end the launch: it (and any rival still within noise) is
     measured until its interval is that tight, or the launch's seconds are spent."""
     sweep = _sweep(True, [("mb8-ga1", 4), ("mb2-ga1", 4)])
-    sweep.target = 0.03
+    sweep.race.target = 0.03
     sweep.entries[1].raced = "round 3: slower per sample than mb8-ga1"
     _times(sweep, "mb8-ga1", [0.10, 0.14, 0.08, 0.12, 0.09])  # +-20%-ish: not decided to 3%
-    assert not sweep._done()
+    assert not sweep.done()
     _times(sweep, "mb8-ga1", [0.100, 0.101, 0.099, 0.100, 0.1005, 0.0995, 0.100])
-    assert sweep._done()  # as tight as asked
+    assert sweep.done()  # as tight as asked
     _times(sweep, "mb8-ga1", [0.10, 0.14, 0.08, 0.12, 0.09])
-    sweep.seconds["timed"] = 100.0
-    assert sweep._done()  # the launch's seconds are spent
+    sweep.timed_s = 100.0
+    assert sweep.done()  # the launch's seconds are spent
     sweep = _sweep(True, [("mb8-ga1", 4), ("mb4-ga1", 4)])  # a rival within noise: both to the target
-    sweep.target = 0.03
+    sweep.race.target = 0.03
     _times(sweep, "mb8-ga1", [0.100, 0.101, 0.099, 0.100, 0.1005, 0.0995, 0.100])
     _times(sweep, "mb4-ga1", [0.05, 0.07, 0.04, 0.06, 0.045])
-    assert not sweep._done()
+    assert not sweep.done()
 
 
 def test_the_race_leader_is_a_config_that_fits_the_memory_cap() -> None:
@@ -211,7 +221,34 @@ def test_the_race_leader_is_a_config_that_fits_the_memory_cap() -> None:
         race({"mb8-ga1": (100.0, 97.0, 103.0, 2), "mb4-ga1": rates["mb4-ga1-gc"]}, 5, over={"mb8-ga1"}) == {}
     )
     sweep = _sweep(True, [("mb8-ga1", 4), ("mb4-ga1", 4)])
-    sweep.over_cap = {"mb8-ga1"}
-    assert sweep._done() is False  # nothing raced out yet
+    sweep.race.over_cap = {"mb8-ga1"}
+    assert sweep.done() is False  # nothing raced out yet
     sweep.entries[0].raced = "round 2: over the memory cap"
-    assert sweep._done()  # the config that fits is the leader alone
+    assert sweep.done()  # the config that fits is the leader alone
+
+
+def test_a_launchs_options_are_checked_before_the_start_up() -> None:
+    """`plan_sweep` reads --profile-configs and what goes with it; a combination that cannot work is one
+    line, before any process group or model exists."""
+    base = dict(profile_configs="1:1,4:1:gc", profile_out="p.json", buckets=False, profile_race=True)
+    plan = plan_sweep(SimpleNamespace(**base, profile_memory_cap_gib=2.0, profile_min_steps=4))
+    assert plan is not None and plan.configs == [SweepConfig(1, 1), SweepConfig(4, 1, True)]
+    assert (plan.race, plan.memory_cap_bytes, plan.stop_rule.min_steps) == (True, 2.0 * 2**30, 4)
+    assert plan_sweep(SimpleNamespace(**{**base, "profile_configs": None})) is None
+    with pytest.raises(UserError, match="needs --profile-out"):
+        plan_sweep(SimpleNamespace(**{**base, "profile_out": None}))
+    with pytest.raises(UserError, match="with --buckets"):
+        plan_sweep(SimpleNamespace(**{**base, "buckets": True}))
+
+
+def test_the_launch_is_a_driver_of_the_step_not_a_callback() -> None:
+    """The launch drives `train_step` itself; only its configs' probes are callbacks, and a Trainer set up
+    with --profile-configs holds no one-config probe in their place."""
+    from sdzero.training.callbacks import Callback
+    from sdzero.training.measuring.config_probe import ConfigProbe
+    from sdzero.training.measuring.probe import start_probe
+    from sdzero.training.measuring.sweep import ConfigSweep
+
+    assert not issubclass(ConfigSweep, Callback) and issubclass(ConfigProbe, Callback)
+    cfg = SimpleNamespace(profile_out="p.json", profile_configs="1:1,2:1")
+    assert start_probe(cfg, None, None, None) is None

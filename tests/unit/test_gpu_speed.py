@@ -21,6 +21,7 @@ from sdzero.training import fast_paths as speed
 from sdzero.training import trainer as trainer_module
 from sdzero.training.callbacks import Callback
 from sdzero.training.trainer import Trainer
+from sdzero.training.trainer_parts import DataSide, ModelSide, RunSettings
 
 
 @pytest.fixture
@@ -110,13 +111,9 @@ def run_loop(monkeypatch, tmp_path, mode: str, stop_from: int | None = None, ste
     )
     writer = SimpleNamespace(write=hooks.lines.append, close=lambda: None)
     trainer = Trainer(
-        cfg,
-        ds,
-        comps,
-        FakeEngine(),
-        batches,
-        device=torch.device("cpu"),
-        prediction_type="epsilon",
+        RunSettings(cfg, ds, torch.device("cpu")),
+        ModelSide(comps, FakeEngine(), "epsilon"),
+        DataSide(batches),
         callbacks=[hooks],
         writer=writer,
     )
@@ -312,7 +309,7 @@ def test_speed_options_parse_from_the_command_line(tmp_path):
 def test_advisor_launches_time_their_steps_without_a_sync_a_users_run_does_not_take():
     """A launch's timed steps are the user's (phases timed by events on CUDA, read a step late): no
     --sync-timing; DeepSpeed's synchronizing instruments are on in its instrumented steps only
-    (sdzero.training.config_sweep)."""
+    (sdzero.training.measuring.sweep)."""
     from dataclasses import replace
 
     from advisor.measure.trials import TrialSettings, trainer_args

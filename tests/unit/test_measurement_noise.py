@@ -361,7 +361,7 @@ def test_an_adaptive_trial_asks_the_trainer_for_its_stop_rule(tmp_path):
 
 
 def test_the_probes_stop_rule_waits_for_a_tight_interval_or_its_time():
-    from sdzero.training.probe import StopRule
+    from sdzero.training.measuring.probe import StopRule
 
     rule = StopRule(target_rel_halfwidth=0.03, min_steps=5, max_seconds=2.0)
     steady = [0.100, 0.101, 0.099, 0.100, 0.100, 0.101]

@@ -1,4 +1,4 @@
-"""The trainer-side meters of sdzero.telemetry.memory and sdzero.training.probe, on small hand-built modules (no process group)."""
+"""The trainer-side meters of sdzero.telemetry.memory and sdzero.training.measuring.probe, on small hand-built modules (no process group)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sdzero.telemetry.memory import ActivationMeter, model_state_bytes, module_bytes, storage_bytes
-from sdzero.training.probe import WaitMeter
+from sdzero.training.measuring.comm_meters import WaitMeter
 
 
 def test_views_of_one_buffer_count_once_with_their_padding():

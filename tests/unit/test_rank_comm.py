@@ -1,4 +1,4 @@
-"""Every rank's own time in collectives (sdzero.training.probe.Probe) and the least and most of them in a trial's
+"""Every rank's own time in collectives (sdzero.training.measuring.probe.Probe) and the least and most of them in a trial's
 row (advisor.measure.trials): the least is the closest measure of the transport, the spread the waiting."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pandas as pd
 
 from advisor.measure.trials import profile_columns, rank_comm_columns
 from advisor.stages.scaleout_check import _comm_s
-from sdzero.training.probe import Probe
+from sdzero.training.measuring.probe import Probe
 
 
 class _Comm:

@@ -30,6 +30,7 @@ from sdzero.training.callbacks import (
     overrides,
 )
 from sdzero.training.trainer import Trainer
+from sdzero.training.trainer_parts import DataSide, ModelSide, RunSettings
 
 
 class Feed:
@@ -92,7 +93,9 @@ class Recorder(Callback):
         self._add("finish", trainer.state.step)
 
 
-def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: int = 2, family: str = "sd"):
+def make_trainer(
+    monkeypatch, tmp_path, callbacks, mode: str = "host", steps: int = 2, family: str = "sd", measuring=None
+):
     """A Trainer of `steps` steps x 2 micro-steps, timed as on a CPU ("host") or on CUDA ("events")."""
     monkeypatch.setattr(trainer_module, "timing_mode", lambda device, sync: mode)
     monkeypatch.setattr(trainer_module, "PhaseTimer", functools.partial(PhaseTimer, event_factory=FakeEvent))
@@ -120,14 +123,11 @@ def make_trainer(monkeypatch, tmp_path, callbacks, mode: str = "host", steps: in
     ds = SimpleNamespace(grad_accum=2, global_batch=4, zero_stage=2, dtype="fp32", micro_batch=2)
     comps = SimpleNamespace(family=network_family, noise_scheduler=None)
     trainer = Trainer(
-        cfg,
-        ds,
-        comps,
-        engine,
-        Feed(),
-        device=torch.device("cpu"),
-        prediction_type="epsilon",
+        RunSettings(cfg, ds, torch.device("cpu")),
+        ModelSide(comps, engine, "epsilon"),
+        DataSide(Feed()),
         callbacks=callbacks,
+        measuring=measuring,
     )
     return trainer, SimpleNamespace(losses=losses, flow_calls=flow_calls)
 
@@ -255,6 +255,47 @@ def test_only_overridden_events_are_dispatched(monkeypatch, tmp_path, process_gr
     assert trainer._handlers["on_batch"] == [] and len(trainer._handlers["on_finish"]) == 1
     trainer.train()
     assert quiet.finished
+
+
+def test_a_probe_installed_in_the_measuring_slot_keeps_the_callbacks_order(
+    monkeypatch, tmp_path, process_group
+):
+    """What a launch of several configs does per config (sdzero.training.measuring.sweep): the probe takes
+    the measuring callback's place, between the callbacks before it and after it, and the one it replaced
+    hears nothing more."""
+    events: list = []
+    slot = Callback()  # Trainer.setup's empty slot: no events
+    first, second = Recorder("m1", events), Recorder("m2", events)
+    trainer, _ = make_trainer(
+        monkeypatch, tmp_path, [Recorder("a", events), slot, Recorder("b", events)], measuring=slot
+    )
+    trainer.measure_with(first)
+    trainer.train(until=1)
+    trainer.measure_with(second)
+    trainer.train(until=2)
+    begins = [(e[0], e[2]) for e in events if e[1] == "begin"]
+    assert begins == [("a", 1), ("m1", 1), ("b", 1), ("a", 2), ("m2", 2), ("b", 2)]
+    assert trainer.callbacks[1] is second and trainer.measuring is second
+    bare, _ = make_trainer(monkeypatch, tmp_path, [])
+    with pytest.raises(ValueError, match="no measuring slot"):
+        bare.measure_with(first)
+
+
+def test_a_new_batch_shape_takes_effect_at_the_next_step(monkeypatch, tmp_path, process_group):
+    """`use_batch_shape`: the micro-steps per step and the shape on the metrics line follow the new
+    settings, drawn from the new feed (one engine, configs switched between steps)."""
+    events: list = []
+    trainer, _ = make_trainer(monkeypatch, tmp_path, [Recorder("a", events)])
+    lines: list = []
+    trainer.writer = SimpleNamespace(write=lines.append, close=lambda: None)
+    trainer.train(until=1)
+    feed = Feed()
+    ds = SimpleNamespace(grad_accum=3, global_batch=6, zero_stage=2, dtype="fp32", micro_batch=2)
+    trainer.use_batch_shape(ds, feed)
+    trainer.train(until=2)
+    batches = [e[2] for e in events if e[1] == "batch"]
+    assert len(batches) == 2 + 3 and feed.batches_in_epoch == 3
+    assert [(r["micro_batch"], r["grad_accum"]) for r in lines] == [(2, 2), (2, 3)]
 
 
 def test_extra_callbacks_are_loaded_from_module_attribute_names(monkeypatch, tmp_path):

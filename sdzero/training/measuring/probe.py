@@ -1,4 +1,4 @@
-"""Trial measurements taken inside the trainer, for `sdzero profile` (the advisor runs the real trainer).
+"""A trial's measurements taken inside the trainer, for `sdzero profile` (the advisor runs the real trainer).
 
 `start_probe` returns a `Probe`, a Trainer callback (sdzero.training.callbacks) on four events: step begin, step
 queued, the step's metrics record once read back, and the run's finish. With `--profile-out FILE` it
@@ -12,7 +12,9 @@ records, after `--profile-warmup-steps` uncounted steps:
   network (saved-tensor hooks), parameters excluded;
 - per rank, peak RSS, the CUDA allocator's peak, and the peak a device would hold (see `device_peak`).
 
-The memory meters live in sdzero.telemetry.memory; DeepSpeed's timers and communication meters here.
+The memory meters live in sdzero.telemetry.memory, DeepSpeed's communication meters in
+sdzero.training.measuring.comm_meters; a launch of several configs measures each with a `ConfigProbe`
+(sdzero.training.measuring.config_probe), installed in the same place by the launch's driver.
 
 Rank 0 writes FILE as JSON once every rank has reported. Without `--profile-out` the Trainer runs no
 probe at all.
@@ -28,7 +30,6 @@ records every measured step (`step_times_s`), the interval and what stopped it (
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -51,170 +52,9 @@ from sdzero.telemetry.memory import (
 )
 from sdzero.telemetry.step_interval import interval_is_tight, median_interval
 from sdzero.training.callbacks import Callback
+from sdzero.training.measuring.comm_meters import DS_TIMERS, CommMeter
 
 PROFILE_VERSION = 1
-
-
-# --------------------------------------------------------------------------------------------------
-# DeepSpeed's own instruments
-
-
-ASYNC_OPS = (
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_reduce",
-    "all_gather",
-    "broadcast",
-    "reduce_scatter",
-    "reduce",
-    "all_to_all_single",
-    "all_reduce_coalesced",
-    "all_gather_coalesced",
-)
-"""DeepSpeed's communication backend methods (deepspeed.comm.torch.TorchBackend), named as comms_logger
-names the ops that call them."""
-
-
-class _TimedWork:
-    """An async collective's handle whose `wait` adds the seconds it blocked to a WaitMeter."""
-
-    __slots__ = ("_work", "_name", "_meter")
-
-    def __init__(self, work: Any, name: str, meter: WaitMeter) -> None:
-        self._work, self._name, self._meter = work, name, meter
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            self._meter.add(self._name, time.perf_counter() - start)
-
-    def __getattr__(self, name: str) -> Any:  # is_completed, get_future, ...: the real handle's
-        return getattr(self._work, name)
-
-
-class WaitMeter:
-    """Seconds the rank blocked in `wait()` on async collectives, per op.
-
-    comms_logger times an op from its call to its return. An async op (ZeRO-3's parameter gathers, issued
-    in bursts) returns at once, and only an accelerator that synchronizes inside the timer (CUDA) counts
-    its transfer; on others (a CPU's gloo) the transfer is waited out later, in DeepSpeed's own code, and
-    would pass for compute. This meter wraps DeepSpeed's communication backend so every async handle it
-    returns times its wait: together with the logged launch, the time the rank spent in the collective,
-    measured in the trial itself (on CUDA the wait finds the op done and adds about nothing).
-    """
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.seconds: dict[str, float] = {}
-        self._installed = False
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    def reset(self) -> None:
-        self.seconds = {}
-
-    def install(self) -> None:
-        if self._installed or self.backend is None:
-            return
-        for name in ASYNC_OPS:
-            original = getattr(self.backend, name, None)
-            if original is not None:
-                setattr(self.backend, name, self._wrap(name, original))
-        self._installed = True
-
-    def uninstall(self) -> None:
-        if self._installed:
-            for name in ASYNC_OPS:
-                vars(self.backend).pop(name, None)  # back to the class's method
-            self._installed = False
-
-    def _wrap(self, name: str, original: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            # torch.distributed returns a handle only for async_op=True (a blocking call returns None), so
-            # the result tells, whichever way DeepSpeed passed the flag (by keyword, or by position).
-            work = original(*args, **kwargs)
-            return work if work is None else _TimedWork(work, name, self)
-
-        return call
-
-
-class CommMeter:
-    """Totals of DeepSpeed's comms_logger over the measured window, per collective, with the time the rank
-    then waited for the async ones (WaitMeter).
-
-    comms_logger times each op with a timer that DeepSpeed (0.19) never resets, so every recorded latency
-    is the running total for that op name. Resetting the timers at the window start and reading each
-    timer's elapsed total at the end gives the window's true sum whichever way a version records.
-    """
-
-    def __init__(self) -> None:
-        import deepspeed.comm as ds_comm
-
-        self._comm = ds_comm
-        self.enabled = bool(ds_comm.comms_logger.enabled)
-        self.waits = WaitMeter(ds_comm.comm.cdb)
-
-    def reset(self) -> None:
-        if not self.enabled:
-            return
-        self._comm.reset_log()
-        for timer in self._comm.comm.timers.get_timers().values():
-            timer.reset()
-        self.waits.install()
-        self.waits.reset()
-
-    def close(self) -> None:
-        self.waits.uninstall()
-
-    def elapsed_s(self) -> float | None:
-        """Seconds this rank has spent in collectives since the window started (logged plus waited), read
-        between steps to split the window per step; None without the logger."""
-        if not self.enabled:
-            return None
-        timers = self._comm.comm.timers.get_timers()
-        names = [n for n in self._comm.comms_logger.get_raw_data() if n in timers]
-        return sum(timers[n].elapsed(reset=False) for n in names) / 1e3 + sum(self.waits.seconds.values())
-
-    def totals(self, steps: int) -> dict[str, Any] | None:
-        if not self.enabled:
-            return None
-        ops: dict[str, dict[str, float]] = {}
-        timers = self._comm.comm.timers.get_timers()
-        for name, by_size in self._comm.comms_logger.get_raw_data().items():
-            count = sum(v[0] for v in by_size.values())
-            size = sum(msg_size * v[0] for msg_size, v in by_size.items())
-            timer = timers.get(name)
-            if timer is not None and len(timer.event_timers) == count:
-                ms = timer.elapsed(reset=False)
-            else:  # a DeepSpeed that records one latency per op
-                ms = sum(sum(v[1]) for v in by_size.values())
-            waited = self.waits.seconds.get(name, 0.0) / steps
-            ops[name] = {
-                "count_per_step": count / steps,
-                "bytes_per_step": size / steps,
-                "seconds_per_step": ms / 1e3 / steps + waited,
-                "waited_seconds_per_step": waited,
-            }
-        return {
-            "seconds_per_step": sum(o["seconds_per_step"] for o in ops.values()),
-            "bytes_per_step": sum(o["bytes_per_step"] for o in ops.values()),
-            "ops": ops,
-        }
-
-
-DS_TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
-"""DeepSpeed's global timers, summed over one optimizer step's micro-steps. Where communication lands
-differs by stage: ZeRO-1 reduces gradients once at the boundary (`bwd_allreduce`); ZeRO-2 reduces buckets
-inside backward hooks (`bwd_inner`, with overlap_comm) and waits for the last ones in `bwd_allreduce`;
-ZeRO-3 also all-gathers parameters inside `fwd` and `bwd` and its reduce-scatters run in `bwd_inner`;
-stages 1 and 2 all-gather the updated partitions inside `step`."""
-
-
-# --------------------------------------------------------------------------------------------------
-# The probe
 
 
 @dataclass(frozen=True)
@@ -486,9 +326,11 @@ def stop_rule(cfg: Any) -> StopRule:
 
 
 def start_probe(cfg: Any, ds: Any, engine: Any, comps: Any) -> Probe | None:
-    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost)."""
+    """The Trainer's probe for `--profile-out`; None without it (no measurements, no per-step cost), or with
+    `--profile-configs` (the launch's driver installs each config's probe in its place,
+    sdzero.training.measuring.sweep)."""
     out = getattr(cfg, "profile_out", None)
-    if not out:
+    if not out or getattr(cfg, "profile_configs", None):
         return None
     warmup = int(getattr(cfg, "profile_warmup_steps", 0) or 0)
     # Every frozen module the family loaded (VAE, one to three text encoders; none when training from a cache).
