@@ -170,11 +170,16 @@ class ProgressRecord:
 
 
 def read_record(path: Path, tries: int = 50) -> Snapshot | None:
-    """The record at `path`, or None when it is not one (yet) or keeps changing under the reader."""
+    """The record at `path`, or None when it is not one (yet), keeps changing under the reader, or goes
+    while it is read (its run ended, or another rank's reaper removed it: several runs share a host)."""
     try:
-        raw = path.read_bytes()
+        return _read_whole(path, tries)
     except OSError:
         return None
+
+
+def _read_whole(path: Path, tries: int) -> Snapshot | None:
+    raw = path.read_bytes()
     for _ in range(tries):
         if len(raw) < RECORD_BYTES:
             return None

@@ -52,5 +52,7 @@ def test_every_node_reads_the_shards_at_once_and_the_slowest_is_named(two_hosts,
     assert set(rates) == hosts | {"aggregate"}, table
     assert all(files == 64 for host, (files, _) in rates.items() if host in hosts), rates  # each: every image
     assert rates["aggregate"][0] == 128 and rates["aggregate"][1] > 0
-    slowest = min(hosts, key=lambda h: rates[h][1])
-    assert f"slowest node: {slowest} (" in table
+    # The table rounds the rates: where the two hosts show the same figure, either may be the slowest.
+    least = min(rates[h][1] for h in hosts)
+    named = re.search(r"slowest node: (\S+) \(", table)
+    assert named and named.group(1) in {h for h in hosts if rates[h][1] == least}, table

@@ -53,6 +53,26 @@ def test_a_record_being_written_is_not_taken_for_a_whole_one(tmp_path):
     assert read_record(record.path).phase == "forward"
 
 
+def test_a_record_that_goes_while_it_is_read_is_none(tmp_path, monkeypatch):
+    """Another run's record removed between two reads (its rank ended, or a reaper took it) is no record,
+    not an error: the stale reaper of a starting rank reads every run's records on the host."""
+    record = ProgressRecord(tmp_path, 1, host="h")
+    record.enter("forward")
+    raw = bytearray(record.path.read_bytes())
+    raw[SEQ_AT] |= 1  # mid-write: the reader reads the file again
+    going = tmp_path / "going"
+    going.write_bytes(bytes(raw))
+    first_read = Path.read_bytes
+
+    def read_then_remove(path: Path) -> bytes:
+        data = first_read(path)
+        path.unlink()
+        return data
+
+    monkeypatch.setattr(Path, "read_bytes", read_then_remove)
+    assert read_record(going) is None
+
+
 def snap(rank: int, host: str, step: int, phase: str, entered: float = 0.0) -> Snapshot:
     return Snapshot(rank, 100 + rank, host, step, phase, entered, time.time(), 0)
 
