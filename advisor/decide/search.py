@@ -153,16 +153,19 @@ def _best_measured(
     return max((r for r in rates if r is not None), default=0.0)
 
 
+@dataclass(frozen=True)
+class Judged:
+    """Where the search judges a config: on the target's network, at these node counts, within this memory
+    per rank, towards this global batch."""
+
+    target_net: Network
+    target_nodes: int | Sequence[int]
+    usable_bytes: float
+    target: BatchTarget | None
+
+
 def choose_next(
-    plan: GridPlan,
-    trials: pd.DataFrame,
-    numels: tuple[int, ...],
-    zero: ZeroSettings,
-    measured_net: Network,
-    target_net: Network,
-    target_nodes: int | Sequence[int],
-    usable_bytes: float,
-    target: BatchTarget | None,
+    plan: GridPlan, trials: pd.DataFrame, models: Models | None, judged: Judged
 ) -> tuple[TrialSpec | None, str]:
     """The next grid point to measure, or None and why the search is done.
 
@@ -171,10 +174,9 @@ def choose_next(
     node count admits only the smallest micro-batch, so judging there alone would leave every other
     micro-batch unmeasured (and the model's compute slope unfitted). The pick leads its node count's best
     measured config by the widest margin."""
-    if (trials["status"] == "ok").sum() == 0:
+    if models is None:
         return None, "no trial succeeded, nothing to fit"
-    models = fit_models(trials, numels, zero, measured_net)
-    scored = _scored(plan, trials, models, target_net, target_nodes, usable_bytes, target)
+    scored = _scored(plan, trials, models, judged)
     if not scored:
         return None, "every unmeasured grid point is measured, predicted not to fit, or above an OOM"
     lead, top_rate, nodes, top, best = scored[0]
@@ -183,7 +185,7 @@ def choose_next(
     if not models.timing.proportional and lead <= 1 + DOMINATED_MARGIN:
         return None, (
             f"no unmeasured config is predicted faster than the best measured one at any of "
-            f"{', '.join(map(str, _counts(target_nodes)))} nodes ({top.trial_id} at {nodes}: "
+            f"{', '.join(map(str, _counts(judged.target_nodes)))} nodes ({top.trial_id} at {nodes}: "
             f"{top_rate:.1f} vs {best:.1f} samples/s)"
         )
     return top, f"model's pick: {top.trial_id}, predicted {top_rate:.1f} samples/s at {nodes} nodes"
@@ -194,18 +196,13 @@ def _counts(target_nodes: int | Sequence[int]) -> tuple[int, ...]:
 
 
 def _scored(
-    plan: GridPlan,
-    trials: pd.DataFrame,
-    models: Models,
-    target_net: Network,
-    target_nodes: int | Sequence[int],
-    usable_bytes: float,
-    target: BatchTarget | None,
+    plan: GridPlan, trials: pd.DataFrame, models: Models, judged: Judged
 ) -> list[tuple[float, float, int, TrialSpec, float]]:
     """Every unmeasured grid point that fits, at every judged node count the global batch reaches:
     (predicted rate over that count's best measured one, predicted rate, node count, spec, best measured
     rate), the widest lead first."""
-    node_counts = _counts(target_nodes)
+    target_net, usable_bytes, target = judged.target_net, judged.usable_bytes, judged.target
+    node_counts = _counts(judged.target_nodes)
     best = {n: _best_measured(models, trials, n, target_net, target, usable_bytes) for n in node_counts}
     scored: list[tuple[float, float, int, TrialSpec, float]] = []
     for spec in (s for ladder in plan.ladders for s in ladder):
@@ -229,26 +226,15 @@ def _scored(
 
 
 def decided(
-    groups: Sequence[Sequence[TrialSpec]],
-    trials: pd.DataFrame,
-    numels: tuple[int, ...],
-    zero: ZeroSettings,
-    measured_net: Network,
-    target_net: Network,
-    target_nodes: int | Sequence[int],
-    usable_bytes: float,
-    target: BatchTarget | None,
+    groups: Sequence[Sequence[TrialSpec]], trials: pd.DataFrame, models: Models | None, judged: Judged
 ) -> str | None:
     """Why launching the groups left would not change the pick, or None while one might: every config of
     them that is predicted to fit is predicted slower than the best measured one by more than
     DECIDED_MARGIN at every judged node count. Never while nothing is measured or while a precision's
     compute is still taken as proportional to the micro-batch (one micro-batch measured)."""
-    if not groups or not (trials["status"] == "ok").any():
+    if not groups or models is None or models.timing.proportional:
         return None
-    models = fit_models(trials, numels, zero, measured_net)
-    if models.timing.proportional:
-        return None
-    scored = _scored(GridPlan(list(groups)), trials, models, target_net, target_nodes, usable_bytes, target)
+    scored = _scored(GridPlan(list(groups)), trials, models, judged)
     if not scored:  # the memory model is least sure of the stages not launched: measure them
         return None
     lead, rate, nodes, top, best = scored[0]
@@ -363,20 +349,18 @@ def run_search(
     limit = max_trials if max_trials is not None else math.inf
     trials = pd.DataFrame(columns=["trial_id", "status"])
     costs: LaunchCosts | None = None
+    judged = Judged(target_net, target_nodes, usable_bytes, target)
     _hold_to(run_specs, started + _usable(budget_s))
     while groups and len(trials) < limit:
         left = _usable(budget_s) - (time.monotonic() - started)
-        why_done = decided(
-            groups, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
-        )
+        # fitted once per launch decision: the stop, the next group and what fits all read these models
+        models = fit_models(trials, numels, zero, measured_net) if (trials["status"] == "ok").any() else None
+        why_done = decided(groups, trials, models, judged)
         if why_done is not None:
             result.log.append(f"stopped: the pick is decided; {len(groups)} groups not launched: {why_done}")
             say(result.log[-1])
             break
-        models = fit_models(trials, numels, zero, measured_net) if (trials["status"] == "ok").any() else None
-        group = _next_group(
-            groups, plan, trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
-        )
+        group = _next_group(groups, trials, models, judged)
         groups.remove(group)
         fits = _fits(models, usable_bytes)
         specs = launch_specs(group, trials, in_reach, fits)
@@ -429,24 +413,13 @@ def _hold_to(run_specs: Callable[..., pd.DataFrame], deadline: float) -> None:
 
 
 def _next_group(
-    groups: list[list[TrialSpec]],
-    plan: GridPlan,
-    trials: pd.DataFrame,
-    numels: tuple[int, ...],
-    zero: ZeroSettings,
-    measured_net: Network,
-    target_net: Network,
-    target_nodes: int | Sequence[int],
-    usable_bytes: float,
-    target: BatchTarget | None,
+    groups: list[list[TrialSpec]], trials: pd.DataFrame, models: Models | None, judged: Judged
 ) -> list[TrialSpec]:
     """The group of the model's pick (choose_next over the groups not launched); the first of them while
     nothing is measured or the model picks none."""
-    if not (trials["status"] == "ok").any():
+    if models is None:
         return groups[0]
-    pick, _ = choose_next(
-        GridPlan(groups), trials, numels, zero, measured_net, target_net, target_nodes, usable_bytes, target
-    )
+    pick, _ = choose_next(GridPlan(groups), trials, models, judged)
     return next((g for g in groups if pick is not None and pick in g), groups[0])
 
 

@@ -232,7 +232,7 @@ def test_a_measured_leader_over_the_memory_cap_decides_nothing():
     cap = (per_rank[1] + per_rank[2]) / 2  # ZeRO-1's micro-batch 4 over it, ZeRO-2's under
 
     def why(usable: float) -> str | None:
-        return search.decided(left, trials, NUMELS, ZERO, measured_net, target, 1, usable, None)
+        return search.decided(left, trials, models, search.Judged(target, 1, usable, None))
 
     assert why(1e12) is not None and "z2-" in why(1e12)
     assert why(cap) is None
